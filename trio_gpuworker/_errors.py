@@ -1,0 +1,202 @@
+"""The one error hierarchy. Wire codes are the snake_case names of the reference taxonomies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GpuWorkerError(Exception):
+    """Root of every error this package raises."""
+
+    code: str = "internal"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self)}
+
+
+class ConfigError(GpuWorkerError, ValueError):
+    """A configuration key or value is invalid; the message names the key."""
+
+    code = "config_invalid"
+
+
+# --- protocol -------------------------------------------------------------------------------
+
+
+class ProtocolError(GpuWorkerError):
+    """The control protocol was broken."""
+
+    code = "protocol_error"
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to send something the protocol does not allow (a bug on our side)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something the protocol does not allow."""
+
+
+class FrameTooLarge(RemoteProtocolError):
+    code = "frame_too_large"
+
+
+class MalformedMessage(RemoteProtocolError):
+    """Not CBOR, not a map, unknown type, or a missing or ill-typed field."""
+
+    code = "malformed_control_message"
+
+
+class UnexpectedFrame(RemoteProtocolError):
+    """A frame arrived where the protocol does not allow one (raw frame missing, reply to nothing)."""
+
+    code = "unexpected_frame"
+
+
+class HandshakeError(RemoteProtocolError):
+    code = "handshake_failed"
+
+
+class VersionMismatch(HandshakeError):
+    code = "version_mismatch"
+
+
+class NonceMismatch(HandshakeError):
+    code = "nonce_mismatch"
+
+
+class PidMismatch(HandshakeError):
+    code = "pid_mismatch"
+
+
+class RingAbiMismatch(HandshakeError):
+    code = "ring_helper_abi_mismatch"
+
+
+class ProgressViolation(RemoteProtocolError):
+    """A PROGRESS frame named another request, did not increase, or moved its phase backwards."""
+
+    code = "progress_violation"
+
+
+# --- serving --------------------------------------------------------------------------------
+
+
+class WorkerError(GpuWorkerError):
+    """The worker answered a request with ERR {code, msg}."""
+
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(f"{code}: {msg}")
+        self.code = code
+        self.msg = msg
+
+
+class EngineCrashed(GpuWorkerError):
+    """The worker died, hung or broke the protocol while serving, or its lane is quarantined."""
+
+    code = "engine_crashed"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        lane_id: str,
+        generation: int | None = None,
+        cause: str = "crash",
+        exit_code: int | None = None,
+        signal: int | None = None,
+        log_tail: str = "",
+        quarantined: bool = False,
+        cooldown_remaining_s: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.lane_id = lane_id
+        self.generation = generation
+        self.cause = cause
+        self.exit_code = exit_code
+        self.signal = signal
+        self.log_tail = log_tail
+        self.quarantined = quarantined
+        self.cooldown_remaining_s = cooldown_remaining_s
+
+    def to_wire(self) -> dict[str, Any]:
+        detail: dict[str, Any] = {"lane_id": self.lane_id, "generation": self.generation, "cause": self.cause}
+        if self.exit_code is not None:
+            detail["exit_code"] = self.exit_code
+        if self.signal is not None:
+            detail["signal"] = self.signal
+        if self.quarantined:
+            detail["quarantined"] = True
+            detail["cooldown_remaining_s"] = self.cooldown_remaining_s
+        return {"code": self.code, "message": str(self), "detail": detail}
+
+
+class DeadlineExceeded(GpuWorkerError, TimeoutError):
+    """The caller's deadline passed; the worker keeps running and its reply is drained."""
+
+    code = "deadline_exceeded"
+
+
+class ModelNotFound(GpuWorkerError, LookupError):
+    code = "model_not_found"
+
+
+class InvalidRequest(GpuWorkerError, ValueError):
+    """A caller's request is malformed or out of bounds."""
+
+    code = "invalid_request"
+
+
+class NoLaneAvailable(GpuWorkerError):
+    code = "no_lane_available"
+
+
+class ClosedSupervisorError(GpuWorkerError):
+    """We closed the supervisor (or lane); no more requests are accepted."""
+
+    code = "shutting_down"
+
+
+class BrokenWorkerError(GpuWorkerError):
+    """The worker's connection broke under us (peer closed or OS error)."""
+
+    code = "engine_crashed"
+
+
+# --- data plane -----------------------------------------------------------------------------
+
+
+class RingError(GpuWorkerError):
+    code = "worker_internal"
+
+
+class RingCorrupt(RingError, ValueError):
+    """A ring header or cursor pair violates the ABI (bad magic, version, capacity, cursors)."""
+
+    code = "ring_layout_invalid"
+
+
+class ObjectHeaderError(GpuWorkerError, ValueError):
+    """An MO01 object record header failed validation; `code` is the ObjectFailure name."""
+
+    code = "header_malformed"
+
+
+class HeaderMalformed(ObjectHeaderError):
+    code = "header_malformed"
+
+
+class UnsupportedObjectVersion(ObjectHeaderError):
+    code = "unsupported_object_version"
+
+
+class ExtentExceedsMax(ObjectHeaderError):
+    code = "extent_exceeds_max"
+
+
+class ExtentAlignmentInvalid(ObjectHeaderError):
+    code = "extent_alignment_invalid"
+
+
+class SequenceViolation(ObjectHeaderError):
+    code = "sequence_violation"

@@ -1,0 +1,38 @@
+"""Sans-I/O core: framing, messages, handshake, progress rules, strike/quarantine policy.
+
+Nothing here imports trio, socket, os or tinygrad; time is passed in, never read.
+"""
+
+from ._connection import CLOSED, NEED_DATA, Connection, Message, check_fields, decode_control
+from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefix
+from ._handshake import PROTOCOL_VERSION, RING_ABI, HandshakeRules, hello_fields
+from ._progress import ProgressValidator
+from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, register
+from ._strikes import Fault, StrikePolicy
+
+__all__ = [
+    "BOTH",
+    "CLOSED",
+    "DAEMON",
+    "DEFAULT_MAX_FRAME",
+    "NEED_DATA",
+    "PROTOCOL_VERSION",
+    "RING_ABI",
+    "SCHEMAS",
+    "TERMINAL",
+    "WORKER",
+    "Connection",
+    "Fault",
+    "FrameDecoder",
+    "HandshakeRules",
+    "Message",
+    "ProgressValidator",
+    "Spec",
+    "StrikePolicy",
+    "check_fields",
+    "decode_control",
+    "encode_frame",
+    "frame_prefix",
+    "hello_fields",
+    "register",
+]

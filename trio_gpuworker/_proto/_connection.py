@@ -1,0 +1,215 @@
+"""The control connection as a pure state machine: bytes in, events out; messages in, bytes out."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+
+from .._errors import (
+    FrameTooLarge,
+    LocalProtocolError,
+    MalformedMessage,
+    ProtocolError,
+    UnexpectedFrame,
+    VersionMismatch,
+)
+from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, frame_prefix
+from ._schema import BOTH, DAEMON, PROTOCOL_VERSION, SCHEMAS, WORKER, Spec, uint
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    t: str
+    fields: dict[str, Any]
+    raw: bytes | None = None
+
+    def __getitem__(self, key: str) -> Any:
+        return self.fields[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+
+class _Sentinel:
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+NEED_DATA = _Sentinel("NEED_DATA")
+CLOSED = _Sentinel("CLOSED")  # the peer closed its end cleanly between frames
+
+
+def check_fields(t: str, fields: dict[str, Any], error: type[ProtocolError]) -> Spec:
+    spec = SCHEMAS.get(t)
+    if spec is None:
+        raise error(f"unknown message type {t!r}")
+    for name, check in spec.required.items():
+        if name not in fields:
+            raise error(f"{t}: missing field {name!r}")
+        if not check(fields[name]):
+            raise error(f"{t}: field {name!r} has a bad value {fields[name]!r:.80}")
+    for name, check in spec.optional.items():
+        if name in fields and not check(fields[name]):
+            raise error(f"{t}: field {name!r} has a bad value {fields[name]!r:.80}")
+    if spec.raw and not uint(fields.get("raw_len")):
+        raise error(f"{t}: missing or bad raw_len")
+    return spec
+
+
+def decode_control(payload: bytes) -> dict[str, Any]:
+    """CBOR map with a string "t"; trailing bytes inside the frame are malformed."""
+    fp = io.BytesIO(payload)
+    try:
+        obj = cbor2.CBORDecoder(fp).decode()
+    except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError, MemoryError) as exc:
+        raise MalformedMessage(f"control frame is not valid CBOR: {exc}") from exc
+    if fp.tell() != len(payload):
+        raise MalformedMessage(f"{len(payload) - fp.tell()} trailing bytes after the CBOR map")
+    if not isinstance(obj, dict) or not all(isinstance(k, str) for k in obj):
+        raise MalformedMessage("control frame is not a CBOR map with string keys")
+    t = obj.get("t")
+    if not isinstance(t, str):
+        raise MalformedMessage("control map has no string field 't'")
+    return obj
+
+
+class Connection:
+    """One side of a worker control connection.
+
+    `our_role` is DAEMON or WORKER. Before the handshake completes only HELLO (to the daemon) and
+    HELLO_ACK (to the worker) may travel; anything else is a protocol fault. After any fault the
+    connection is dead and every call raises the same error.
+    """
+
+    def __init__(self, our_role: str, max_frame: int = DEFAULT_MAX_FRAME) -> None:
+        assert our_role in (DAEMON, WORKER)
+        self.our_role = our_role
+        self.peer_role = WORKER if our_role == DAEMON else DAEMON
+        self.max_frame = max_frame
+        self._decoder = FrameDecoder(max_frame)
+        self._pending: dict[str, Any] | None = None  # control map waiting for its raw frame
+        self._eof = False
+        self._error: ProtocolError | None = None
+        self.handshake_done = False
+        self._hello_seen = False
+
+    # --- receiving -------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes read from the socket; b"" means the peer closed its end."""
+        self._raise_if_dead()
+        if not data:
+            self._eof = True
+            return
+        if self._eof:
+            raise LocalProtocolError("data after EOF")
+        self._fail_on(self._decoder.feed, data)
+
+    def next_event(self) -> Message | _Sentinel:
+        self._raise_if_dead()
+        return self._fail_on(self._next_event)
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when a partial frame or a control map without its raw frame is buffered."""
+        return self._decoder.buffered > 0 or self._pending is not None
+
+    def _next_event(self) -> Message | _Sentinel:
+        payload = self._decoder.next_frame()
+        if payload is None:
+            if self._eof:
+                if self.mid_frame:
+                    raise UnexpectedFrame("peer closed the connection in the middle of a frame")
+                return CLOSED
+            return NEED_DATA
+        if self._pending is not None:
+            fields, self._pending = self._pending, None
+            if len(payload) != fields["raw_len"]:
+                raise UnexpectedFrame(
+                    f"{fields['t']}: raw frame of {len(payload)} bytes, raw_len said {fields['raw_len']}")
+            return Message(fields["t"], fields, payload)
+        fields = decode_control(payload)
+        t = fields["t"]
+        if t == "HELLO" and fields.get("v") != PROTOCOL_VERSION:
+            # a v2 (or future) worker is rejected by version, whatever else its HELLO holds
+            raise VersionMismatch(f"worker speaks protocol v{fields.get('v')!r}, this daemon only v{PROTOCOL_VERSION}")
+        spec = check_fields(t, fields, MalformedMessage)
+        if spec.sender not in (self.peer_role, BOTH):
+            raise UnexpectedFrame(f"{t} may not be sent by the {self.peer_role}")
+        self._check_handshake_order(t)
+        if spec.raw:
+            if fields["raw_len"] > self.max_frame:
+                raise FrameTooLarge(f"{t}: raw_len {fields['raw_len']} exceeds max_frame {self.max_frame}")
+            self._pending = fields
+            return self._next_event()
+        return Message(t, fields)
+
+    def _check_handshake_order(self, t: str) -> None:
+        if self.handshake_done:
+            if t in ("HELLO", "HELLO_ACK"):
+                raise UnexpectedFrame(f"{t} after the handshake")
+            return
+        expected = "HELLO" if self.our_role == DAEMON else "HELLO_ACK"
+        if t != expected or (self.our_role == DAEMON and self._hello_seen):
+            raise UnexpectedFrame(f"{t} before the handshake completed (expected {expected})")
+        if self.our_role == DAEMON:
+            self._hello_seen = True
+        else:
+            self.handshake_done = True  # the worker's side is done once HELLO_ACK is in
+
+    # --- sending ---------------------------------------------------------------------------
+
+    def send(
+        self, t: str, fields: dict[str, Any] | None = None, raw: bytes | memoryview | None = None
+    ) -> list[bytes | memoryview]:
+        """Validate an outgoing message; return the byte chunks to write, in order."""
+        self._raise_if_dead()
+        msg = {"t": t, **(fields or {})}
+        spec = SCHEMAS.get(t)
+        if spec is None or spec.sender not in (self.our_role, BOTH):
+            raise LocalProtocolError(f"the {self.our_role} may not send {t!r}")
+        if spec.raw:
+            if raw is None:
+                raise LocalProtocolError(f"{t} needs a raw frame")
+            msg["raw_len"] = len(raw)
+        elif raw is not None:
+            raise LocalProtocolError(f"{t} carries no raw frame")
+        check_fields(t, msg, LocalProtocolError)
+        if not self.handshake_done:
+            allowed = "HELLO_ACK" if self.our_role == DAEMON else "HELLO"
+            if t != allowed:
+                raise LocalProtocolError(f"cannot send {t} before the handshake completed")
+            if t == "HELLO_ACK":
+                self.handshake_done = True
+                self.set_max_frame(msg["max_frame"])
+        payload = cbor2.dumps(msg)
+        chunks: list[bytes | memoryview] = [frame_prefix(len(payload), self.max_frame) + payload]
+        if raw is not None:
+            chunks.append(frame_prefix(len(raw), self.max_frame))
+            chunks.append(raw)
+        return chunks
+
+    def set_max_frame(self, max_frame: int) -> None:
+        """Apply the negotiated limit (the smaller of both sides')."""
+        self.max_frame = max_frame
+        self._decoder.max_frame = max_frame
+
+    # --- faults ----------------------------------------------------------------------------
+
+    def _raise_if_dead(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _fail_on(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ProtocolError as exc:
+            if not isinstance(exc, LocalProtocolError):
+                self._error = exc
+            raise
