@@ -1,1 +1,43 @@
+"""trio-gpuworker: supervise tinygrad worker processes from a trio node daemon."""
 
+from ._config import LaneConfig, ModelConfig, QuarantinePolicy, RestartPolicy, SupervisorConfig, Windows
+from ._errors import (
+    BrokenWorkerError,
+    ClosedSupervisorError,
+    ConfigError,
+    DeadlineExceeded,
+    EngineCrashed,
+    GpuWorkerError,
+    InvalidRequest,
+    LocalProtocolError,
+    ModelNotFound,
+    NoLaneAvailable,
+    ProtocolError,
+    RemoteProtocolError,
+    WorkerError,
+)
+from .supervisor import LaneState, Supervisor
+
+__all__ = [
+    "BrokenWorkerError",
+    "ClosedSupervisorError",
+    "ConfigError",
+    "DeadlineExceeded",
+    "EngineCrashed",
+    "GpuWorkerError",
+    "InvalidRequest",
+    "LaneConfig",
+    "LaneState",
+    "LocalProtocolError",
+    "ModelConfig",
+    "ModelNotFound",
+    "NoLaneAvailable",
+    "ProtocolError",
+    "QuarantinePolicy",
+    "RemoteProtocolError",
+    "RestartPolicy",
+    "Supervisor",
+    "SupervisorConfig",
+    "Windows",
+    "WorkerError",
+]

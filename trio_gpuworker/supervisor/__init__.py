@@ -1,0 +1,8 @@
+"""The trio shell around _proto: lanes, supervisor, spawn/kill, log ring, event bus."""
+
+from ._events import EventBus
+from ._lane import Lane, LaneState, LoadSpec
+from ._logring import LogRing
+from ._supervisor import Supervisor
+
+__all__ = ["EventBus", "Lane", "LaneState", "LoadSpec", "LogRing", "Supervisor"]

@@ -1,0 +1,387 @@
+"""A lane: at most one worker process at a time, one request in flight, supervision rules of §5."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .._config import LaneConfig, SupervisorConfig
+from .._errors import (
+    ClosedSupervisorError,
+    DeadlineExceeded,
+    EngineCrashed,
+    GpuWorkerError,
+    ProgressViolation,
+    UnexpectedFrame,
+    WorkerError,
+)
+from .._proto import TERMINAL, Fault, Message, ProgressValidator, StrikePolicy
+from ._events import EventBus
+from ._logring import LogRing
+from ._spawn import socket_path
+from ._worker import WorkerProcess, describe_exit
+
+log = logging.getLogger("trio_gpuworker.lane")
+
+SERVING = frozenset({"EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP"})
+
+
+class LaneState(str, Enum):
+    STARTING = "starting"
+    READY = "ready"
+    BUSY = "busy"
+    RESTARTING = "restarting"
+    QUARANTINED = "quarantined"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What LOAD needs for one model; the supervisor resolves digests before lanes start."""
+
+    model_ref: str
+    artifact_path: Path
+    digest: str
+    format: str
+    runtime_config: dict[str, Any]
+
+
+@dataclass(eq=False)
+class _Job:
+    t: str
+    fields: dict[str, Any]
+    raw: bytes | None
+    on_progress: Callable[[Message], None] | None = None
+    done: trio.Event = field(default_factory=trio.Event)
+    result: Message | None = None
+    error: BaseException | None = None
+    abandoned: bool = False
+
+    def finish(self, result: Message | None = None, error: BaseException | None = None) -> None:
+        if not self.done.is_set():
+            self.result, self.error = result, error
+            self.done.set()
+
+
+class Lane:
+    def __init__(self, cfg: LaneConfig, sup: SupervisorConfig, runtime_dir: Path, loads: list[LoadSpec],
+                 bus: EventBus) -> None:
+        self.cfg = cfg
+        self.id = cfg.id
+        self.sup = sup
+        self.windows = sup.windows
+        self.runtime_dir = runtime_dir
+        self.loads = {spec.model_ref: spec for spec in loads}
+        self.bus = bus
+        self.log = LogRing(cfg.id, sup.log_ring_bytes)
+        self.policy = StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s)
+        self.state = LaneState.STARTING
+        self.generation = 0
+        self.pid: int | None = None
+        self.models_loaded: list[str] = []
+        self.load_errors: dict[str, str] = {}
+        self.rss_mb: float | None = None
+        self.last_exit: str | None = None
+        self.restarts = 0
+        self.queued = 0
+        self._req_id = 0
+        self._closing = False
+        self._current: _Job | None = None
+        self._held: _Job | None = None  # a job taken while quarantined, served by the next generation
+        self._wakeup = trio.Event()
+        self._closed = trio.Event()
+        self.last_error: str | None = None
+        self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Job](math.inf)
+        self._started: Callable[[], None] | None = None
+
+    # --- caller side ---------------------------------------------------------------------------
+
+    def cooldown_remaining(self) -> float | None:
+        return self.policy.cooldown_remaining(trio.current_time())
+
+    def quarantine_error(self, remaining: float) -> EngineCrashed:
+        return EngineCrashed(
+            f"lane {self.id} is quarantined after {self.policy.max_strikes} consecutive faults; "
+            f"retry in {remaining:.0f} s", lane_id=self.id, generation=self.generation,
+            cause=self.policy.last_fault.value if self.policy.last_fault else "crash",
+            quarantined=True, cooldown_remaining_s=round(remaining, 3))
+
+    async def call(self, t: str, fields: dict[str, Any], raw: bytes | None = None, *, timeout: float | None = None,
+                   on_progress: Callable[[Message], None] | None = None) -> Message:
+        """Run one request on this lane's worker. The lane, not the caller, owns the stream: a caller
+        that gives up (deadline or cancellation) leaves the reply to be drained by the lane."""
+        if self._closing:
+            raise ClosedSupervisorError(f"lane {self.id} is shutting down")
+        remaining = self.cooldown_remaining()
+        if remaining is not None:
+            raise self.quarantine_error(remaining)
+        job = _Job(t, fields, raw, on_progress)
+        self.queued += 1
+        self._jobs_send.send_nowait(job)
+        self._wakeup.set()
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await job.done.wait()
+        finally:
+            if not job.done.is_set():
+                job.abandoned = True
+        if not job.done.is_set():
+            raise DeadlineExceeded(f"{t} on lane {self.id} did not finish within {timeout:g} s")
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def clear_quarantine(self) -> None:
+        """Unload/reload of the lane lifts quarantine at once."""
+        self.policy.clear()
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """Stop admitting; jobs already queued are still served, then the worker is shut down."""
+        self._closing = True
+        self._closed.set()
+        self._jobs_send.close()
+        self._wakeup.set()
+
+    # --- lane task -----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._started = lambda: task_status.started()
+        backoff = self.sup.restart.backoff_initial_s
+        try:
+            while not self._closing:
+                if self.cooldown_remaining() is not None:
+                    await self._sit_out_quarantine()
+                    continue
+                served = await self._run_generation()
+                self._mark_started()
+                if self._closing or self.cooldown_remaining() is not None:
+                    continue
+                if served:
+                    backoff = self.sup.restart.backoff_initial_s
+                self.state = LaneState.RESTARTING
+                self.restarts += 1
+                with trio.move_on_after(backoff):
+                    await self._closed.wait()
+                backoff = min(backoff * self.sup.restart.backoff_factor, self.sup.restart.backoff_max_s)
+        finally:
+            self._mark_started()
+            self.state = LaneState.STOPPED
+            self.pid = None
+            self._fail_queued(ClosedSupervisorError(f"lane {self.id} stopped"))
+
+    def _mark_started(self) -> None:
+        if self._started is not None:
+            started, self._started = self._started, None
+            started()
+
+    async def _sit_out_quarantine(self) -> None:
+        """No worker runs while quarantined; queued requests fail fast. After the cool-down the next
+        request (or a reload) starts a fresh worker with zero strikes."""
+        self.state = LaneState.QUARANTINED
+        self.pid = None
+        while (remaining := self.cooldown_remaining()) is not None and not self._closing:
+            self._fail_queued(self.quarantine_error(remaining))
+            with trio.move_on_after(remaining):
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+        if self._closing:
+            return
+        self.state = LaneState.RESTARTING
+        while self._held is None and not self._closing:
+            try:
+                self._held = await self._jobs_recv.receive()
+            except trio.EndOfChannel:
+                return
+
+    def _fail_queued(self, error: GpuWorkerError) -> None:
+        while True:
+            try:
+                job = self._jobs_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self.queued -= 1
+            job.finish(error=error)
+
+    async def _run_generation(self) -> bool:
+        """Spawn, load, serve until closing or a fault. Returns True if a request was served."""
+        self.generation += 1
+        gen = self.generation
+        self.state = LaneState.STARTING
+        wp = WorkerProcess(lane_id=self.id, generation=gen, argv=self._argv(), env=self._env(gen),
+                           sock_path=socket_path(self.runtime_dir, self.id), max_frame=self.sup.max_frame,
+                           kill_grace_s=self.windows.kill_grace_s, log=self.log, on_event=self._on_event)
+        served = False
+        try:
+            async with trio.open_nursery() as nursery:
+                await wp.start(nursery, self.windows.setup_s)
+                if wp.fault is None:
+                    self.pid = wp.pid
+                    await self._load_all(wp)
+                    self._mark_started()
+                    served = await self._serve(wp)
+                    await self._shutdown(wp)
+                nursery.cancel_scope.cancel()
+        finally:
+            rc = await wp.close(self.windows.shutdown_s if wp.ordered_stop else 0.0)
+            self.last_exit = describe_exit(rc)
+            self.pid = None
+            self.models_loaded = []
+        self._after_generation(wp, rc)
+        return served
+
+    def _after_generation(self, wp: WorkerProcess, rc: int) -> None:
+        fault = wp.fault
+        if fault is None or fault.cause == "ordered":
+            return
+        err = EngineCrashed(
+            f"worker of lane {self.id} (generation {wp.generation}) failed: {fault.detail}; {describe_exit(rc)}",
+            lane_id=self.id, generation=wp.generation, cause=fault.cause,
+            exit_code=rc if rc >= 0 else None, signal=-rc if rc < 0 else None,
+            log_tail=self.log.tail(self.sup.log_tail_bytes))
+        if fault.error is not None:
+            err.__cause__ = fault.error
+        self.policy.strike(Fault(fault.cause), trio.current_time())
+        self.last_error = str(err)
+        log.warning("%s", err, extra={"lane_id": self.id, "generation": wp.generation})
+        for job in (self._current, self._held):
+            if job is not None:
+                job.finish(error=err)
+        self._current = self._held = None
+        self.bus.publish({"t": "WORKER_CRASHED", "lane_id": self.id, "generation": wp.generation,
+                          "status": describe_exit(rc), "cause": fault.cause})
+
+    def _argv(self) -> list[str]:
+        return list(self.cfg.worker_command or (sys.executable, "-m", "trio_gpuworker.worker"))
+
+    def _env(self, gen: int) -> dict[str, str]:
+        cache = self.sup.state_dir / "cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        return {**os.environ, "DEV": self.cfg.device, "CACHEDB": str(cache / "tinygrad.db"), "PYTHONUNBUFFERED": "1",
+                "GPUWORKER_WORKER_ID": f"{self.id}.{gen}", "GPUWORKER_LANE_ID": self.id, **self.cfg.env}
+
+    def _on_event(self, wp: WorkerProcess, msg: Message) -> None:
+        self.bus.publish({**msg.fields, "lane_id": self.id, "generation": wp.generation})
+
+    async def _load_all(self, wp: WorkerProcess) -> None:
+        for spec in list(self.loads.values()):
+            job = _Job("LOAD", {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
+                                "format": spec.format, "runtime_config": spec.runtime_config,
+                                "model_ref": spec.model_ref}, None)
+            self._current = job
+            reply = await self._exchange(wp, job)
+            self._current = None
+            if reply.t == "ERR":
+                self.load_errors[spec.model_ref] = f"{reply['code']}: {reply['msg']}"
+            else:
+                self.load_errors.pop(spec.model_ref, None)
+                self.models_loaded.append(reply["model_ref"])
+
+    async def _serve(self, wp: WorkerProcess) -> bool:
+        served = False
+        self.state = LaneState.READY
+        while True:
+            job, self._held = self._held, None
+            if job is None:
+                try:
+                    job = await self._jobs_recv.receive()
+                except trio.EndOfChannel:
+                    return served
+                self.queued -= 1
+            if job.abandoned:
+                continue  # its caller is gone: never let it reach the worker
+            self._current = job
+            self.state = LaneState.BUSY
+            reply = await self._exchange(wp, job)
+            self._current = None
+            self.state = LaneState.READY
+            if reply.t == "ERR":
+                job.finish(error=WorkerError(reply["code"], reply["msg"]))
+                continue
+            if job.t in SERVING:
+                self.policy.success()
+                served = True
+            job.finish(result=reply)
+
+    async def _exchange(self, wp: WorkerProcess, job: _Job) -> Message:
+        """Write one request and read until its terminal reply, under the phase's silence window.
+        On a fault the generation is cancelled and this never returns."""
+        self._req_id += 1
+        req_id = self._req_id
+        progress = ProgressValidator(req_id, "setup")
+        window = self._window(job.t, "load" if job.t == "LOAD" else "inference" if job.t in SERVING else "control")
+        await wp.send(job.t, {**job.fields, "req_id": req_id}, job.raw)
+        with trio.CancelScope(deadline=trio.current_time() + window) as watchdog:
+            while True:
+                msg = await wp.replies.receive()
+                try:
+                    if msg.t == "PROGRESS":
+                        phase = progress.accept(msg)
+                        window = self._window(job.t, phase)
+                        watchdog.deadline = trio.current_time() + window
+                        if job.on_progress is not None and not job.abandoned:
+                            job.on_progress(msg)
+                        continue
+                    if msg.get("req_id") != req_id:
+                        raise UnexpectedFrame(f"{msg.t} for req_id {msg.get('req_id')} while {req_id} is current")
+                    if msg.t != "ERR" and msg.t not in TERMINAL.get(job.t, ()):
+                        raise UnexpectedFrame(f"{msg.t} is not a reply to {job.t}")
+                except (ProgressViolation, UnexpectedFrame) as exc:
+                    wp.fail("protocol", str(exc), exc)
+                    await trio.sleep_forever()
+                return msg
+        wp.fail("hang", f"{job.t} sent nothing for {window:g} s (silence window)")
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    def _window(self, t: str, phase: str) -> float:
+        w = self.windows
+        if phase == "inference":
+            return w.inference_s
+        if phase == "control":
+            return w.control_s
+        return w.load_s if t == "LOAD" or phase == "load" else w.setup_s
+
+    async def _shutdown(self, wp: WorkerProcess) -> None:
+        """Ordered stop: SHUTDOWN, wait for the exit, then the kill path reaps whatever is left."""
+        self.state = LaneState.STOPPING
+        wp.ordered_stop = True
+        with trio.move_on_after(self.windows.shutdown_s):
+            try:
+                await self._exchange(wp, _Job("SHUTDOWN", {"mode": "graceful"}, None))
+            except (trio.BrokenResourceError, OSError):
+                return
+
+    # --- status --------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        remaining = self.cooldown_remaining()
+        return {
+            "lane_id": self.id,
+            "state": self.state.value,
+            "generation": self.generation,
+            "pid": self.pid,
+            "strikes": self.policy.strikes,
+            "quarantined_until": time.time() + remaining if remaining is not None else None,
+            "cooldown_remaining_s": remaining,
+            "models": list(self.models_loaded),
+            "load_errors": dict(self.load_errors),
+            "rss_mb": self.rss_mb,
+            "queued": self.queued,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "last_error": self.last_error,
+            "device": self.cfg.device,
+        }

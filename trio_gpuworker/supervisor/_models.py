@@ -1,0 +1,56 @@
+"""Model artifacts: digests (hashed once, cached by size and mtime) and LOAD specs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import trio
+
+from .._config import ModelConfig
+from .._errors import ConfigError
+from ._lane import LoadSpec
+
+HASH_CHUNK = 4 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class DigestCache:
+    """sha256 of artifacts keyed by (path, size, mtime_ns), persisted under the state directory."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._cache: dict[str, str] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self._cache = {}
+
+    def _key(self, artifact: Path) -> str:
+        st = artifact.stat()
+        return f"{os.fspath(artifact)}:{st.st_size}:{st.st_mtime_ns}"
+
+    async def digest(self, artifact: Path) -> str:
+        key = self._key(artifact)
+        if key not in self._cache:
+            self._cache[key] = await trio.to_thread.run_sync(_sha256, artifact)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self._cache, indent=0))
+            tmp.replace(self.path)
+        return self._cache[key]
+
+
+async def load_spec(model: ModelConfig, cache: DigestCache) -> LoadSpec:
+    if not model.path.is_file():
+        raise ConfigError(f"models.{model.id}.path: artifact {model.path} does not exist")
+    digest = model.digest or await cache.digest(model.path)
+    return LoadSpec(model.id, model.path, digest.lower(), model.format, {"kind": model.kind, **model.runtime_config})

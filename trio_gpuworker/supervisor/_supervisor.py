@@ -1,0 +1,174 @@
+"""The Supervisor: lanes in one nursery, model routing, tokenization, the Python API."""
+
+from __future__ import annotations
+
+import math
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from .._config import ModelConfig, SupervisorConfig
+from .._errors import (
+    ClosedSupervisorError,
+    InvalidRequest,
+    ModelNotFound,
+    NoLaneAvailable,
+    RemoteProtocolError,
+)
+from ._events import EventBus
+
+if TYPE_CHECKING:
+    from ..tokenization import EmbeddingTokenizer
+from ._lane import Lane, LaneState
+from ._models import DigestCache, load_spec
+from ._spawn import default_runtime_dir, workers_dir
+
+
+class Supervisor:
+    """`async with Supervisor(config) as sup: vecs = await sup.embed(texts, model="all-MiniLM-L6-v2")`"""
+
+    def __init__(self, config: SupervisorConfig) -> None:
+        self.config = config
+        self.runtime_dir = config.runtime_dir or default_runtime_dir(None, config.state_dir)
+        self.events = EventBus()
+        self.lanes: dict[str, Lane] = {}
+        self._tokenizers: dict[str, EmbeddingTokenizer] = {}
+        self._dims: dict[str, int] = {}
+        self._stack: AsyncExitStack | None = None
+        self._nursery: trio.Nursery | None = None
+        self._closed = False
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Supervisor:
+        cfg = self.config
+        workers_dir(self.runtime_dir)
+        cache = DigestCache(cfg.state_dir / "digests.json")
+        specs = {m.id: await load_spec(m, cache) for m in cfg.models}
+        self._stack = AsyncExitStack()
+        self._nursery = await self._stack.enter_async_context(trio.open_nursery())
+        try:
+            for lane_cfg in cfg.lanes:
+                lane = Lane(lane_cfg, cfg, self.runtime_dir, [specs[m] for m in lane_cfg.models], self.events)
+                self.lanes[lane.id] = lane
+                await self._nursery.start(lane.run)
+        except BaseException as exc:
+            await self._abort(exc)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> bool | None:
+        self.close()
+        if exc is not None:
+            await self._abort(exc)
+            return None
+        assert self._stack is not None
+        return await self._stack.__aexit__(None, None, None)
+
+    async def _abort(self, exc: BaseException) -> None:
+        assert self._nursery is not None and self._stack is not None
+        self.close()
+        self._nursery.cancel_scope.cancel()  # workers are still killed and reaped: that path is shielded
+        # the caller's exception propagates as itself, not wrapped in the nursery's ExceptionGroup
+        await self._stack.__aexit__(None, None, None)
+
+    def close(self) -> None:
+        """Stop admitting; lanes finish what is queued and shut their workers down."""
+        self._closed = True
+        for lane in self.lanes.values():
+            lane.close()
+
+    @staticmethod
+    def _load_tokenizer(m: ModelConfig) -> EmbeddingTokenizer:
+
+        path = m.tokenizer_path or m.path.with_name("tokenizer.json")
+        return EmbeddingTokenizer.from_file(path, m.max_tokens)
+
+    # --- routing -------------------------------------------------------------------------------
+
+    def pick_lane(self, model: str) -> Lane:
+        """The least loaded lane that serves `model` and is not quarantined."""
+        if self._closed:
+            raise ClosedSupervisorError("the supervisor is shutting down")
+        self.config.model(model)
+        candidates = [lane for lane in self.lanes.values() if model in lane.loads]
+        if not candidates:
+            raise NoLaneAvailable(f"no lane is configured to serve {model!r}")
+        open_lanes = [lane for lane in candidates if lane.cooldown_remaining() is None]
+        if not open_lanes:
+            lane = min(candidates, key=lambda ln: ln.cooldown_remaining() or 0.0)
+            raise lane.quarantine_error(lane.cooldown_remaining() or 0.0)
+        rank = {LaneState.READY: 0, LaneState.BUSY: 1}
+        return min(open_lanes, key=lambda ln: (ln.queued + (ln.state == LaneState.BUSY), rank.get(ln.state, 2)))
+
+    def model_config(self, model: str) -> ModelConfig:
+        return self.config.model(model)
+
+    # --- API -----------------------------------------------------------------------------------
+
+    def tokenize(self, texts: list[str], *, model: str) -> list[np.ndarray]:
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            mc = self.config.model(model)
+            if mc.kind != "embedding":
+                raise ModelNotFound(f"{model!r} is not an embedding model")
+            tok = self._tokenizers[model] = self._load_tokenizer(mc)
+        return tok.encode(texts)
+
+    async def embed(self, texts: list[str], *, model: str, timeout: float | None = None,
+                    pooling: str | None = None, normalize: bool | None = None) -> np.ndarray:
+        """Embeddings of `texts` as an (n, dims) float32 array, in input order."""
+        mc = self.config.model(model)
+        if mc.kind != "embedding":
+            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not embeddings")
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+            raise InvalidRequest("texts must be a list of strings")
+        if not texts:
+            return np.zeros((0, self._dims.get(model, 0)), dtype=np.float32)
+        rows = await trio.to_thread.run_sync(self.tokenize, texts, model=model) if len(texts) > 64 else \
+            self.tokenize(texts, model=model)
+        out: list[np.ndarray] = []
+        step = self.config.max_batch_items
+        for i in range(0, len(rows), step):
+            out.append(await self.embed_ids(rows[i:i + step], model=model, timeout=timeout,
+                                            pooling=pooling or mc.pooling,
+                                            normalize=mc.normalize if normalize is None else normalize))
+        return out[0] if len(out) == 1 else np.concatenate(out)
+
+    async def embed_ids(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
+                        timeout: float | None = None) -> np.ndarray:
+        lane = self.pick_lane(model)
+        items = [{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)]
+        raw = np.concatenate(rows).astype("<i4").tobytes()
+        reply = await lane.call("EMBED_BATCH", {"model_ref": model, "pooling": pooling, "normalize": normalize,
+                                                "items": items}, raw, timeout=timeout)
+        n, dims = reply["n"], reply["dims"]
+        if n != len(rows) or len(reply.raw or b"") != n * dims * 4:
+            raise RemoteProtocolError(f"VECTORS: n={n} dims={dims} raw_len={len(reply.raw or b'')} for {len(rows)} rows")
+        self._dims[model] = dims
+        return np.frombuffer(reply.raw, dtype="<f4").reshape(n, dims).copy()
+
+    async def call(self, lane_id: str, t: str, fields: dict[str, Any], raw: bytes | None = None,
+                   timeout: float | None = None) -> Any:
+        """A raw request on one lane (admin and tests)."""
+        lane = self.lanes.get(lane_id)
+        if lane is None:
+            raise NoLaneAvailable(f"no lane {lane_id!r}")
+        return await lane.call(t, fields, raw, timeout=timeout)
+
+    def status(self) -> list[dict[str, Any]]:
+        """Cached lane state; never touches a worker."""
+        return [lane.status() for lane in self.lanes.values()]
+
+    def subscribe(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
+        return self.events.subscribe()
+
+    async def wait_ready(self, timeout: float = math.inf) -> None:
+        """Until every lane is ready (tests and start-up notification)."""
+        with trio.fail_after(timeout):
+            while any(lane.state not in (LaneState.READY, LaneState.BUSY) for lane in self.lanes.values()):
+                await trio.sleep(0.01)

@@ -1,0 +1,193 @@
+"""One worker generation: spawn, SO_PEERCRED, handshake, reader, log pumps, exit watcher, kill."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .._errors import ProtocolError, RemoteProtocolError, UnexpectedFrame
+from .._proto import CLOSED, DAEMON, NEED_DATA, Connection, HandshakeRules, Message
+from ._logring import LogRing
+from ._spawn import bind_listener, kill_and_reap, peer_credentials, spawn
+
+RECV_CHUNK = 1 << 20
+REPLY_BUFFER = 64
+NOTIFICATIONS = {"RING_READABLE", "RING_WRITABLE", "WORKER_FATAL"}
+
+
+@dataclass
+class Fault:
+    """Why a generation ended. `cause` is crash | hang | protocol, or ordered for kills we asked for."""
+
+    cause: str
+    detail: str
+    error: BaseException | None = None
+
+
+class WorkerProcess:
+    def __init__(self, *, lane_id: str, generation: int, argv: list[str], env: dict[str, str], sock_path: Path,
+                 max_frame: int, kill_grace_s: float, log: LogRing, on_event: Any = None) -> None:
+        self.lane_id = lane_id
+        self.generation = generation
+        self.argv = argv
+        self.env = env
+        self.sock_path = sock_path
+        self.max_frame = max_frame
+        self.kill_grace_s = kill_grace_s
+        self.log = log
+        self.on_event = on_event
+        self.nonce = secrets.token_hex(16)
+        self.proc: trio.Process | None = None
+        self.stream: trio.SocketStream | None = None
+        self.conn = Connection(DAEMON, max_frame)
+        self.fault: Fault | None = None
+        self.ordered_stop = False  # set before we shut it down or kill it on purpose: no strike
+        self.returncode: int | None = None
+        self.hello: Message | None = None
+        self._scope: trio.CancelScope | None = None
+        self._send_lock = trio.Lock()
+        send, recv = trio.open_memory_channel[Message](REPLY_BUFFER)
+        self._reply_send, self.replies = send, recv
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def fail(self, cause: str, detail: str, error: BaseException | None = None) -> None:
+        """Record the first fault and stop everything this generation runs."""
+        if self.fault is None:
+            self.fault = Fault("ordered" if self.ordered_stop else cause, detail, error)
+        if self._scope is not None:
+            self._scope.cancel()
+
+    # --- start ---------------------------------------------------------------------------------
+
+    async def start(self, nursery: trio.Nursery, setup_s: float) -> None:
+        """Listen, spawn, accept the spawned pid only, and complete HELLO. Raises nothing: faults are recorded."""
+        self._scope = nursery.cancel_scope
+        listener = await bind_listener(self.sock_path)
+        try:
+            argv = [*self.argv, "--socket", os.fspath(self.sock_path), "--nonce", self.nonce]
+            self.proc = await spawn(argv, self.env)
+            nursery.start_soon(self._pump, self.proc.stdout, "stdout")
+            nursery.start_soon(self._pump, self.proc.stderr, "stderr")
+            nursery.start_soon(self._watch_exit)
+            with trio.move_on_after(setup_s) as scope:
+                sock = await self._accept(listener)
+                self.stream = trio.SocketStream(sock)
+                await self._handshake()
+            if scope.cancelled_caught:
+                self.fail("hang", f"no HELLO within the setup window of {setup_s:g} s")
+        except ProtocolError as exc:
+            self.fail("protocol", f"handshake failed: {exc}", exc)
+        except OSError as exc:
+            self.fail("crash", f"cannot start worker {self.argv[0]!r}: {exc}", exc)
+        finally:
+            listener.close()
+            self.sock_path.unlink(missing_ok=True)  # nothing else may ever connect to this generation
+        if self.fault is None:
+            nursery.start_soon(self._read_loop)
+
+    async def _accept(self, listener: trio.socket.SocketType) -> trio.socket.SocketType:
+        while True:
+            sock, _ = await listener.accept()
+            pid, uid, _gid = peer_credentials(sock)
+            if pid == self.proc.pid and uid == os.getuid():
+                return sock
+            sock.close()  # not our child: ignore it and keep waiting for the spawned pid
+            self.log.feed("daemon", self.generation, f"rejected connection from pid {pid} uid {uid}\n".encode())
+
+    async def _handshake(self) -> None:
+        hello = await self._receive()
+        if hello is None:
+            raise UnexpectedFrame("worker closed the socket before HELLO")
+        ack = HandshakeRules(self.nonce, self.proc.pid, self.max_frame, self.generation).check_hello(hello)
+        self.hello = hello
+        await self.send("HELLO_ACK", ack)
+
+    # --- background tasks ----------------------------------------------------------------------
+
+    async def _pump(self, pipe: trio.abc.ReceiveStream, name: str) -> None:
+        async with pipe:
+            try:
+                while data := await pipe.receive_some(65536):
+                    self.log.feed(name, self.generation, data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        self.log.flush(name, self.generation)
+
+    async def _watch_exit(self) -> None:
+        self.returncode = await self.proc.wait()
+        self.fail("crash", f"worker exited ({describe_exit(self.returncode)})")
+
+    async def _read_loop(self) -> None:
+        try:
+            while (msg := await self._receive()) is not None:
+                if msg.t in NOTIFICATIONS:
+                    if self.on_event is not None:
+                        self.on_event(self, msg)
+                    continue
+                try:
+                    self._reply_send.send_nowait(msg)
+                except trio.WouldBlock:
+                    raise UnexpectedFrame("worker floods replies nobody asked for") from None
+            self.fail("crash", "worker closed the control socket")
+        except RemoteProtocolError as exc:
+            self.fail("protocol", str(exc), exc)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.fail("crash", f"control socket broke: {exc}", exc)
+
+    async def _receive(self) -> Message | None:
+        while True:
+            ev = self.conn.next_event()
+            if isinstance(ev, Message):
+                return ev
+            if ev is CLOSED:
+                return None
+            assert ev is NEED_DATA
+            self.conn.receive_data(await self.stream.receive_some(RECV_CHUNK))
+
+    # --- use -----------------------------------------------------------------------------------
+
+    async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
+        chunks = self.conn.send(t, fields, raw)
+        async with self._send_lock:
+            try:
+                for chunk in chunks:
+                    await self.stream.send_all(chunk)
+            except (trio.BrokenResourceError, OSError) as exc:
+                self.fail("crash", f"control socket broke while sending {t}: {exc}", exc)
+                raise
+
+    async def close(self, patience_s: float = 0.0) -> int:
+        """Kill the process group and reap it (shielded); returns the exit status.
+
+        `patience_s`: after an ordered SHUTDOWN the worker gets this long to exit on its own first.
+        """
+        with trio.CancelScope(shield=True):
+            if self.stream is not None:
+                await self.stream.aclose()
+            if self.proc is None:
+                return -1
+            if patience_s > 0 and self.proc.returncode is None:
+                with trio.move_on_after(patience_s):
+                    await self.proc.wait()
+        self.returncode = await kill_and_reap(self.proc, self.kill_grace_s)
+        return self.returncode
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"

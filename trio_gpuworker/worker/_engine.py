@@ -1,0 +1,159 @@
+"""Request handlers that run off the event loop: LOAD, EMBED_BATCH, RERANK, GENERATE, UNLOAD, PING.
+
+tinygrad is imported on the first LOAD, so a fresh worker answers HELLO fast.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._proto import Message
+
+Progress = Callable[[int, str], None]
+HASH_CHUNK = 4 << 20
+
+
+class WorkerRequestError(Exception):
+    """Ends a request with ERR {code, msg}; `code` is a wire code."""
+
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+@dataclass
+class Reply:
+    t: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    raw: bytes | None = None
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def split_rows(raw: bytes, lengths: list[int]) -> list[np.ndarray]:
+    ids = np.frombuffer(raw, dtype="<i4")
+    if sum(lengths) != ids.size or len(raw) % 4:
+        raise WorkerRequestError("invalid_request", f"items name {sum(lengths)} ids, the raw frame holds {len(raw) / 4}")
+    if any(n == 0 for n in lengths):
+        raise WorkerRequestError("invalid_request", "an item has zero tokens")
+    return np.split(ids.astype(np.int32), np.cumsum(lengths)[:-1]) if lengths else []
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.models: dict[str, Any] = {}
+
+    def handle(self, msg: Message, progress: Progress) -> Reply:
+        handler = getattr(self, f"do_{msg.t.lower()}", None)
+        if handler is None:
+            raise WorkerRequestError("unsupported_request", f"this worker does not serve {msg.t}")
+        return handler(msg, progress)
+
+    def model(self, model_ref: str, kind: str) -> Any:
+        m = self.models.get(model_ref)
+        if m is None:
+            raise WorkerRequestError("model_not_loaded", f"model {model_ref!r} is not loaded in this worker")
+        if m.kind != kind:
+            raise WorkerRequestError("invalid_request", f"model {model_ref!r} is a {m.kind} model, not {kind}")
+        return m
+
+    def do_ping(self, msg: Message, progress: Progress) -> Reply:
+        return Reply("PONG", {"rss_mb": round(rss_mb(), 1), "models_loaded": sorted(self.models)})
+
+    def do_unload(self, msg: Message, progress: Progress) -> Reply:
+        if self.models.pop(msg["model_ref"], None) is None:
+            raise WorkerRequestError("model_not_loaded", f"model {msg['model_ref']!r} is not loaded")
+        return Reply("UNLOADED")
+
+    def do_load(self, msg: Message, progress: Progress) -> Reply:
+        t0 = time.perf_counter()
+        path = Path(msg["artifact_path"])
+        if not path.is_file():
+            raise WorkerRequestError("artifact_invalid", f"artifact {path} does not exist")
+        digest = sha256_file(path)
+        if digest != msg["artifact_digest"].lower():
+            raise WorkerRequestError("artifact_invalid", f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
+        progress(1, "setup")
+        rc = msg["runtime_config"]
+        kind = rc.get("kind", "embedding")
+        model_ref = msg.get("model_ref") or path.stem
+        fmt = msg["format"]
+        if fmt == "safetensors":
+            cfg_path = path.with_name("config.json")
+            try:
+                config = json.loads(cfg_path.read_text())
+            except (OSError, ValueError) as exc:
+                raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
+            model = self._load_bert(kind, path, config)
+        elif fmt == "gguf" and kind == "generate":
+            model = self._load_gguf(path)
+        else:
+            raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
+        progress(2, "setup")
+        model.warmup()  # compile the smallest shapes now, under LOAD's window, not the first request's
+        progress(3, "setup")
+        self.models[model_ref] = model
+        return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
+                                "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
+
+    def _load_bert(self, kind: str, path: Path, config: dict[str, Any]) -> Any:
+        if kind == "embedding":
+            from ..models.bert import BertEncoder as cls
+        elif kind == "rerank":
+            from ..models.cross_encoder import BertCrossEncoder as cls
+        else:
+            raise WorkerRequestError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
+        try:
+            return _Served(cls.load(path, config), kind)
+        except (ValueError, KeyError) as exc:
+            raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
+
+    def _load_gguf(self, path: Path) -> Any:
+        from ..models.llama import LlamaLM
+
+        try:
+            return _Served(LlamaLM.load(path), "generate")
+        except (ValueError, KeyError) as exc:
+            raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
+
+    def do_embed_batch(self, msg: Message, progress: Progress) -> Reply:
+        m = self.model(msg["model_ref"], "embedding")
+        rows = split_rows(msg.raw or b"", [it["n_tokens"] for it in msg["items"]])
+        try:
+            out = m.impl.embed(rows, msg["pooling"], msg["normalize"], lambda n: progress(n, "inference"))
+        except ValueError as exc:
+            raise WorkerRequestError("invalid_request", str(exc)) from exc
+        out = np.ascontiguousarray(out, dtype="<f4")
+        return Reply("VECTORS", {"dims": int(out.shape[1]) if out.ndim == 2 else m.dims, "n": len(rows)}, out.tobytes())
+
+
+class _Served:
+    """A loaded model plus what the engine needs to know of it."""
+
+    def __init__(self, impl: Any, kind: str) -> None:
+        self.impl = impl
+        self.kind = kind
+        self.dims = int(getattr(impl, "dims", 0))
+
+    def warmup(self) -> None:
+        if self.kind == "embedding":
+            self.impl.embed([np.array([101, 102], dtype=np.int32)], "mean", True, None)

@@ -1,0 +1,116 @@
+"""Worker side of the control socket: handshake, then one request at a time.
+
+The socket is read concurrently with the running request (notifications may arrive at any
+time); blocking tinygrad work runs in a thread so the event loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+from typing import Any
+
+import trio
+
+from .._errors import GpuWorkerError, RemoteProtocolError
+from .._proto import CLOSED, DEFAULT_MAX_FRAME, NEED_DATA, TERMINAL, WORKER, Connection, Message, hello_fields
+from ._engine import Engine, Reply, WorkerRequestError
+
+RECV_CHUNK = 1 << 20
+ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": []}
+
+
+class WorkerServer:
+    def __init__(self, stream: trio.SocketStream, nonce: str) -> None:
+        self.stream = stream
+        self.nonce = nonce
+        self.conn = Connection(WORKER, DEFAULT_MAX_FRAME)
+        self.engine = Engine()
+        self._send_lock = trio.Lock()
+        self.stopping: str | None = None
+
+    async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
+        async with self._send_lock:
+            for chunk in self.conn.send(t, fields, raw):
+                await self.stream.send_all(chunk)
+
+    async def receive(self) -> Message | None:
+        while True:
+            ev = self.conn.next_event()
+            if isinstance(ev, Message):
+                return ev
+            if ev is CLOSED:
+                return None
+            assert ev is NEED_DATA
+            self.conn.receive_data(await self.stream.receive_some(RECV_CHUNK))
+
+    async def handshake(self) -> None:
+        await self.send("HELLO", hello_fields(self.nonce, os.getpid(), DEFAULT_MAX_FRAME, ENGINE_INFO))
+        ack = await self.receive()
+        if ack is None or not ack["accept"]:
+            raise SystemExit(2)
+        self.conn.set_max_frame(ack["max_frame"])
+
+    async def run(self) -> None:
+        await self.handshake()
+        send_req, recv_req = trio.open_memory_channel[Message](1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_loop, send_req)
+            await self._serve_requests(recv_req)  # returns after SHUTDOWN or once the daemon is gone
+            nursery.cancel_scope.cancel()
+
+    async def _read_loop(self, send_req: trio.MemorySendChannel[Message]) -> None:
+        async with send_req:
+            while (msg := await self.receive()) is not None:
+                if msg.t in TERMINAL:
+                    await send_req.send(msg)
+                # wake hints (RING_READABLE/WRITABLE) need no answer until a ring layer is installed
+
+    async def _serve_requests(self, recv_req: trio.MemoryReceiveChannel[Message]) -> None:
+        async with recv_req:
+            async for msg in recv_req:
+                if msg.t == "SHUTDOWN":
+                    self.stopping = msg.get("mode", "graceful")
+                    await self.send("WORKER_STOPPED", {"reason": self.stopping, "req_id": msg["req_id"]})
+                    return
+                await self._serve_one(msg)
+
+    async def _serve_one(self, msg: Message) -> None:
+        req_id = msg["req_id"]
+
+        def progress(completed: int, phase: str) -> None:
+            trio.from_thread.run(self.send, "PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
+
+        try:
+            reply: Reply = await trio.to_thread.run_sync(self.engine.handle, msg, progress)
+        except WorkerRequestError as exc:
+            await self.send("ERR", {"req_id": req_id, "code": exc.code, "msg": str(exc)})
+            return
+        except MemoryError as exc:
+            await self.send("ERR", {"req_id": req_id, "code": "oom", "msg": f"out of memory: {exc}"})
+            return
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            await self.send("ERR", {"req_id": req_id, "code": "worker_internal", "msg": f"{type(exc).__name__}: {exc}"})
+            return
+        await self.send(reply.t, {"req_id": req_id, **reply.fields}, reply.raw)
+
+
+async def serve(socket_path: str, nonce: str) -> int:
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.connect(socket_path)
+    stream = trio.SocketStream(sock)
+    server = WorkerServer(stream, nonce)
+    try:
+        await server.run()
+    except (RemoteProtocolError, trio.BrokenResourceError) as exc:
+        print(f"worker: control connection failed: {exc}", file=sys.stderr)
+        return 3
+    except GpuWorkerError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 3
+    finally:
+        await stream.aclose()
+    return 0
