@@ -53,6 +53,12 @@ class UnexpectedFrame(RemoteProtocolError):
     code = "unexpected_frame"
 
 
+class TruncatedStream(UnexpectedFrame):
+    """The peer closed its end in the middle of a frame (or between a control map and its raw frame)."""
+
+    code = "eof_mid_frame"
+
+
 class HandshakeError(RemoteProtocolError):
     code = "handshake_failed"
 

@@ -13,6 +13,7 @@ from .._errors import (
     LocalProtocolError,
     MalformedMessage,
     ProtocolError,
+    TruncatedStream,
     UnexpectedFrame,
     VersionMismatch,
 )
@@ -125,7 +126,7 @@ class Connection:
         if payload is None:
             if self._eof:
                 if self.mid_frame:
-                    raise UnexpectedFrame("peer closed the connection in the middle of a frame")
+                    raise TruncatedStream("peer closed the connection in the middle of a frame")
                 return CLOSED
             return NEED_DATA
         if self._pending is not None:

@@ -119,6 +119,12 @@ class Supervisor:
             tok = self._tokenizers[model] = self._load_tokenizer(mc)
         return tok.encode(texts)
 
+    async def tokenize_async(self, texts: list[str], *, model: str) -> list[np.ndarray]:
+        """Tokenize off the event loop when the batch is large enough to stall it."""
+        if len(texts) > 64:
+            return await trio.to_thread.run_sync(lambda: self.tokenize(texts, model=model))
+        return self.tokenize(texts, model=model)
+
     async def embed(self, texts: list[str], *, model: str, timeout: float | None = None,
                     pooling: str | None = None, normalize: bool | None = None) -> np.ndarray:
         """Embeddings of `texts` as an (n, dims) float32 array, in input order."""
@@ -129,15 +135,17 @@ class Supervisor:
             raise InvalidRequest("texts must be a list of strings")
         if not texts:
             return np.zeros((0, self._dims.get(model, 0)), dtype=np.float32)
-        rows = await trio.to_thread.run_sync(self.tokenize, texts, model=model) if len(texts) > 64 else \
-            self.tokenize(texts, model=model)
-        out: list[np.ndarray] = []
+        rows = await self.tokenize_async(texts, model=model)
+        return await self.embed_rows(rows, model=model, timeout=timeout, pooling=pooling or mc.pooling,
+                                     normalize=mc.normalize if normalize is None else normalize)
+
+    async def embed_rows(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
+                         timeout: float | None = None) -> np.ndarray:
+        """Token-id rows -> embeddings, in EMBED_BATCH requests of at most max_batch_items rows."""
         step = self.config.max_batch_items
-        for i in range(0, len(rows), step):
-            out.append(await self.embed_ids(rows[i:i + step], model=model, timeout=timeout,
-                                            pooling=pooling or mc.pooling,
-                                            normalize=mc.normalize if normalize is None else normalize))
-        return out[0] if len(out) == 1 else np.concatenate(out)
+        parts = [await self.embed_ids(rows[i:i + step], model=model, pooling=pooling, normalize=normalize,
+                                      timeout=timeout) for i in range(0, len(rows), step)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def embed_ids(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
                         timeout: float | None = None) -> np.ndarray:

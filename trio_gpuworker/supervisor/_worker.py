@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from .._errors import ProtocolError, RemoteProtocolError, UnexpectedFrame
+from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
 from .._proto import CLOSED, DAEMON, NEED_DATA, Connection, HandshakeRules, Message
 from ._logring import LogRing
 from ._spawn import bind_listener, kill_and_reap, peer_credentials, spawn
@@ -138,6 +138,8 @@ class WorkerProcess:
                 except trio.WouldBlock:
                     raise UnexpectedFrame("worker floods replies nobody asked for") from None
             self.fail("crash", "worker closed the control socket")
+        except TruncatedStream as exc:
+            self.fail("crash", str(exc), exc)
         except RemoteProtocolError as exc:
             self.fail("protocol", str(exc), exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:

