@@ -38,6 +38,7 @@ class Windows:
     load_s: float = 600.0  # LOAD and compilation
     kill_grace_s: float = 5.0
     shutdown_s: float = 10.0  # SHUTDOWN answer + exit before we kill
+    exit_status_s: float = 0.5  # after an EOF, wait this long for the worker's own exit status before killing
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class SupervisorConfig:
     log_ring_bytes: int = 64 * 1024
     log_tail_bytes: int = 8 * 1024
     max_batch_items: int = 256
+    health_interval_s: float = 15.0  # background PING of idle workers (rss_mb, models_loaded)
 
     def model(self, model_id: str) -> ModelConfig:
         for m in self.models:

@@ -10,6 +10,7 @@ import cbor2
 
 from .._errors import (
     FrameTooLarge,
+    HandshakeError,
     LocalProtocolError,
     MalformedMessage,
     ProtocolError,
@@ -98,7 +99,8 @@ class Connection:
         self._eof = False
         self._error: ProtocolError | None = None
         self.handshake_done = False
-        self._hello_seen = False
+        self._hello_seen = False  # daemon: HELLO received
+        self._hello_sent = False  # worker: HELLO sent
 
     # --- receiving -------------------------------------------------------------------------
 
@@ -143,7 +145,7 @@ class Connection:
         spec = check_fields(t, fields, MalformedMessage)
         if spec.sender not in (self.peer_role, BOTH):
             raise UnexpectedFrame(f"{t} may not be sent by the {self.peer_role}")
-        self._check_handshake_order(t)
+        self._check_handshake_order(t, fields)
         if spec.raw:
             if fields["raw_len"] > self.max_frame:
                 raise FrameTooLarge(f"{t}: raw_len {fields['raw_len']} exceeds max_frame {self.max_frame}")
@@ -151,7 +153,7 @@ class Connection:
             return self._next_event()
         return Message(t, fields)
 
-    def _check_handshake_order(self, t: str) -> None:
+    def _check_handshake_order(self, t: str, fields: dict[str, Any]) -> None:
         if self.handshake_done:
             if t in ("HELLO", "HELLO_ACK"):
                 raise UnexpectedFrame(f"{t} after the handshake")
@@ -161,8 +163,15 @@ class Connection:
             raise UnexpectedFrame(f"{t} before the handshake completed (expected {expected})")
         if self.our_role == DAEMON:
             self._hello_seen = True
-        else:
-            self.handshake_done = True  # the worker's side is done once HELLO_ACK is in
+            return
+        if not self._hello_sent:
+            raise UnexpectedFrame("HELLO_ACK before our HELLO")
+        if fields["accept"] is not True:
+            raise HandshakeError("the daemon refused our HELLO")
+        if fields["max_frame"] > self.max_frame:
+            raise HandshakeError(f"HELLO_ACK max_frame {fields['max_frame']} exceeds ours {self.max_frame}")
+        self.set_max_frame(fields["max_frame"])
+        self.handshake_done = True  # the worker's side is done once HELLO_ACK is in
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -171,7 +180,7 @@ class Connection:
     ) -> list[bytes | memoryview]:
         """Validate an outgoing message; return the byte chunks to write, in order."""
         self._raise_if_dead()
-        msg = {"t": t, **(fields or {})}
+        msg = {**(fields or {}), "t": t}
         spec = SCHEMAS.get(t)
         if spec is None or spec.sender not in (self.our_role, BOTH):
             raise LocalProtocolError(f"the {self.our_role} may not send {t!r}")
@@ -182,10 +191,15 @@ class Connection:
         elif raw is not None:
             raise LocalProtocolError(f"{t} carries no raw frame")
         check_fields(t, msg, LocalProtocolError)
+        if t in ("HELLO", "HELLO_ACK") and (
+            self.handshake_done or self._hello_sent or (t == "HELLO_ACK" and not self._hello_seen)
+        ):
+            raise LocalProtocolError(f"{t} out of order")
         if not self.handshake_done:
             allowed = "HELLO_ACK" if self.our_role == DAEMON else "HELLO"
             if t != allowed:
                 raise LocalProtocolError(f"cannot send {t} before the handshake completed")
+            self._hello_sent = t == "HELLO"
             if t == "HELLO_ACK":
                 self.handshake_done = True
                 self.set_max_frame(msg["max_frame"])

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import NonceMismatch, PidMismatch, RingAbiMismatch, VersionMismatch
+from .._errors import HandshakeError, NonceMismatch, PidMismatch, RingAbiMismatch, VersionMismatch
 from ._connection import Message
 from ._schema import PROTOCOL_VERSION
 
-RING_ABI = 2  # the ring header ABI version of ARCHITECTURE §6
+RING_ABI = 2
+MIN_MAX_FRAME = 4096  # below this even a control map may not fit  # the ring header ABI version of ARCHITECTURE §6
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class HandshakeRules:
             raise NonceMismatch("HELLO nonce does not match the spawn nonce (stale or foreign worker)")
         if hello["pid"] != self.pid:
             raise PidMismatch(f"HELLO pid {hello['pid']} is not the spawned pid {self.pid}")
+        if hello["max_frame"] < MIN_MAX_FRAME:
+            raise HandshakeError(f"HELLO max_frame {hello['max_frame']} is below the floor of {MIN_MAX_FRAME} bytes")
         if hello["ring_abi"] not in self.ring_abis:
             raise RingAbiMismatch(f"ring ABI {hello['ring_abi']} unsupported (supported {sorted(self.ring_abis)})")
         return {"v": PROTOCOL_VERSION, "accept": True, "max_frame": min(self.max_frame, hello["max_frame"]),

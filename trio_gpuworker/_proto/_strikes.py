@@ -29,6 +29,7 @@ class StrikePolicy:
 
     def strike(self, fault: Fault, now: float) -> bool:
         """Count one strike; True if this strike quarantined the lane."""
+        self.cooldown_remaining(now)  # a lapsed quarantine ends here, even if nobody asked
         self.strikes += 1
         self.last_fault = fault
         if self.strikes >= self.max_strikes and self.quarantined_until is None:

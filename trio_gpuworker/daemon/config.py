@@ -217,7 +217,7 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
                          "unix_socket": env.get("GPUWORKER_UNIX_SOCKET", http.unix_socket)})
     if http.listen:
         host, sep, port = http.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or not host:  # 0: any free port
             raise ConfigError(f"http.listen: {http.listen!r} is not host:port")
     if not http.listen and not http.unix_socket:
         raise ConfigError("http: set listen and/or unix_socket")

@@ -42,8 +42,11 @@ def hypercorn_config(cfg: DaemonConfig) -> HypercornConfig:
     return hc
 
 
-async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[Supervisor] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until SIGTERM/SIGINT: then stop admitting, finish what is in flight, stop workers, return."""
+async def run_daemon(cfg: DaemonConfig, *,
+                     task_status: trio.TaskStatus[tuple[Supervisor, list[str]]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until SIGTERM/SIGINT: then stop admitting, finish what is in flight, stop workers, return.
+
+    Started value: (supervisor, the bound listener URLs)."""
     stop = trio.Event()
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -60,7 +63,7 @@ async def run_daemon(cfg: DaemonConfig, *, task_status: trio.TaskStatus[Supervis
                                                                       shutdown_trigger=stop.wait,
                                                                       task_status=task_status))
                 log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
-                task_status.started(sup)
+                task_status.started((sup, binds))
                 await stop.wait()
                 sup.close()
             nursery.cancel_scope.cancel()

@@ -33,6 +33,7 @@ from ._worker import WorkerProcess, describe_exit
 
 log = logging.getLogger("trio_gpuworker.lane")
 
+RELOAD = "__RELOAD__"  # lane-internal job: end this generation (ordered, no strike) and start a fresh one
 SERVING = frozenset({"EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP"})
 
 
@@ -99,6 +100,7 @@ class Lane:
         self._closing = False
         self._current: _Job | None = None
         self._held: _Job | None = None  # a job taken while quarantined, served by the next generation
+        self._reloading: _Job | None = None  # finished once the next generation has loaded
         self._wakeup = trio.Event()
         self._closed = trio.Event()
         self.last_error: str | None = None
@@ -143,6 +145,23 @@ class Lane:
         assert job.result is not None
         return job.result
 
+    async def reload(self, timeout: float | None = None) -> None:
+        """Restart the worker in order (no strike) after the requests queued before this one; lifts quarantine.
+        Returns once the new generation has loaded its models."""
+        if self._closing:
+            raise ClosedSupervisorError(f"lane {self.id} is shutting down")
+        self.clear_quarantine()
+        job = _Job(RELOAD, {"generation": self.generation}, None)
+        self.queued += 1
+        self._jobs_send.send_nowait(job)
+        self._wakeup.set()
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await job.done.wait()
+        if not job.done.is_set():
+            raise DeadlineExceeded(f"reload of lane {self.id} did not finish within {timeout:g} s")
+        if job.error is not None:
+            raise job.error
+
     def clear_quarantine(self) -> None:
         """Unload/reload of the lane lifts quarantine at once."""
         self.policy.clear()
@@ -167,7 +186,7 @@ class Lane:
                     continue
                 served = await self._run_generation()
                 self._mark_started()
-                if self._closing or self.cooldown_remaining() is not None:
+                if self._closing or self.cooldown_remaining() is not None or self._reloading is not None:
                     continue
                 if served:
                     backoff = self.sup.restart.backoff_initial_s
@@ -181,6 +200,8 @@ class Lane:
             self.state = LaneState.STOPPED
             self.pid = None
             self._fail_queued(ClosedSupervisorError(f"lane {self.id} stopped"))
+            if self._reloading is not None:
+                self._reloading.finish(error=ClosedSupervisorError(f"lane {self.id} stopped"))
 
     def _mark_started(self) -> None:
         if self._started is not None:
@@ -222,7 +243,8 @@ class Lane:
         self.state = LaneState.STARTING
         wp = WorkerProcess(lane_id=self.id, generation=gen, argv=self._argv(), env=self._env(gen),
                            sock_path=socket_path(self.runtime_dir, self.id), max_frame=self.sup.max_frame,
-                           kill_grace_s=self.windows.kill_grace_s, log=self.log, on_event=self._on_event)
+                           kill_grace_s=self.windows.kill_grace_s,
+                           drain_s=self.windows.exit_status_s, log=self.log, on_event=self._on_event)
         served = False
         try:
             async with trio.open_nursery() as nursery:
@@ -230,17 +252,29 @@ class Lane:
                 if wp.fault is None:
                     self.pid = wp.pid
                     await self._load_all(wp)
+                    if self._reloading is not None:
+                        self._reloading.finish(result=Message("RELOADED", {"generation": wp.generation}))
+                        self._reloading = None
                     self._mark_started()
+                    nursery.start_soon(self._refresh_health)
                     served = await self._serve(wp)
                     await self._shutdown(wp)
                 nursery.cancel_scope.cancel()
         finally:
-            rc = await wp.close(self.windows.shutdown_s if wp.ordered_stop else 0.0)
+            rc = await wp.close(self._patience(wp))
             self.last_exit = describe_exit(rc)
             self.pid = None
             self.models_loaded = []
         self._after_generation(wp, rc)
         return served
+
+    def _patience(self, wp: WorkerProcess) -> float:
+        """How long a dying worker may take to exit by itself before the kill path."""
+        if wp.ordered_stop:
+            return self.windows.shutdown_s
+        if wp.fault is not None and wp.fault.cause == "crash":
+            return self.windows.exit_status_s  # an EOF usually means it is exiting: keep its real status
+        return 0.0
 
     def _after_generation(self, wp: WorkerProcess, rc: int) -> None:
         fault = wp.fault
@@ -256,10 +290,10 @@ class Lane:
         self.policy.strike(Fault(fault.cause), trio.current_time())
         self.last_error = str(err)
         log.warning("%s", err, extra={"lane_id": self.id, "generation": wp.generation})
-        for job in (self._current, self._held):
+        for job in (self._current, self._held, self._reloading):
             if job is not None:
                 job.finish(error=err)
-        self._current = self._held = None
+        self._current = self._held = self._reloading = None
         self.bus.publish({"t": "WORKER_CRASHED", "lane_id": self.id, "generation": wp.generation,
                           "status": describe_exit(rc), "cause": fault.cause})
 
@@ -302,6 +336,12 @@ class Lane:
                 self.queued -= 1
             if job.abandoned:
                 continue  # its caller is gone: never let it reach the worker
+            if job.t == RELOAD:
+                if job.fields["generation"] < wp.generation:
+                    job.finish(result=Message("RELOADED", {"generation": wp.generation}))  # already fresh
+                    continue
+                self._reloading = job
+                return served
             self._current = job
             self.state = LaneState.BUSY
             reply = await self._exchange(wp, job)
@@ -363,6 +403,20 @@ class Lane:
                 await self._exchange(wp, _Job("SHUTDOWN", {"mode": "graceful"}, None))
             except (trio.BrokenResourceError, OSError):
                 return
+
+    async def _refresh_health(self) -> None:
+        """Background PING while idle keeps rss_mb and models current; health requests never PING."""
+        interval = self.sup.health_interval_s
+        while True:
+            await trio.sleep(interval)
+            if self.queued or self.state != LaneState.READY:
+                continue
+            try:
+                pong = await self.call("PING", {}, timeout=self.windows.control_s)
+            except GpuWorkerError:
+                continue  # a failing worker is handled by the lane itself; health stays cached
+            self.rss_mb = pong["rss_mb"]
+            self.models_loaded = list(pong["models_loaded"])
 
     # --- status --------------------------------------------------------------------------------
 

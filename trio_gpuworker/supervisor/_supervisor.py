@@ -84,6 +84,8 @@ class Supervisor:
 
     @staticmethod
     def _load_tokenizer(m: ModelConfig) -> EmbeddingTokenizer:
+        from ..tokenization import EmbeddingTokenizer
+
 
         path = m.tokenizer_path or m.path.with_name("tokenizer.json")
         return EmbeddingTokenizer.from_file(path, m.max_tokens)
@@ -167,6 +169,13 @@ class Supervisor:
         if lane is None:
             raise NoLaneAvailable(f"no lane {lane_id!r}")
         return await lane.call(t, fields, raw, timeout=timeout)
+
+    async def reload_lane(self, lane_id: str, timeout: float | None = None) -> None:
+        """Ordered restart of one lane's worker (no strike); lifts its quarantine at once."""
+        lane = self.lanes.get(lane_id)
+        if lane is None:
+            raise NoLaneAvailable(f"no lane {lane_id!r}")
+        await lane.reload(timeout)
 
     def status(self) -> list[dict[str, Any]]:
         """Cached lane state; never touches a worker."""

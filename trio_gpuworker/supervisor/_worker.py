@@ -32,7 +32,7 @@ class Fault:
 
 class WorkerProcess:
     def __init__(self, *, lane_id: str, generation: int, argv: list[str], env: dict[str, str], sock_path: Path,
-                 max_frame: int, kill_grace_s: float, log: LogRing, on_event: Any = None) -> None:
+                 max_frame: int, kill_grace_s: float, drain_s: float, log: LogRing, on_event: Any = None) -> None:
         self.lane_id = lane_id
         self.generation = generation
         self.argv = argv
@@ -40,6 +40,8 @@ class WorkerProcess:
         self.sock_path = sock_path
         self.max_frame = max_frame
         self.kill_grace_s = kill_grace_s
+        self.drain_s = drain_s
+        self._reader_done: trio.Event | None = None
         self.log = log
         self.on_event = on_event
         self.nonce = secrets.token_hex(16)
@@ -124,9 +126,14 @@ class WorkerProcess:
 
     async def _watch_exit(self) -> None:
         self.returncode = await self.proc.wait()
+        if self._reader_done is not None:
+            # replies the worker wrote before exiting are still in the socket: let the reader deliver them
+            with trio.move_on_after(self.drain_s):
+                await self._reader_done.wait()
         self.fail("crash", f"worker exited ({describe_exit(self.returncode)})")
 
     async def _read_loop(self) -> None:
+        self._reader_done = trio.Event()
         try:
             while (msg := await self._receive()) is not None:
                 if msg.t in NOTIFICATIONS:
@@ -144,6 +151,8 @@ class WorkerProcess:
             self.fail("protocol", str(exc), exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             self.fail("crash", f"control socket broke: {exc}", exc)
+        finally:
+            self._reader_done.set()
 
     async def _receive(self) -> Message | None:
         while True:

@@ -1,0 +1,40 @@
+"""Shared bench helpers: deterministic inputs, timing, a table of ratios."""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+WORDS = ("the quick brown fox jumps over a lazy dog while engineers measure throughput of inference "
+         "servers under load ; tensors move through shared memory rings at close to memcpy speed and "
+         "workers crash hang or misbehave without taking the node down").split()
+
+
+def sentences(n: int, seed: int = 7, lo: int = 6, hi: int = 48) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def table(title: str, rows: list[tuple[str, float, str]], baseline: str) -> str:
+    """rows: (name, value, unit); ratios are value / baseline's value."""
+    base = next(v for n, v, _ in rows if n == baseline)
+    out = [title, f"{'path':<44}{'value':>14}  {'unit':<12}{'ratio':>8}"]
+    for name, value, unit in rows:
+        out.append(f"{name:<44}{value:>14.2f}  {unit:<12}{value / base:>8.2f}x")
+    out.append(f"(ratio = value / '{baseline}')")
+    return "\n".join(out)

