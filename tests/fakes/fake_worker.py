@@ -22,6 +22,7 @@ behaves.
     wrong_nonce                   HELLO with another nonce
     v2_hello                      HELLO with v 2
     frame_before_hello            PONG before HELLO
+    oversize_hello                a u32 length of 0xFFFFFFF0 as the first frame
     ignore_sigterm                SIGTERM ignored from the start; otherwise normal (forces SIGKILL)
     crash_during_load             PROGRESS(setup), then exit 4
     crash_mid_request             os._exit(5) right after reading the request
@@ -35,6 +36,9 @@ behaves.
     flood_stderr                  ~1 MiB to stderr and to stdout, then the reply
     slow                          reply after --delay s, PROGRESS every --progress-every s (else silent)
     exit_after_reply              the reply, then exit 0
+
+--fault-rate P [--seed S]: besides any behavior, each serving request misbehaves with probability P, drawing
+from RANDOM_FAULTS (crash, crash between header and raw, silent hang, garbage, wrong req_id, regressing progress).
 """
 
 from __future__ import annotations
@@ -66,11 +70,14 @@ from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message
 DIMS = 4
 SERVING = ("EMBED_BATCH", "RERANK", "GENERATE")
 HANDSHAKE_BEHAVIORS = ("crash_before_hello", "garbage_hello", "wrong_nonce", "v2_hello", "frame_before_hello",
-                       "ignore_sigterm")
+                       "oversize_hello", "ignore_sigterm")
 REQUEST_BEHAVIORS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "hang_sigstop", "garbage",
                      "oversize_length", "regressing_progress", "wrong_req_id", "flood_stderr", "slow",
                      "exit_after_reply")
 BEHAVIORS = (*HANDSHAKE_BEHAVIORS, "crash_during_load", *REQUEST_BEHAVIORS)
+# what --fault-rate draws from (the soak test): each ends the request with a typed error, never a hang of the caller
+RANDOM_FAULTS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "garbage", "wrong_req_id",
+                 "regressing_progress")
 
 
 def frame(payload: bytes) -> bytes:
@@ -97,6 +104,7 @@ class FakeWorker:
         self.loads = self.served = 0
         self.models: list[str] = []
         self.completed = 0  # PROGRESS counter of the current request
+        self.rng = random.Random(args.seed)
 
     # --- when to misbehave -------------------------------------------------------------------
 
@@ -153,6 +161,8 @@ class FakeWorker:
         hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, {"engine": "fake", "version": "1"})
         if self.at_start("garbage_hello"):
             self.write(frame(garbage_bytes()))
+        elif self.at_start("oversize_hello"):
+            self.write(struct.pack("<I", 0xFFFFFFF0))
         elif self.at_start("frame_before_hello"):
             self.write(frame(cbor2.dumps({"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []})))
         else:
@@ -187,7 +197,10 @@ class FakeWorker:
             self.send("LOADED", {"req_id": req_id, "model_ref": model_ref, "dims": DIMS, "cold_load_ms": cold_load_ms})
         elif t in SERVING:
             self.served += 1
-            self.serve_inference(msg, self.at_request(self.served, *REQUEST_BEHAVIORS))
+            behavior = self.at_request(self.served, *REQUEST_BEHAVIORS)
+            if behavior is None and self.args.fault_rate and self.rng.random() < self.args.fault_rate:
+                behavior = self.rng.choice(RANDOM_FAULTS)
+            self.serve_inference(msg, behavior)
         elif t == "UNLOAD":
             if msg["model_ref"] in self.models:
                 self.models.remove(msg["model_ref"])
@@ -283,6 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--once-file")
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--progress-every", type=float)
+    p.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random fault per serving request")
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--socket", required=True)
     p.add_argument("--nonce", required=True)
     return p.parse_args(argv)
