@@ -29,7 +29,10 @@ def test_embedded_default_values() -> None:
     cfg = parse(EMBEDDED_DEFAULT)
     sup = cfg.supervisor
     assert cfg.http.listen == "127.0.0.1:8421"
-    assert [m.id for m in sup.models] == ["all-MiniLM-L6-v2"] and sup.models[0].path.is_file()
+    assert [m.id for m in sup.models] == ["all-MiniLM-L6-v2", "SmolLM2-135M-Instruct"]
+    assert all(m.path.is_file() for m in sup.models) and sup.models[1].format == "gguf"
+    assert [(ln.id, ln.models) for ln in sup.lanes] == [("embed-0", ("all-MiniLM-L6-v2",)),
+                                                        ("gen-0", ("SmolLM2-135M-Instruct",))]
     assert sup.windows.inference_s == 120 and sup.windows.load_s == 600 and sup.windows.setup_s == 600
     assert sup.quarantine.strikes == 2 and sup.quarantine.cooldown_s == 600 and sup.log_tail_bytes == 8192
     assert sup.max_frame == 64 << 20

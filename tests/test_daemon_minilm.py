@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -40,6 +41,8 @@ async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp
     env = {"GPUWORKER_STATE_DIR": str(repo_state), "GPUWORKER_RUNTIME_DIR": str(tmp_path / "run"),
            "GPUWORKER_LISTEN": "127.0.0.1:0"}
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env)
+    sup = dataclasses.replace(cfg.supervisor, lanes=cfg.supervisor.lanes[:1], models=cfg.supervisor.models[:1])
+    cfg = dataclasses.replace(cfg, supervisor=sup)  # the embedding lane alone: generation has its own tests
     async with trio.open_nursery() as nursery:
         sup, binds = await nursery.start(run_daemon, cfg)
         async with httpx.AsyncClient(base_url=binds[0], timeout=600) as client:

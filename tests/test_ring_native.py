@@ -147,6 +147,11 @@ def test_init_rejects_bad_layout(offset: int, ring_id: int, capacity: int) -> No
         Ring.init(arena(), offset, ring_id, capacity)
 
 
+def test_rings_come_only_from_init_or_attach() -> None:
+    with pytest.raises(TypeError, match=r"Ring\.init"):
+        Ring()
+
+
 def test_needs_a_writable_buffer() -> None:
     with pytest.raises(BufferError):
         Ring.attach(header_bytes() + bytes(CAP), 0)
@@ -620,6 +625,14 @@ def test_destination_failure_faults_the_ring(resolver: Callable[..., object], ma
     assert events[0][0:2] == ("failed", "device_allocation_failed") and events[0][3:] == (5, 0)
     assert match in events[0][2] and st_.last_exception is not None
     assert r.state == STATE_FAULTED and r.consume == 0
+
+
+def test_resolver_may_return_numpy_integers() -> None:
+    r, st_ = ring(), IngressState()
+    dst = np.zeros(8, np.uint8)
+    r.write(obj(5, 0, bytes(range(8))))
+    events = drain_ingress(r, st_, SPEC, lambda *_: (np.uint64(dst.ctypes.data), np.int64(8)))
+    assert events[1] == ("loaded", 5, 0, 8, 0) and bytes(dst) == bytes(range(8))
 
 
 def test_close_mid_payload_is_eof_mid_object() -> None:

