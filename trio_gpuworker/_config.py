@@ -76,6 +76,7 @@ class SupervisorConfig:
     log_ring_bytes: int = 64 * 1024
     log_tail_bytes: int = 8 * 1024
     max_batch_items: int = 256
+    arena_bytes: int = 1 << 30  # sparse memfd ceiling shared with workers for rings; 0 disables the data plane
     health_interval_s: float = 15.0  # background PING of idle workers (rss_mb, models_loaded)
 
     def model(self, model_id: str) -> ModelConfig:

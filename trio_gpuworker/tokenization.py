@@ -15,42 +15,49 @@ from tokenizers import Tokenizer
 
 
 class EmbeddingTokenizer:
-  def __init__(self, tokenizer: Tokenizer, max_tokens: int = 256) -> None:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
-      raise ValueError(f"max_tokens must be an int >= 2 (room for [CLS] and [SEP]), got {max_tokens!r}")
-    self.max_tokens = max_tokens
-    self._tok = tokenizer
-    self._tok.no_padding()
-    self._tok.enable_truncation(max_length=max_tokens, strategy="longest_first", stride=0, direction="right")
-    # A pair needs room for 3 specials plus at least one token of each side, else tokenizers raises per call.
-    self._pair_specials = self._tok.num_special_tokens_to_add(is_pair=True)
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 256) -> None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+            raise ValueError(f"max_tokens must be an int >= 2 (room for [CLS] and [SEP]), got {max_tokens!r}")
+        self.max_tokens = max_tokens
+        self._tok = tokenizer
+        self._tok.no_padding()
+        self._tok.enable_truncation(max_length=max_tokens, strategy="longest_first", stride=0, direction="right")
+        # A pair needs room for 3 specials plus at least one token of each side, else tokenizers raises per call.
+        self._pair_specials = self._tok.num_special_tokens_to_add(is_pair=True)
 
-  @classmethod
-  def from_file(cls, tokenizer_json: pathlib.Path, max_tokens: int = 256) -> EmbeddingTokenizer:
-    path = pathlib.Path(tokenizer_json)
-    try: tok = Tokenizer.from_file(str(path))
-    except Exception as e: raise ValueError(f"cannot load tokenizer {str(path)!r}: {e}") from e
-    return cls(tok, max_tokens)
+    @classmethod
+    def from_file(cls, tokenizer_json: pathlib.Path, max_tokens: int = 256) -> EmbeddingTokenizer:
+        path = pathlib.Path(tokenizer_json)
+        try:
+            tok = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise ValueError(f"cannot load tokenizer {str(path)!r}: {e}") from e
+        return cls(tok, max_tokens)
 
-  @staticmethod
-  def _strs(texts: list[str], what: str) -> list[str]:
-    if isinstance(texts, str): raise TypeError(f"{what} must be a list of str, not a single str")
-    texts = list(texts)
-    if bad := [i for i, t in enumerate(texts) if not isinstance(t, str)]:
-      raise TypeError(f"{what}[{bad[0]}] is {type(texts[bad[0]]).__name__}, expected str")
-    return texts
+    @staticmethod
+    def _strs(texts: list[str], what: str) -> list[str]:
+        if isinstance(texts, str):
+            raise TypeError(f"{what} must be a list of str, not a single str")
+        texts = list(texts)
+        if bad := [i for i, t in enumerate(texts) if not isinstance(t, str)]:
+            raise TypeError(f"{what}[{bad[0]}] is {type(texts[bad[0]]).__name__}, expected str")
+        return texts
 
-  def encode(self, texts: list[str]) -> list[np.ndarray]:
-    """Token ids per text, [CLS] ... [SEP], at most ``max_tokens`` long, as int32 arrays."""
-    texts = self._strs(texts, "texts")
-    if not texts: return []
-    return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=True)]
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids per text, [CLS] ... [SEP], at most ``max_tokens`` long, as int32 arrays."""
+        texts = self._strs(texts, "texts")
+        if not texts:
+            return []
+        return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=True)]
 
-  def encode_pair(self, query: str, docs: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """([CLS] query [SEP] doc [SEP] ids, token_type_ids) per doc, truncated longest_first like HF."""
-    if not isinstance(query, str): raise TypeError(f"query is {type(query).__name__}, expected str")
-    docs = self._strs(docs, "docs")
-    if self.max_tokens < self._pair_specials + 2: raise ValueError(f"max_tokens {self.max_tokens} is too small for a pair")
-    if not docs: return [], []
-    enc = self._tok.encode_batch([(query, d) for d in docs], add_special_tokens=True)
-    return [np.asarray(e.ids, dtype=np.int32) for e in enc], [np.asarray(e.type_ids, dtype=np.int32) for e in enc]
+    def encode_pair(self, query: str, docs: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """([CLS] query [SEP] doc [SEP] ids, token_type_ids) per doc, truncated longest_first like HF."""
+        if not isinstance(query, str):
+            raise TypeError(f"query is {type(query).__name__}, expected str")
+        docs = self._strs(docs, "docs")
+        if self.max_tokens < self._pair_specials + 2:
+            raise ValueError(f"max_tokens {self.max_tokens} is too small for a pair")
+        if not docs:
+            return [], []
+        enc = self._tok.encode_batch([(query, d) for d in docs], add_special_tokens=True)
+        return [np.asarray(e.ids, dtype=np.int32) for e in enc], [np.asarray(e.type_ids, dtype=np.int32) for e in enc]

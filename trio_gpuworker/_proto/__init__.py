@@ -7,6 +7,7 @@ from ._connection import CLOSED, NEED_DATA, Connection, Message, check_fields, d
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefix
 from ._handshake import PROTOCOL_VERSION, RING_ABI, HandshakeRules, hello_fields
 from ._progress import ProgressValidator
+from ._ring_messages import INTERMEDIATE
 from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, register
 from ._strikes import Fault, StrikePolicy
 
@@ -15,6 +16,7 @@ __all__ = [
     "CLOSED",
     "DAEMON",
     "DEFAULT_MAX_FRAME",
+    "INTERMEDIATE",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "RING_ABI",

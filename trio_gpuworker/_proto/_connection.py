@@ -27,6 +27,7 @@ class Message:
     t: str
     fields: dict[str, Any]
     raw: bytes | None = None
+    extras: tuple[Message, ...] = ()  # intermediate replies gathered before a terminal one (OBJECT_PRODUCED)
 
     def __getitem__(self, key: str) -> Any:
         return self.fields[key]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -20,6 +21,8 @@ from .._config import (
     Windows,
 )
 from .._errors import ConfigError
+from ..supervisor._admission import AdmissionPolicy
+from ..supervisor._batching import BatchPolicy
 
 DEFAULT_LISTEN = "127.0.0.1:8421"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
@@ -51,10 +54,15 @@ models = ["{DEFAULT_LM}"]
 @dataclass(frozen=True)
 class HttpConfig:
     listen: str = DEFAULT_LISTEN  # host:port on loopback; "" disables TCP
-    unix_socket: str = ""  # path of a Unix-socket listener; "" disables it
+    unix_socket: str = ""  # path of a Unix-socket listener (mode 0660); "" disables it
+    admin_on_tcp: bool = False  # admin routes (reload, drain, load, unload) on the TCP listener too
+    allow_remote: bool = False  # let `listen` name a non-loopback address (the API has no authentication)
     max_body_bytes: int = 8 << 20
     request_timeout_s: float = 120.0
     max_inputs: int = 2048
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,10 @@ class DaemonConfig:
     supervisor: SupervisorConfig
     http: HttpConfig = field(default_factory=HttpConfig)
     log_format: str = "plain"
+    log_level: str = "info"
+    drain_s: float = 30.0  # SIGTERM: how long requests in flight may take to finish before workers are stopped
+    admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    batching: BatchPolicy = field(default_factory=BatchPolicy)
 
 
 def _check_type(key: str, value: Any, want: type | tuple[type, ...]) -> Any:
@@ -167,9 +179,37 @@ def _lane(i: int, raw: Any, models: dict[str, ModelConfig], seen: set[str]) -> L
     return lane
 
 
-_TOP = {"daemon", "http", "windows", "quarantine", "restart", "models", "lanes"}
-_DAEMON_KEYS = {"state_dir", "runtime_dir", "max_frame_mib", "log_format", "log_ring_bytes", "log_tail_bytes",
-                "max_batch_items"}
+_TOP = {"daemon", "http", "windows", "quarantine", "restart", "arena", "admission", "batching", "models", "lanes"}
+_DAEMON_KEYS = {"state_dir", "runtime_dir", "max_frame_mib", "log_format", "log_level", "log_ring_bytes",
+                "log_tail_bytes", "max_batch_items", "drain_s"}
+_ARENA_KEYS = {"size_mib"}
+_BATCHING_KEYS = {"max_delay_ms"}
+MAX_BATCH_DELAY_MS = 1000.0
+UNIX_PATH_MAX = 107
+
+
+def _keys(section: str, raw: Any, known: set[str]) -> dict[str, Any]:
+    _check_type(section, raw, dict)
+    for k in raw:
+        if k not in known:
+            raise ConfigError(f"{section}.{k}: unknown key (known: {', '.join(sorted(known))})")
+    return dict(raw)
+
+
+def _check_listen(listen: str, allow_remote: bool) -> None:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or not host:  # 0: any free port
+        raise ConfigError(f"http.listen: {listen!r} is not host:port")
+    if allow_remote:
+        return
+    bare = host.strip("[]")
+    try:
+        loopback = bare == "localhost" or ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(f"http.listen: {listen!r} is not a loopback address; the API has no authentication "
+                          "(set http.allow_remote = true to listen there anyway)")
 
 
 def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> DaemonConfig:
@@ -185,10 +225,7 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
     for k in raw:
         if k not in _TOP:
             raise ConfigError(f"{k}: unknown key (known: {', '.join(sorted(_TOP))})")
-    d = dict(raw.get("daemon", {}))
-    for k in d:
-        if k not in _DAEMON_KEYS:
-            raise ConfigError(f"daemon.{k}: unknown key (known: {', '.join(sorted(_DAEMON_KEYS))})")
+    d = _keys("daemon", raw.get("daemon", {}), _DAEMON_KEYS)
     state_dir = Path(env.get("GPUWORKER_STATE_DIR") or env.get("STATE_DIRECTORY", "").split(":")[0]
                      or _check_type("daemon.state_dir", d.get("state_dir", ".state"), str))
     state_dir = state_dir if state_dir.is_absolute() else base / state_dir
@@ -198,12 +235,38 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
     log_format = _check_type("daemon.log_format", d.get("log_format", "plain"), str)
     if log_format not in ("plain", "json"):
         raise ConfigError(f"daemon.log_format: {log_format!r} is not plain or json")
+    log_level = _check_type("daemon.log_level", d.get("log_level", "info"), str)
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"daemon.log_level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    drain_s = _check_type("daemon.drain_s", d.get("drain_s", 30.0), float)
+    if not 0 < drain_s <= 3600:
+        raise ConfigError(f"daemon.drain_s: must be within (0, 3600], got {drain_s!r}")
     ints = {k: _check_type(f"daemon.{k}", d[k], int) for k in ("max_frame_mib", "log_ring_bytes", "log_tail_bytes",
                                                                  "max_batch_items") if k in d}
     if not 1 <= ints.get("max_frame_mib", 64) <= 1024:
         raise ConfigError(f"daemon.max_frame_mib: must be within 1..1024, got {ints['max_frame_mib']}")
-    if ints.get("max_batch_items", 1) < 1:
-        raise ConfigError("daemon.max_batch_items: must be >= 1")
+    if not 1 <= ints.get("max_batch_items", 1) <= 4096:
+        raise ConfigError(f"daemon.max_batch_items: must be within 1..4096, got {ints['max_batch_items']}")
+    if ints.get("log_ring_bytes", 1) < 1024 and "log_ring_bytes" in ints:
+        raise ConfigError(f"daemon.log_ring_bytes: must be >= 1024, got {ints['log_ring_bytes']}")
+    if ints.get("log_tail_bytes", 0) < 0:
+        raise ConfigError(f"daemon.log_tail_bytes: must be >= 0, got {ints['log_tail_bytes']}")
+
+    arena = _keys("arena", raw.get("arena", {}), _ARENA_KEYS)
+    arena_mib = _check_type("arena.size_mib", arena.get("size_mib", 1024), int)
+    if not 0 <= arena_mib <= 1 << 20:
+        raise ConfigError(f"arena.size_mib: must be within 0..1048576 (0 disables rings), got {arena_mib}")
+    admission = _table("admission", raw.get("admission", {}), AdmissionPolicy)
+    if admission.queue_bytes < 1024:
+        raise ConfigError(f"admission.queue_bytes: must be >= 1024, got {admission.queue_bytes}")
+    if admission.retry_after_s <= 0:
+        raise ConfigError(f"admission.retry_after_s: must be > 0, got {admission.retry_after_s}")
+    batching_raw = _keys("batching", raw.get("batching", {}), _BATCHING_KEYS)
+    delay_ms = _check_type("batching.max_delay_ms", batching_raw.get("max_delay_ms", 2.0), float)
+    if not 0 <= delay_ms <= MAX_BATCH_DELAY_MS:
+        raise ConfigError(f"batching.max_delay_ms: must be within 0..{MAX_BATCH_DELAY_MS:g} (0 = off), "
+                          f"got {delay_ms!r}")
+    batching = BatchPolicy(max_items=ints.get("max_batch_items", 256), max_delay_s=delay_ms / 1000)
 
     models_raw = raw.get("models", {})
     _check_type("models", models_raw, dict)
@@ -226,16 +289,27 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
     http = HttpConfig(**{**http.__dict__, "listen": env.get("GPUWORKER_LISTEN", http.listen),
                          "unix_socket": env.get("GPUWORKER_UNIX_SOCKET", http.unix_socket)})
     if http.listen:
-        host, sep, port = http.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or not host:  # 0: any free port
-            raise ConfigError(f"http.listen: {http.listen!r} is not host:port")
+        _check_listen(http.listen, http.allow_remote)
+    if http.unix_socket:
+        if len(os.fsencode(http.unix_socket)) > UNIX_PATH_MAX:
+            raise ConfigError(f"http.unix_socket: {http.unix_socket!r} is longer than the {UNIX_PATH_MAX}-byte "
+                              "limit of a Unix socket path")
+        if not os.path.isabs(http.unix_socket):
+            http = HttpConfig(**{**http.__dict__, "unix_socket": os.fspath(base / http.unix_socket)})
     if not http.listen and not http.unix_socket:
         raise ConfigError("http: set listen and/or unix_socket")
+    if http.max_body_bytes < 1024:
+        raise ConfigError(f"http.max_body_bytes: must be >= 1024, got {http.max_body_bytes}")
+    if http.request_timeout_s <= 0:
+        raise ConfigError(f"http.request_timeout_s: must be > 0, got {http.request_timeout_s}")
+    if http.max_inputs < 1:
+        raise ConfigError(f"http.max_inputs: must be >= 1, got {http.max_inputs}")
     sup = SupervisorConfig(
         lanes=lanes, models=tuple(models.values()), state_dir=state_dir, runtime_dir=runtime_dir,
         max_frame=ints.get("max_frame_mib", 64) << 20, windows=windows, quarantine=quarantine, restart=restart,
-        **{k: v for k, v in ints.items() if k != "max_frame_mib"})
-    return DaemonConfig(supervisor=sup, http=http, log_format=log_format)
+        arena_bytes=arena_mib << 20, **{k: v for k, v in ints.items() if k != "max_frame_mib"})
+    return DaemonConfig(supervisor=sup, http=http, log_format=log_format, log_level=log_level, drain_s=drain_s,
+                        admission=admission, batching=batching)
 
 
 def load_config(path: Path | None, env: dict[str, str] | None = None) -> DaemonConfig:

@@ -1,16 +1,30 @@
-"""The HTTP API as a plain ASGI app (served by hypercorn on trio)."""
+"""The HTTP API as a plain ASGI app (served by hypercorn on trio).
+
+One `Api` serves every listener; `api.listener(admin=True)` is the app for the Unix socket, where the admin
+routes live (on TCP only with http.admin_on_tcp). Errors are JSON bodies `{"error": {"code", "message",
+"detail"?}}` whose `code` is stable. A request whose client disconnects is cancelled, so its work is dropped
+before it reaches a worker if it has not yet.
+"""
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
+import re
+import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
 
 from .._errors import (
     ClosedSupervisorError,
+    ConfigError,
     DeadlineExceeded,
     EngineCrashed,
     GpuWorkerError,
@@ -20,13 +34,24 @@ from .._errors import (
     WorkerError,
 )
 from ..supervisor import LaneState, Supervisor
+from ..supervisor._admission import OverCapacity, Scheduler
+from .admin import LaneAdmin, LaneNotFound
 from .config import HttpConfig
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
 
 log = logging.getLogger("trio_gpuworker.http")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+
+MAX_GEN_TOKENS = 64
+STATE_POLL_S = 0.1  # how often a streamed reload reports the lane's state
+PROGRESS_BUFFER = 64  # PROGRESS events a slow streaming client may lag behind before some are skipped
+DRAIN_RETRY_AFTER_S = 5
 
 
 class HttpError(GpuWorkerError):
@@ -37,22 +62,42 @@ class HttpError(GpuWorkerError):
         self.headers = headers or {}
 
 
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class Raw:
+    status: int
+    body: bytes
+    content_type: str
+
+
+@dataclass
+class Stream:
+    """NDJSON events: `produce(emit)` awaits `emit(event)` for each line."""
+
+    produce: Callable[[Emit], Awaitable[None]]
+
+
 # Worker-side ERR codes that mean the caller's input was at fault.
-_CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loaded"}
+_CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loaded", "unsupported_request"}
 
 
 def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
     if isinstance(exc, HttpError):
         return exc.status, exc.headers
+    if isinstance(exc, OverCapacity):
+        return 429, {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
     if isinstance(exc, EngineCrashed):
         if exc.quarantined:
             return 503, {"retry-after": str(max(1, math.ceil(exc.cooldown_remaining_s or 0)))}
         return 503, {}
     if isinstance(exc, DeadlineExceeded):
         return 504, {}
-    if isinstance(exc, InvalidRequest):
+    if isinstance(exc, InvalidRequest | ConfigError):
         return 400, {}
-    if isinstance(exc, ModelNotFound):
+    if isinstance(exc, ModelNotFound | LaneNotFound):
         return 404, {}
     if isinstance(exc, ClosedSupervisorError | NoLaneAvailable):
         return 503, {}
@@ -61,18 +106,101 @@ def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
     return 500, {}
 
 
+def error_body(exc: GpuWorkerError) -> dict[str, Any]:
+    return {"error": {**exc.to_wire(), "code": getattr(exc, "code", "internal")}}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    pattern: re.Pattern[str]
+    label: str  # the route template, a metrics label
+    handler: Callable[[dict[str, str], Any], Awaitable[Any]]
+    admin: bool = False
+    tracked: bool = False  # counted in flight and refused while draining
+
+
 class Api:
-    def __init__(self, sup: Supervisor, http: HttpConfig) -> None:
+    def __init__(self, sup: Supervisor, http: HttpConfig, *, scheduler: Scheduler | None = None,
+                 metrics: Metrics | None = None,
+                 reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.sup = sup
         self.http = http
-        self.routes: dict[tuple[str, str], Callable[[dict[str, Any] | None], Awaitable[tuple[int, Any]]]] = {
-            ("GET", "/healthz"): self.healthz,
-            ("GET", "/v1/lanes"): self.lanes,
-            ("GET", "/v1/models"): self.models,
-            ("POST", "/v1/embeddings"): self.embeddings,
-        }
+        self.scheduler = scheduler if scheduler is not None else getattr(sup, "scheduler", None)
+        self.metrics = metrics
+        self.admin = LaneAdmin(sup, self.scheduler)
+        self.reload_config = reload_config
+        self.admitting = True
+        self.inflight = 0
+        self.served = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        lane = r"(?P<lane>[A-Za-z0-9_-]+)"
+        table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool]] = [
+            ("GET", "/healthz", self.healthz, False, False),
+            ("GET", "/metrics", self.prometheus, False, False),
+            ("GET", "/v1/models", self.models, False, False),
+            ("GET", "/v1/lanes", self.lanes, False, False),
+            ("GET", "/v1/lanes/{lane}", self.lane, False, False),
+            ("POST", "/v1/embeddings", self.embeddings, False, True),
+            ("POST", "/v1/rerank", self.rerank, False, True),
+            ("POST", "/v1/completions", self.completions, False, True),
+            ("POST", "/v1/chat/completions", self.chat_completions, False, True),
+            ("POST", "/v1/lanes/{lane}/reload", self.lane_reload, True, True),
+            ("POST", "/v1/lanes/{lane}/drain", self.lane_drain, True, True),
+            ("POST", "/v1/lanes/{lane}/resume", self.lane_resume, True, True),
+            ("POST", "/v1/lanes/{lane}/load", self.lane_load, True, True),
+            ("POST", "/v1/lanes/{lane}/unload", self.lane_unload, True, True),
+            ("POST", "/v1/config/reload", self.config_reload, True, True),
+        ]
+        self.routes = [Route(m, re.compile("^" + p.replace("{lane}", lane) + "$"), p, h, admin, tracked)
+                       for m, p, h, admin, tracked in table]
+
+    # --- ASGI ----------------------------------------------------------------------------------
+
+    def listener(self, *, admin: bool) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+        async def app(scope: Scope, receive: Receive, send: Send) -> None:
+            await self.handle(scope, receive, send, admin=admin)
+
+        return app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.handle(scope, receive, send, admin=True)
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    def _enter(self) -> None:
+        self.inflight += 1
+        if self._idle.is_set():
+            self._idle = trio.Event()
+
+    def _exit(self) -> None:
+        self.inflight -= 1
+        self.served += 1
+        if self.inflight == 0:
+            self._idle.set()
+
+    def _match(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
+        allowed = False
+        for route in self.routes:
+            m = route.pattern.match(path)
+            if m is None:
+                continue
+            if route.method == method:
+                return route, m.groupdict()
+            allowed = True
+        if allowed:
+            raise HttpError(405, "method_not_allowed", f"{method} is not allowed on {path}")
+        raise HttpError(404, "not_found", f"no route {path}")
+
+    def _model_label(self, body: Any) -> str:
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is None:
+            return ""
+        return model if any(m.id == model for m in self.sup.config.models) else "unknown"
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, *, admin: bool) -> None:
         if scope["type"] == "lifespan":
             while (await receive())["type"] != "lifespan.shutdown":
                 await send({"type": "lifespan.startup.complete"})
@@ -82,26 +210,68 @@ class Api:
             return
         t0 = time.perf_counter()
         method, path = scope["method"], scope["path"]
+        label, model, outcome, tracked = "other", "", "ok", False
         try:
-            handler = self.routes.get((method, path))
-            if handler is None:
-                if any(p == path for _, p in self.routes):
-                    raise HttpError(405, "method_not_allowed", f"{method} is not allowed on {path}")
-                raise HttpError(404, "not_found", f"no route {path}")
+            route, params = self._match(method, path)
+            label = route.label
+            if route.admin and not (admin or self.http.admin_on_tcp):
+                raise HttpError(403, "admin_only", f"{route.label} is served on the Unix socket only "
+                                                   "(http.admin_on_tcp)")
+            if route.tracked and not self.admitting:
+                raise HttpError(503, "shutting_down", "gpuworkerd is draining; no new requests are admitted",
+                                {"retry-after": str(DRAIN_RETRY_AFTER_S), "connection": "close"})
             body = await self._json_body(receive) if method == "POST" else None
-            status, payload = await handler(body)
-            headers: dict[str, str] = {}
+            model = self._model_label(body)
+            if route.tracked:
+                self._enter()
+                tracked = True
+            status = await self._run(route, params, body, receive, send)
+            outcome = "ok" if status < 400 else str(status)
+        except ClientGone:
+            outcome = "client_gone"
         except GpuWorkerError as exc:
             status, headers = error_status(exc)
-            payload = {"error": {**exc.to_wire(), "code": getattr(exc, "code", "internal")}}
+            outcome = getattr(exc, "code", "internal")
             if status >= 500:
                 log.warning("%s %s -> %d %s", method, path, status, exc)
+            await self._respond(send, status, error_body(exc), headers)
         except Exception as exc:  # the daemon must answer, whatever broke
             log.exception("%s %s failed", method, path)
-            status, headers = 500, {}
-            payload = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
-        await self._respond(send, status, payload, headers)
-        log.debug("%s %s %d %.1f ms", method, path, status, (time.perf_counter() - t0) * 1000)
+            outcome = "internal"
+            await self._respond(send, 500, {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}},
+                                {})
+        finally:
+            if tracked:
+                self._exit()
+        if self.metrics is not None:
+            self.metrics.observe(label, model, outcome, time.perf_counter() - t0)
+        log.debug("%s %s %s %.1f ms", method, path, outcome, (time.perf_counter() - t0) * 1000)
+
+    async def _run(self, route: Route, params: dict[str, str], body: Any, receive: Receive, send: Send) -> int:
+        """Run the handler and send its answer while watching for the client's disconnect, which cancels both."""
+        gone = False
+        error: Exception | None = None
+        status = 200
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal gone
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            try:
+                status = await self._send_result(send, await route.handler(params, body))
+            except Exception as exc:  # re-raised below, outside the nursery (not as an ExceptionGroup)
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        if gone:
+            raise ClientGone
+        return status
 
     async def _json_body(self, receive: Receive) -> dict[str, Any]:
         chunks: list[bytes] = []
@@ -109,21 +279,47 @@ class Api:
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
-                raise HttpError(400, "client_disconnected", "client went away")
+                raise ClientGone
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.http.max_body_bytes:
-                raise HttpError(413, "request_too_large", f"request body exceeds {self.http.max_body_bytes} bytes")
+                raise HttpError(413, "request_too_large", f"request body exceeds {self.http.max_body_bytes} bytes "
+                                                          "(http.max_body_bytes)")
             chunks.append(chunk)
             if not msg.get("more_body"):
                 break
+        data = b"".join(chunks)
+        if not data.strip():
+            return {}
         try:
-            body = json.loads(b"".join(chunks))
+            body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise HttpError(400, "invalid_request", "request body must be a JSON object")
         return body
+
+    async def _send_result(self, send: Send, result: Any) -> int:
+        if isinstance(result, Raw):
+            await send({"type": "http.response.start", "status": result.status,
+                        "headers": [(b"content-type", result.content_type.encode()),
+                                    (b"content-length", str(len(result.body)).encode())]})
+            await send({"type": "http.response.body", "body": result.body})
+            return result.status
+        if isinstance(result, Stream):
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/x-ndjson"), (b"cache-control", b"no-cache")]})
+
+            async def emit(event: dict[str, Any]) -> None:
+                line = json.dumps(event, separators=(",", ":")).encode() + b"\n"
+                await send({"type": "http.response.body", "body": line, "more_body": True})
+
+            await result.produce(emit)
+            await send({"type": "http.response.body", "body": b""})
+            return 200
+        status, payload = result
+        await self._respond(send, status, payload, {})
+        return status
 
     @staticmethod
     async def _respond(send: Send, status: int, payload: Any, headers: dict[str, str]) -> None:
@@ -133,50 +329,281 @@ class Api:
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body})
 
-    # --- routes --------------------------------------------------------------------------------
+    # --- helpers -------------------------------------------------------------------------------
 
-    async def healthz(self, _: Any) -> tuple[int, Any]:
+    def _model(self, body: dict[str, Any], kinds: tuple[str, ...], what: str) -> str:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise InvalidRequest("'model' must be a string")
+        mc = self.sup.model_config(model)
+        if mc.kind not in kinds:
+            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not {what}")
+        return model
+
+    def _admit(self, model: str, texts: list[str], per_text_cap: int | None = None) -> Any:
+        """Admission for requests tokenized inside the supervisor: an upper bound of their token-id bytes
+        (a token covers at least one UTF-8 byte; two for specials), capped at the model's truncation."""
+        from contextlib import nullcontext
+
+        if self.scheduler is None:
+            return nullcontext()
+        n = sum(min(len(t.encode()) + 2, per_text_cap or math.inf) for t in texts)
+        return self.scheduler.admit(model, 4 * int(n))
+
+    @staticmethod
+    def _int(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+        value = body.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+            bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            raise InvalidRequest(f"'{key}' must be an integer {bound}, got {value!r}")
+        return value
+
+    # --- read-only routes ----------------------------------------------------------------------
+
+    async def healthz(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         """Cached lane state only: never waits on a worker."""
         lanes = [{k: s[k] for k in ("lane_id", "state", "pid", "generation", "strikes", "cooldown_remaining_s")}
                  for s in self.sup.status()]
         serving = any(ln["state"] in (LaneState.READY.value, LaneState.BUSY.value) for ln in lanes)
         healthy = all(ln["state"] in (LaneState.READY.value, LaneState.BUSY.value) for ln in lanes)
+        if not self.admitting:
+            return 503, {"status": "draining", "lanes": lanes}
         return (200 if serving else 503), {"status": "ok" if healthy else "degraded" if serving else "unavailable",
                                            "lanes": lanes}
 
-    async def lanes(self, _: Any) -> tuple[int, Any]:
-        return 200, {"object": "list", "data": self.sup.status()}
+    async def prometheus(self, _: dict[str, str], __: Any) -> Raw:
+        if self.metrics is None:
+            raise HttpError(404, "not_found", "metrics are not enabled")
+        from .metrics import CONTENT_TYPE
 
-    async def models(self, _: Any) -> tuple[int, Any]:
-        data = [{"id": m.id, "object": "model", "owned_by": "trio-gpuworker", "kind": m.kind,
-                 "lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.loads]}
+        return Raw(200, self.metrics.render(), CONTENT_TYPE)
+
+    def _lane_status(self, s: dict[str, Any]) -> dict[str, Any]:
+        lane = self.sup.lanes.get(s["lane_id"])
+        drained = self.scheduler is not None and s["lane_id"] in self.scheduler.drained
+        return {**s, "drained": drained, "configured_models": list(lane.loads) if lane is not None else []}
+
+    async def lanes(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
+        return 200, {"object": "list", "data": [self._lane_status(s) for s in self.sup.status()]}
+
+    async def lane(self, params: dict[str, str], _: Any) -> tuple[int, Any]:
+        return 200, self._lane_status(self.admin.lane(params["lane"]).status())
+
+    async def models(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
+        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "trio-gpuworker", "kind": m.kind,
+                 "lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.loads],
+                 "ready_lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.models_loaded]}
                 for m in self.sup.config.models]
         return 200, {"object": "list", "data": data}
 
-    async def embeddings(self, body: dict[str, Any]) -> tuple[int, Any]:
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise InvalidRequest("'model' must be a string")
+    # --- serving routes ------------------------------------------------------------------------
+
+    async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+        model = self._model(body, ("embedding",), "embeddings")
         inputs = body.get("input")
         if isinstance(inputs, str):
             inputs = [inputs]
         if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) for x in inputs):
             raise InvalidRequest("'input' must be a string or a non-empty list of strings")
         if len(inputs) > self.http.max_inputs:
-            raise InvalidRequest(f"'input' has {len(inputs)} items; at most {self.http.max_inputs} per request")
-        fmt = body.get("encoding_format", "float")
-        if fmt != "float":
-            raise InvalidRequest("only encoding_format 'float' is supported")
+            raise InvalidRequest(f"'input' has {len(inputs)} items; at most {self.http.max_inputs} per request "
+                                 "(http.max_inputs)")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise InvalidRequest(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
+        if body.get("dimensions") is not None:
+            raise InvalidRequest("'dimensions' is not supported: the model's own dimensions are returned")
         mc = self.sup.model_config(model)
-        if mc.kind != "embedding":
-            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not embeddings")
         rows = await self.sup.tokenize_async(inputs, model=model)
         vecs = await self.sup.embed_rows(rows, model=model, pooling=mc.pooling, normalize=mc.normalize,
-                                        timeout=self.http.request_timeout_s)
+                                         timeout=self.http.request_timeout_s)
         n_tokens = sum(len(r) for r in rows)
+
+        def encode(v: np.ndarray) -> Any:
+            return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
+
         return 200, {
             "object": "list",
             "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vecs)],
+            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vecs)],
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
+
+    async def rerank(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+        model = self._model(body, ("rerank", "embedding"), "rerank")
+        query, docs = body.get("query"), body.get("documents")
+        if not isinstance(query, str) or not query:
+            raise InvalidRequest("'query' must be a non-empty string")
+        if isinstance(docs, list) and all(isinstance(d, dict) and isinstance(d.get("text"), str) for d in docs):
+            docs = [d["text"] for d in docs]  # [{"text": ...}] as some rerank APIs send
+        if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
+            raise InvalidRequest("'documents' must be a non-empty list of strings")
+        if len(docs) > self.http.max_inputs:
+            raise InvalidRequest(f"'documents' has {len(docs)} items; at most {self.http.max_inputs} per request "
+                                 "(http.max_inputs)")
+        top_n = self._int(body, "top_n", None, 1) or len(docs)
+        return_documents = body.get("return_documents", False)
+        if not isinstance(return_documents, bool):
+            raise InvalidRequest("'return_documents' must be a boolean")
+        cap = self.sup.model_config(model).max_tokens
+        with self._admit(model, [query, *docs], cap):
+            scores, method = await self.sup.rerank(query, docs, model=model, timeout=self.http.request_timeout_s)
+        order = sorted(range(len(docs)), key=lambda i: (-float(scores[i]), i))[:top_n]
+        results = [{"index": i, "relevance_score": float(scores[i]),
+                    **({"document": {"text": docs[i]}} if return_documents else {})} for i in order]
+        return 200, {"id": f"rerank-{secrets.token_hex(12)}", "object": "rerank", "model": model, "method": method,
+                     "results": results}
+
+    def _generation_args(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("stream"):
+            raise InvalidRequest("streaming is not supported: send stream=false")
+        if self._int(body, "n", 1, 1, 1) != 1:
+            raise InvalidRequest("'n' must be 1")
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = self._int(body, key, 16, 1, MAX_GEN_TOKENS)
+        grammar = body.get("grammar")
+        if grammar is not None and not isinstance(grammar, str):
+            raise InvalidRequest("'grammar' must be a string")
+        return {"max_tokens": max_tokens, "grammar": grammar or None}
+
+    @staticmethod
+    def _usage(out: dict[str, Any]) -> dict[str, int]:
+        return {"prompt_tokens": out["n_prompt"], "completion_tokens": out["n_gen"],
+                "total_tokens": out["n_prompt"] + out["n_gen"]}
+
+    async def completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+        model = self._model(body, ("generate",), "completions")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidRequest("'prompt' must be a non-empty string (one prompt per request)")
+        args = self._generation_args(body)
+        with self._admit(model, [prompt]):
+            out = await self.sup.generate(prompt, model=model, timeout=self.http.request_timeout_s, **args)
+        return 200, {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
+                     "model": model,
+                     "choices": [{"index": 0, "text": out["text"], "logprobs": None,
+                                  "finish_reason": out["finish_reason"]}],
+                     "usage": self._usage(out)}
+
+    async def chat_completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+        model = self._model(body, ("generate",), "chat completions")
+        raw = body.get("messages")
+        if not isinstance(raw, list) or not raw:
+            raise InvalidRequest("'messages' must be a non-empty list")
+        messages: list[dict[str, str]] = []
+        for i, m in enumerate(raw):
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+                raise InvalidRequest(f"messages[{i}] must be {{role, content}} with string content")
+            messages.append({"role": m["role"], "content": content})
+        args = self._generation_args(body)
+        with self._admit(model, [m["content"] for m in messages]):
+            out = await self.sup.generate(model=model, messages=messages, timeout=self.http.request_timeout_s,
+                                          **args)
+        return 200, {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion",
+                     "created": int(time.time()), "model": model,
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                                  "logprobs": None, "finish_reason": out["finish_reason"]}],
+                     "usage": self._usage(out)}
+
+    # --- admin routes (Unix socket) ------------------------------------------------------------
+
+    @staticmethod
+    def _flag(body: dict[str, Any], key: str) -> bool:
+        value = body.get(key, False)
+        if not isinstance(value, bool):
+            raise InvalidRequest(f"'{key}' must be a boolean")
+        return value
+
+    def _body_model(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise InvalidRequest("'model' must be a string")
+        self.sup.model_config(model)
+        return model
+
+    async def lane_reload(self, params: dict[str, str], body: dict[str, Any]) -> Any:
+        lane = self.admin.lane(params["lane"])
+        op = lambda _: self.admin.reload(lane.id, timeout_s=self.http.request_timeout_s)  # noqa: E731
+        if self._flag(body, "stream"):
+            return Stream(lambda emit: self._stream(emit, op, lane.id))
+        return 200, await op(None)
+
+    async def lane_load(self, params: dict[str, str], body: dict[str, Any]) -> Any:
+        lane, model = self.admin.lane(params["lane"]), self._body_model(body)
+
+        def op(on_progress: Callable[[dict[str, Any]], None] | None) -> Awaitable[dict[str, Any]]:
+            return self.admin.load_model(lane.id, model, on_progress=on_progress, timeout_s=self.http.request_timeout_s)
+
+        if self._flag(body, "stream"):
+            return Stream(lambda emit: self._stream(emit, op, lane.id))
+        return 200, await op(None)
+
+    async def lane_unload(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+        lane, model = self.admin.lane(params["lane"]), self._body_model(body)
+        return 200, await self.admin.unload_model(lane.id, model, timeout_s=self.http.request_timeout_s)
+
+    async def lane_drain(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+        lane = self.admin.lane(params["lane"])
+        idle = await self.admin.drain(lane.id, wait=self._flag(body, "wait"), timeout_s=self.http.request_timeout_s)
+        return 200, {**self._lane_status(lane.status()), "idle": idle}
+
+    async def lane_resume(self, params: dict[str, str], _: dict[str, Any]) -> tuple[int, Any]:
+        lane = self.admin.lane(params["lane"])
+        self.admin.resume(lane.id)
+        return 200, self._lane_status(lane.status())
+
+    async def config_reload(self, _: dict[str, str], __: dict[str, Any]) -> tuple[int, Any]:
+        if self.reload_config is None:
+            raise HttpError(404, "not_found", "configuration reload is not available")
+        return 200, await self.reload_config()
+
+    async def _stream(self, emit: Emit, op: Callable[[Callable[[dict[str, Any]], None] | None],
+                                                     Awaitable[dict[str, Any]]], lane_id: str) -> None:
+        """Run `op`, streaming its PROGRESS events and the lane's state changes, then its result or error."""
+        send_ch, recv_ch = trio.open_memory_channel[dict[str, Any]](PROGRESS_BUFFER)
+        outcome: dict[str, Any] = {}
+        t0 = trio.current_time()
+
+        def on_progress(event: dict[str, Any]) -> None:
+            try:
+                send_ch.send_nowait({"event": "progress", "elapsed_s": round(trio.current_time() - t0, 3), **event})
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # a slow reader skips progress lines, never the result
+
+        async def run() -> None:
+            async with send_ch:
+                try:
+                    outcome["result"] = await op(on_progress)
+                except GpuWorkerError as exc:
+                    outcome["error"] = exc
+
+        async def watch_state() -> None:
+            last = None
+            while True:
+                lane = self.sup.lanes.get(lane_id)
+                if lane is not None and (lane.state.value, lane.generation) != last:
+                    last = (lane.state.value, lane.generation)
+                    on_progress({"event": "state", "state": lane.state.value, "generation": lane.generation})
+                await trio.sleep(STATE_POLL_S)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_state)
+            nursery.start_soon(run)
+            async for event in recv_ch:
+                await emit(event)
+            nursery.cancel_scope.cancel()
+        if "error" in outcome:
+            status, _ = error_status(outcome["error"])
+            await emit({"event": "error", "status": status, **error_body(outcome["error"])})
+        else:
+            await emit({"event": "done", "result": outcome.get("result")})

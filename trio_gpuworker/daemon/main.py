@@ -1,4 +1,12 @@
-"""gpuworkerd entry point: config, logging, supervisor, HTTP listeners, signals."""
+"""gpuworkerd entry point: config, logging, supervisor, admission and batching, HTTP listeners, sd_notify, signals.
+
+Life of the process:
+  start    lanes spawn and load (STATUS= says so), listeners bind, READY=1
+  serve    WATCHDOG=1 every WATCHDOG_USEC/2 while the event loop and every lane task are alive; SIGHUP
+           reloads lanes and models (RELOADING=1 ... READY=1)
+  SIGTERM  STOPPING=1; stop admitting (503 shutting_down) and accepting; requests in flight finish within
+           daemon.drain_s; workers get SHUTDOWN, then the kill path; exit 0
+"""
 
 from __future__ import annotations
 
@@ -6,74 +14,298 @@ import argparse
 import logging
 import os
 import signal
+import socket
+import stat
 import sys
+from collections.abc import MutableMapping
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
+from .._config import LaneConfig
 from .._errors import ConfigError
-from ..supervisor import Supervisor
+from ..supervisor import LaneState, LoadSpec, Supervisor
+from ..supervisor._admission import Scheduler
+from ..supervisor._batching import Batcher
 from .config import DaemonConfig, load_config
 from .http import Api
+from .logs import setup_logging
+from .metrics import Metrics
+from .notify import Notifier
+from .reload import apply_config
 
 log = logging.getLogger("trio_gpuworker.daemon")
 
-
-def setup_logging(fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+STATUS_INTERVAL_S = 5.0  # how often STATUS= is refreshed (more often when the watchdog asks for it)
+API_SOCKET_MODE = 0o660
 
 
-def hypercorn_config(cfg: DaemonConfig) -> HypercornConfig:
+def hypercorn_config(bind: str, graceful_timeout_s: float) -> HypercornConfig:
     hc = HypercornConfig()
-    hc.bind = []
-    if cfg.http.listen:
-        hc.bind.append(cfg.http.listen)
-    if cfg.http.unix_socket:
-        hc.bind.append(f"unix:{cfg.http.unix_socket}")
-        hc.umask = 0o117  # the API socket is 0660
+    hc.bind = [bind]
+    if bind.startswith("unix:"):
+        hc.umask = 0o117  # the API socket is 0660 from the moment it exists
     hc.accesslog = None
-    hc.graceful_timeout = cfg.supervisor.windows.shutdown_s
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.graceful_timeout = graceful_timeout_s
     return hc
 
 
-async def run_daemon(cfg: DaemonConfig, *,
+def prepare_unix_socket(path: Path) -> None:
+    """Create the parent directory; remove a stale socket file, refuse one a live daemon listens on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"http.unix_socket: {path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(os.fspath(path))
+    except OSError:
+        path.unlink(missing_ok=True)  # nobody listens: a leftover of a daemon that was killed
+    else:
+        raise ConfigError(f"http.unix_socket: another daemon is listening on {path}")
+    finally:
+        probe.close()
+
+
+class Daemon:
+    """Everything the daemon runs around one Supervisor; `run_daemon` drives its life."""
+
+    def __init__(self, cfg: DaemonConfig, sup: Supervisor, *, config_path: Path | None = None,
+                 env: MutableMapping[str, str] | None = None, notifier: Notifier | None = None) -> None:
+        self.cfg = cfg
+        self.sup = sup
+        self.config_path = config_path
+        self.env = os.environ if env is None else env
+        self.notifier = notifier or Notifier(None)
+        self.scheduler = Scheduler(cfg.admission)
+        self.metrics = Metrics(sup, self.scheduler)
+        self.batcher = Batcher(cfg.batching, send=sup.embed_ids, slots=self._lanes_serving,
+                               on_batch=self.metrics.on_batch, on_drop=self.metrics.on_drop)
+        self.metrics.batcher = self.batcher
+        # the supervisor routes embeddings through these (see Supervisor.embed_rows / pick_lane)
+        sup.scheduler = self.scheduler  # type: ignore[attr-defined]
+        sup.batcher = self.batcher  # type: ignore[attr-defined]
+        self.api = Api(sup, cfg.http, scheduler=self.scheduler, metrics=self.metrics,
+                       reload_config=self.reload_config)
+        self.specs: dict[str, LoadSpec] = {s.model_ref: s for ln in sup.lanes.values() for s in ln.loads.values()}
+        self.stopping = False
+        self.stop_requested = trio.Event()
+        self.stop_listeners = trio.Event()
+        self.listeners_down: list[str] = []
+        self.removing: set[str] = set()
+        self.nursery: trio.Nursery | None = None
+        self._reload_lock = trio.Lock()
+
+    def _lanes_serving(self, model: str) -> int:
+        return sum(1 for ln in self.sup.lanes.values() if model in ln.loads and ln.id not in self.scheduler.drained)
+
+    # --- listeners -----------------------------------------------------------------------------
+
+    async def start_listeners(self, nursery: trio.Nursery) -> list[str]:
+        """TCP first (admin routes only with http.admin_on_tcp), then the Unix socket (admin routes)."""
+        binds: list[str] = []
+        http = self.cfg.http
+        if http.listen:
+            binds += await nursery.start(partial(self._serve, http.listen, admin=False))
+        if http.unix_socket:
+            path = Path(http.unix_socket)
+            prepare_unix_socket(path)
+            binds += await nursery.start(partial(self._serve, f"unix:{path}", admin=True))
+            os.chmod(path, API_SOCKET_MODE)
+        return binds
+
+    async def _serve(self, bind: str, *, admin: bool, task_status: trio.TaskStatus[list[str]]) -> None:
+        try:
+            await serve(self.api.listener(admin=admin), hypercorn_config(bind, self.cfg.drain_s),
+                        shutdown_trigger=self.stop_listeners.wait, task_status=task_status)
+        finally:
+            if not self.stopping:
+                self.listeners_down.append(bind)
+
+    # --- health and sd_notify ------------------------------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        """The supervisor side of the watchdog: every lane task alive, every listener serving."""
+        if self.stopping:
+            return True, "stopping"
+        dead = [ln.id for ln in self.sup.lanes.values() if ln.state == LaneState.STOPPED and ln.id not in self.removing]
+        if dead:
+            return False, f"lane task ended: {', '.join(dead)}"
+        if self.listeners_down:
+            return False, f"listener stopped: {', '.join(self.listeners_down)}"
+        return True, "ok"
+
+    def status_line(self) -> str:
+        lanes = self.sup.status()
+        ready = sum(s["state"] in (LaneState.READY.value, LaneState.BUSY.value) for s in lanes)
+        notes = []
+        for s in lanes:
+            if s["cooldown_remaining_s"] is not None:
+                notes.append(f"{s['lane_id']} quarantined ({s['cooldown_remaining_s']:.0f} s left)")
+            elif s["state"] not in (LaneState.READY.value, LaneState.BUSY.value):
+                notes.append(f"{s['lane_id']} {s['state']}")
+            if s["lane_id"] in self.scheduler.drained:
+                notes.append(f"{s['lane_id']} drained")
+        head = "draining" if self.stopping else "serving" if ready == len(lanes) else "degraded"
+        text = f"{head}: {ready}/{len(lanes)} lanes ready, {self.api.inflight} in flight, {self.api.served} served"
+        return text + (f"; {'; '.join(notes)}" if notes else "")
+
+    async def notify_loop(self) -> None:
+        """WATCHDOG=1 only while healthy (a stalled event loop sends nothing at all); STATUS= on change."""
+        if not self.notifier.enabled:
+            return
+        wd = self.notifier.watchdog_interval_s
+        period = min(wd, STATUS_INTERVAL_S) if wd else STATUS_INTERVAL_S
+        last_status, last_why = "", "ok"
+        while True:
+            before = trio.current_time()
+            await trio.sleep(period)
+            lag = trio.current_time() - before - period
+            ok, why = self.health()
+            if ok and wd and lag > wd:
+                ok, why = False, f"event loop stalled for {lag:.1f} s"
+            if ok and wd:
+                self.notifier.watchdog()
+            if why != last_why and not ok:
+                log.error("unhealthy, withholding WATCHDOG=1: %s", why)
+            last_why = why
+            status = self.status_line() if ok else f"unhealthy: {why}"
+            if status != last_status:
+                self.notifier.status(status)
+                last_status = status
+
+    # --- signals, reload, drain ----------------------------------------------------------------
+
+    async def serve_signals(self, signals: Any) -> None:
+        async for signum in signals:
+            if signum == signal.SIGHUP:
+                assert self.nursery is not None
+                self.nursery.start_soon(self._reload_on_signal)
+                continue
+            log.info("received %s: draining", signal.Signals(signum).name)
+            self.stop_requested.set()
+
+    async def _reload_on_signal(self) -> None:
+        try:
+            await self.reload_config()
+        except Exception as exc:  # logged in reload_config; a bad config file must not stop the daemon
+            log.debug("reload failed: %s", exc)
+
+    async def reload_config(self) -> dict[str, Any]:
+        """Re-read the configuration file and apply it (reload.py); a bad file changes nothing."""
+        async with self._reload_lock:
+            self.notifier.reloading("reloading configuration")
+            log.info("reloading configuration from %s", self.config_path or "the embedded default")
+            try:
+                new = load_config(self.config_path, dict(self.env))
+                report = await apply_config(self, new)
+            except Exception as exc:
+                log.error("configuration reload failed, the running configuration stays: %s", exc)
+                self.metrics.reloads.labels("error").inc()
+                self.notifier.ready(f"reload failed: {exc}; {self.status_line()}")
+                raise
+            self.metrics.reloads.labels("ok").inc()
+            log.info("configuration reloaded: %s", report.summary())
+            self.notifier.ready(self.status_line())
+            return report.as_dict()
+
+    async def add_lane(self, cfg: LaneConfig, specs: list[LoadSpec]) -> bool:
+        """Start a lane added to the configuration, where the supervisor can (Supervisor.add_lane)."""
+        add = getattr(self.sup, "add_lane", None)
+        if add is None:
+            return False
+        await add(cfg, specs)
+        return True
+
+    async def remove_lane(self, lane_id: str) -> None:
+        """A lane gone from the configuration: routed no more, finishes what is queued, stops its worker."""
+        remove = getattr(self.sup, "remove_lane", None)
+        if remove is not None:
+            await remove(lane_id)
+            return
+        lane = self.sup.lanes[lane_id]
+        self.removing.add(lane_id)
+        self.scheduler.drained.add(lane_id)
+        lane.close()
+        # the lane signals nothing when it stops: look every so often
+        while lane.state != LaneState.STOPPED:  # noqa: ASYNC110
+            await trio.sleep(STATUS_INTERVAL_S / 50)
+        self.sup.lanes.pop(lane_id, None)
+        self.scheduler.drained.discard(lane_id)
+        self.removing.discard(lane_id)
+
+    async def drain(self) -> None:
+        """Stop admitting and accepting; wait (bounded) for the requests in flight."""
+        self.stopping = True
+        self.api.admitting = False
+        self.stop_listeners.set()
+        self.notifier.stopping(f"draining: {self.api.inflight} requests in flight")
+        log.info("draining: %d requests in flight (at most %g s)", self.api.inflight, self.cfg.drain_s)
+        with trio.move_on_after(self.cfg.drain_s) as scope:
+            await self.api.wait_idle()
+        if scope.cancelled_caught:
+            log.warning("drain bound of %g s passed with %d requests in flight; stopping workers",
+                        self.cfg.drain_s, self.api.inflight)
+        self.notifier.status("stopping workers")
+
+
+async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
+                     env: MutableMapping[str, str] | None = None, notifier: Notifier | None = None,
                      task_status: trio.TaskStatus[tuple[Supervisor, list[str]]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGTERM/SIGINT: then stop admitting, finish what is in flight, stop workers, return.
 
-    Started value: (supervisor, the bound listener URLs)."""
-    stop = trio.Event()
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def wait_signal() -> None:
-                async for signum in signals:
-                    log.info("received %s: draining", signal.Signals(signum).name)
-                    stop.set()
-                    return
-
-            nursery.start_soon(wait_signal)
+    Started value: (supervisor, the bound listener URLs, TCP first). The Daemon is `sup.daemon`."""
+    env = os.environ if env is None else env
+    notifier = notifier if notifier is not None else Notifier.from_env(env)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async with trio.open_nursery() as outer:  # listeners and the notify loop: alive until the very end
+            notifier.status("starting: spawning workers and loading models")
             async with Supervisor(cfg.supervisor) as sup:
-                binds = await nursery.start(lambda task_status: serve(Api(sup, cfg.http), hypercorn_config(cfg),
-                                                                      shutdown_trigger=stop.wait,
-                                                                      task_status=task_status))
-                log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
-                task_status.started((sup, binds))
-                await stop.wait()
+                daemon = Daemon(cfg, sup, config_path=config_path, env=env, notifier=notifier)
+                sup.daemon = daemon  # type: ignore[attr-defined]
+                async with trio.open_nursery() as inner:
+                    daemon.nursery = inner
+                    await inner.start(daemon.batcher.run)
+                    await inner.start(daemon.metrics.watch_events)
+                    binds = await daemon.start_listeners(outer)
+                    outer.start_soon(daemon.notify_loop)
+                    inner.start_soon(daemon.serve_signals, signals)
+                    notifier.ready(daemon.status_line())
+                    log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
+                    task_status.started((sup, binds))
+                    await daemon.stop_requested.wait()
+                    await daemon.drain()
+                    inner.cancel_scope.cancel()
                 sup.close()
-            nursery.cancel_scope.cancel()
+            notifier.status("stopped")
+            outer.cancel_scope.cancel()
+    notifier.close()
     log.info("gpuworkerd stopped")
+
+
+def _find(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            if (found := _find(sub, kind)) is not None:
+                return found
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpuworkerd", description="trio-gpuworker node daemon")
     p.add_argument("--config", type=Path, default=None, help="TOML config (default: the embedded default)")
     p.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
+    p.add_argument("--log-format", choices=("plain", "json"), help="override daemon.log_format")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config)
@@ -83,11 +315,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_config:
         print(f"configuration OK: {len(cfg.supervisor.lanes)} lane(s), {len(cfg.supervisor.models)} model(s)")
         return 0
-    setup_logging(cfg.log_format)
+    setup_logging(args.log_format or cfg.log_format, cfg.log_level)
+    notifier = Notifier.from_env(os.environ, unset=True)  # workers must not talk to systemd
     os.umask(0o077)
     try:
-        trio.run(run_daemon, cfg)
-    except ConfigError as exc:
-        log.error("configuration error: %s", exc)
+        trio.run(partial(run_daemon, cfg, config_path=args.config, notifier=notifier))
+    except BaseException as exc:
+        err = _find(exc, ConfigError)
+        if err is None:
+            if _find(exc, KeyboardInterrupt) is not None:
+                return 130
+            notifier.notify(f"STATUS=failed: {type(exc).__name__}: {exc}")
+            raise
+        log.error("configuration error: %s", err)
+        notifier.notify(f"STATUS=configuration error: {err}")
         return 2
     return 0

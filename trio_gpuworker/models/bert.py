@@ -25,233 +25,308 @@ BATCH_SIZES: tuple[int, ...] = (1, 4, 8, 16, 32)
 # Caps a micro-batch's tokens: bounds attention memory and keeps PROGRESS frequent on slow CPUs.
 MAX_BATCH_TOKENS = 4096
 _ACTS: dict[str, Callable[[Tensor], Tensor]] = {
-  "gelu": lambda x: x.gelu(approximate="none"),  # HF "gelu" is the exact erf form
-  "gelu_new": lambda x: x.gelu(approximate="tanh"),
-  "gelu_pytorch_tanh": lambda x: x.gelu(approximate="tanh"),
-  "relu": lambda x: x.relu(),
+    "gelu": lambda x: x.gelu(approximate="none"),  # HF "gelu" is the exact erf form
+    "gelu_new": lambda x: x.gelu(approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: x.gelu(approximate="tanh"),
+    "relu": lambda x: x.relu(),
 }
 
 
 @dataclass(frozen=True)
 class BertConfig:
-  vocab_size: int
-  hidden_size: int
-  num_hidden_layers: int
-  num_attention_heads: int
-  intermediate_size: int
-  max_position_embeddings: int
-  type_vocab_size: int
-  layer_norm_eps: float
-  hidden_act: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
 
-  @classmethod
-  def from_dict(cls, config: dict[str, Any]) -> BertConfig:
-    if not isinstance(config, dict): raise ValueError(f"bert config must be a JSON object, got {type(config).__name__}")
-    if config.get("model_type", "bert") != "bert": raise ValueError(f"bert config: unsupported model_type {config.get('model_type')!r}")
-    if (pet := config.get("position_embedding_type", "absolute")) != "absolute":
-      raise ValueError(f"bert config: unsupported position_embedding_type {pet!r}, expected 'absolute'")
-    vals: dict[str, Any] = {}
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "max_position_embeddings", "type_vocab_size"):
-      v = config.get(name)
-      if isinstance(v, bool) or not isinstance(v, int) or v <= 0: raise ValueError(f"bert config: {name} must be a positive int, got {v!r}")
-      vals[name] = v
-    eps = config.get("layer_norm_eps", 1e-12)
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
-      raise ValueError(f"bert config: layer_norm_eps must be a float in (0, 1), got {eps!r}")
-    act = config.get("hidden_act", "gelu")
-    if act not in _ACTS: raise ValueError(f"bert config: unsupported hidden_act {act!r} (supported: {sorted(_ACTS)})")
-    if vals["hidden_size"] % vals["num_attention_heads"]:
-      raise ValueError(f"bert config: hidden_size {vals['hidden_size']} is not divisible by num_attention_heads {vals['num_attention_heads']}")
-    return cls(**vals, layer_norm_eps=float(eps), hidden_act=act)
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> BertConfig:
+        if not isinstance(config, dict):
+            raise ValueError(f"bert config must be a JSON object, got {type(config).__name__}")
+        if config.get("model_type", "bert") != "bert":
+            raise ValueError(f"bert config: unsupported model_type {config.get('model_type')!r}")
+        if (pet := config.get("position_embedding_type", "absolute")) != "absolute":
+            raise ValueError(f"bert config: unsupported position_embedding_type {pet!r}, expected 'absolute'")
+        vals: dict[str, Any] = {}
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        ):
+            v = config.get(name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"bert config: {name} must be a positive int, got {v!r}")
+            vals[name] = v
+        eps = config.get("layer_norm_eps", 1e-12)
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
+            raise ValueError(f"bert config: layer_norm_eps must be a float in (0, 1), got {eps!r}")
+        act = config.get("hidden_act", "gelu")
+        if act not in _ACTS:
+            raise ValueError(f"bert config: unsupported hidden_act {act!r} (supported: {sorted(_ACTS)})")
+        if (h := vals["hidden_size"]) % (nh := vals["num_attention_heads"]):
+            raise ValueError(f"bert config: hidden_size {h} is not divisible by num_attention_heads {nh}")
+        return cls(**vals, layer_norm_eps=float(eps), hidden_act=act)
 
-  def shapes(self) -> dict[str, tuple[int, ...]]:
-    """Every tensor the encoder body needs, by Hugging Face name (without the ``bert.`` prefix)."""
-    h, i = self.hidden_size, self.intermediate_size
-    s: dict[str, tuple[int, ...]] = {
-      "embeddings.word_embeddings.weight": (self.vocab_size, h),
-      "embeddings.position_embeddings.weight": (self.max_position_embeddings, h),
-      "embeddings.token_type_embeddings.weight": (self.type_vocab_size, h),
-      "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,),
-    }
-    for n in range(self.num_hidden_layers):
-      p = f"encoder.layer.{n}."
-      for w in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
-        s[p + w + ".weight"], s[p + w + ".bias"] = (h, h), (h,)
-      for ln in ("attention.output.LayerNorm", "output.LayerNorm"): s[p + ln + ".weight"], s[p + ln + ".bias"] = (h,), (h,)
-      s[p + "intermediate.dense.weight"], s[p + "intermediate.dense.bias"] = (i, h), (i,)
-      s[p + "output.dense.weight"], s[p + "output.dense.bias"] = (h, i), (h,)
-    return s
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the encoder body needs, by Hugging Face name (without the ``bert.`` prefix)."""
+        h, i = self.hidden_size, self.intermediate_size
+        s: dict[str, tuple[int, ...]] = {
+            "embeddings.word_embeddings.weight": (self.vocab_size, h),
+            "embeddings.position_embeddings.weight": (self.max_position_embeddings, h),
+            "embeddings.token_type_embeddings.weight": (self.type_vocab_size, h),
+            "embeddings.LayerNorm.weight": (h,),
+            "embeddings.LayerNorm.bias": (h,),
+        }
+        for n in range(self.num_hidden_layers):
+            p = f"encoder.layer.{n}."
+            for w in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+                s[p + w + ".weight"], s[p + w + ".bias"] = (h, h), (h,)
+            for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+                s[p + ln + ".weight"], s[p + ln + ".bias"] = (h,), (h,)
+            s[p + "intermediate.dense.weight"], s[p + "intermediate.dense.bias"] = (i, h), (i,)
+            s[p + "output.dense.weight"], s[p + "output.dense.bias"] = (h, i), (h,)
+        return s
 
 
 def load_weights(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
-  """Reads a safetensors file, checks every needed tensor is there with the right shape, moves them to the device.
+    """Reads a safetensors file, checks every needed tensor is there with the right shape, moves them to the device.
 
-  A leading ``bert.`` is stripped from names; tensors not in ``shapes`` (position_ids, unused heads) are ignored.
-  """
-  path = pathlib.Path(artifact_path)
-  if not path.is_file(): raise ValueError(f"model artifact {str(path)!r} is not a file")
-  try:
-    _, start, meta = safe_load_metadata(path)
-    end = start + max((int(v["data_offsets"][1]) for k, v in meta.items() if k != "__metadata__"), default=0)
-    raw = safe_load(path)
-  except Exception as e: raise ValueError(f"model artifact {str(path)!r} is not a readable safetensors file: {e}") from e
-  # A truncated file would otherwise surface as a DISK read error deep inside realize().
-  if end > (size := path.stat().st_size): raise ValueError(f"model artifact {str(path)!r} is truncated: data ends at byte {end}, file has {size}")
-  found = {k.removeprefix("bert."): v for k, v in raw.items()}
-  if missing := [k for k in shapes if k not in found]:
-    raise ValueError(f"model artifact {str(path)!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
-  if bad := [f"{k}: {tuple(found[k].shape)} != {want}" for k, want in shapes.items() if tuple(found[k].shape) != want]:
-    raise ValueError(f"model artifact {str(path)!r} has ill-shaped tensor(s): {'; '.join(bad[:3])}")
-  if nonfloat := [k for k in shapes if not dtypes.is_float(found[k].dtype)]:
-    raise ValueError(f"model artifact {str(path)!r} has non-float tensor(s): {nonfloat[:3]}")
-  # DISK tensors -> device float32 buffers, realized now so the first request does not pay for the copy.
-  out = {k: found[k].to(Device.DEFAULT).cast(dtypes.float32).contiguous() for k in shapes}
-  Tensor.realize(*out.values())
-  return out
+    A leading ``bert.`` is stripped from names; tensors not in ``shapes`` (position_ids, unused heads) are ignored.
+    """
+    path = pathlib.Path(artifact_path)
+    if not path.is_file():
+        raise ValueError(f"model artifact {str(path)!r} is not a file")
+    try:
+        _, start, meta = safe_load_metadata(path)
+        end = start + max((int(v["data_offsets"][1]) for k, v in meta.items() if k != "__metadata__"), default=0)
+        raw = safe_load(path)
+    except Exception as e:
+        raise ValueError(f"model artifact {str(path)!r} is not a readable safetensors file: {e}") from e
+    # A truncated file would otherwise surface as a DISK read error deep inside realize().
+    if end > (size := path.stat().st_size):
+        raise ValueError(f"model artifact {str(path)!r} is truncated: data ends at byte {end}, file has {size}")
+    found = {k.removeprefix("bert."): v for k, v in raw.items()}
+    if missing := [k for k in shapes if k not in found]:
+        raise ValueError(f"model artifact {str(path)!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+    if bad := [
+        f"{k}: {tuple(found[k].shape)} != {want}" for k, want in shapes.items() if tuple(found[k].shape) != want
+    ]:
+        raise ValueError(f"model artifact {str(path)!r} has ill-shaped tensor(s): {'; '.join(bad[:3])}")
+    if nonfloat := [k for k in shapes if not dtypes.is_float(found[k].dtype)]:
+        raise ValueError(f"model artifact {str(path)!r} has non-float tensor(s): {nonfloat[:3]}")
+    # DISK tensors -> device float32 buffers, realized now so the first request does not pay for the copy.
+    out = {k: found[k].to(Device.DEFAULT).cast(dtypes.float32).contiguous() for k in shapes}
+    Tensor.realize(*out.values())
+    return out
 
 
-def _linear(x: Tensor, w: Tensor, b: Tensor) -> Tensor: return x.linear(w.T, b)
+def _linear(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    return x.linear(w.T, b)
 
 
 class BertBody:
-  """Embeddings + transformer layers; ``__call__`` maps (B, L) ids to (B, L, hidden) states."""
+    """Embeddings + transformer layers; ``__call__`` maps (B, L) ids to (B, L, hidden) states."""
 
-  def __init__(self, cfg: BertConfig, w: dict[str, Tensor]) -> None:
-    self.cfg, self.act = cfg, _ACTS[cfg.hidden_act]
-    e = "embeddings."
-    self.word, self.pos, self.typ = (w[e + n + "_embeddings.weight"] for n in ("word", "position", "token_type"))
-    self.emb_ln = (w[e + "LayerNorm.weight"], w[e + "LayerNorm.bias"])
-    self.layers: list[dict[str, Tensor]] = []
-    for n in range(cfg.num_hidden_layers):
-      p, a = f"encoder.layer.{n}.", f"encoder.layer.{n}.attention."
-      qkv = [a + f"self.{x}" for x in ("query", "key", "value")]
-      self.layers.append({
-        # One fused QKV matmul: fewer, larger kernels.
-        "qkv_w": Tensor.cat(*[w[x + ".weight"] for x in qkv]).contiguous(), "qkv_b": Tensor.cat(*[w[x + ".bias"] for x in qkv]).contiguous(),
-        "o_w": w[a + "output.dense.weight"], "o_b": w[a + "output.dense.bias"],
-        "ln1_w": w[a + "output.LayerNorm.weight"], "ln1_b": w[a + "output.LayerNorm.bias"],
-        "i_w": w[p + "intermediate.dense.weight"], "i_b": w[p + "intermediate.dense.bias"],
-        "f_w": w[p + "output.dense.weight"], "f_b": w[p + "output.dense.bias"],
-        "ln2_w": w[p + "output.LayerNorm.weight"], "ln2_b": w[p + "output.LayerNorm.bias"],
-      })
-    Tensor.realize(*[t for lw in self.layers for t in (lw["qkv_w"], lw["qkv_b"])])
+    def __init__(self, cfg: BertConfig, w: dict[str, Tensor]) -> None:
+        self.cfg, self.act = cfg, _ACTS[cfg.hidden_act]
+        e = "embeddings."
+        self.word, self.pos, self.typ = (w[e + n + "_embeddings.weight"] for n in ("word", "position", "token_type"))
+        self.emb_ln = (w[e + "LayerNorm.weight"], w[e + "LayerNorm.bias"])
+        self.layers: list[dict[str, Tensor]] = []
+        for n in range(cfg.num_hidden_layers):
+            p, a = f"encoder.layer.{n}.", f"encoder.layer.{n}.attention."
+            qkv = [a + f"self.{x}" for x in ("query", "key", "value")]
+            self.layers.append(
+                {
+                    # One fused QKV matmul: fewer, larger kernels.
+                    "qkv_w": Tensor.cat(*[w[x + ".weight"] for x in qkv]).contiguous(),
+                    "qkv_b": Tensor.cat(*[w[x + ".bias"] for x in qkv]).contiguous(),
+                    "o_w": w[a + "output.dense.weight"],
+                    "o_b": w[a + "output.dense.bias"],
+                    "ln1_w": w[a + "output.LayerNorm.weight"],
+                    "ln1_b": w[a + "output.LayerNorm.bias"],
+                    "i_w": w[p + "intermediate.dense.weight"],
+                    "i_b": w[p + "intermediate.dense.bias"],
+                    "f_w": w[p + "output.dense.weight"],
+                    "f_b": w[p + "output.dense.bias"],
+                    "ln2_w": w[p + "output.LayerNorm.weight"],
+                    "ln2_b": w[p + "output.LayerNorm.bias"],
+                }
+            )
+        Tensor.realize(*[t for lw in self.layers for t in (lw["qkv_w"], lw["qkv_b"])])
 
-  def _ln(self, x: Tensor, wb: tuple[Tensor, Tensor]) -> Tensor: return x.layernorm(eps=self.cfg.layer_norm_eps) * wb[0] + wb[1]
+    def _ln(self, x: Tensor, wb: tuple[Tensor, Tensor]) -> Tensor:
+        return x.layernorm(eps=self.cfg.layer_norm_eps) * wb[0] + wb[1]
 
-  def __call__(self, ids: Tensor, token_types: Tensor, mask: Tensor) -> Tensor:
-    (B, L), nh = ids.shape, self.cfg.num_attention_heads
-    hd = self.cfg.hidden_size // nh
-    x = self._ln(self.word[ids] + self.pos[:L] + self.typ[token_types], self.emb_ln)
-    # Additive key mask as in HF (finfo.min there; any huge negative underflows exp() to exactly 0).
-    bias = ((1.0 - mask.float()) * -1e9).reshape(B, 1, 1, L)
-    for lw in self.layers:
-      q, k, v = _linear(x, lw["qkv_w"], lw["qkv_b"]).reshape(B, L, 3, nh, hd).permute(2, 0, 3, 1, 4)
-      s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
-      s = (s - s.max(-1, keepdim=True)).exp()
-      p = (s / s.sum(-1, keepdim=True)).contiguous()
-      ctx = (p @ v).permute(0, 2, 1, 3).reshape(B, L, nh * hd)
-      x = self._ln(x + _linear(ctx, lw["o_w"], lw["o_b"]), (lw["ln1_w"], lw["ln1_b"]))
-      x = self._ln(x + _linear(self.act(_linear(x, lw["i_w"], lw["i_b"])), lw["f_w"], lw["f_b"]), (lw["ln2_w"], lw["ln2_b"]))
-    return x
+    def __call__(self, ids: Tensor, token_types: Tensor, mask: Tensor) -> Tensor:
+        (B, L), nh = ids.shape, self.cfg.num_attention_heads
+        hd = self.cfg.hidden_size // nh
+        x = self._ln(self.word[ids] + self.pos[:L] + self.typ[token_types], self.emb_ln)
+        # Additive key mask as in HF (finfo.min there; any huge negative underflows exp() to exactly 0).
+        bias = ((1.0 - mask.float()) * -1e9).reshape(B, 1, 1, L)
+        for lw in self.layers:
+            q, k, v = _linear(x, lw["qkv_w"], lw["qkv_b"]).reshape(B, L, 3, nh, hd).permute(2, 0, 3, 1, 4)
+            s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
+            s = (s - s.max(-1, keepdim=True)).exp()
+            p = (s / s.sum(-1, keepdim=True)).contiguous()
+            ctx = (p @ v).permute(0, 2, 1, 3).reshape(B, L, nh * hd)
+            x = self._ln(x + _linear(ctx, lw["o_w"], lw["o_b"]), (lw["ln1_w"], lw["ln1_b"]))
+            x = self._ln(
+                x + _linear(self.act(_linear(x, lw["i_w"], lw["i_b"])), lw["f_w"], lw["f_b"]),
+                (lw["ln2_w"], lw["ln2_b"]),
+            )
+        return x
 
 
 def plan_batches(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
-  """Splits n rows into (real_rows, padded_batch) micro-batches using only ``sizes``.
+    """Splits n rows into (real_rows, padded_batch) micro-batches using only ``sizes``.
 
-  Pads up to the next size when that wastes at most half the real rows, else takes the largest size that fits.
-  """
-  out: list[tuple[int, int]] = []
-  while n > 0:
-    down = max((s for s in sizes if s <= n), default=min(sizes))
-    up = min((s for s in sizes if s >= n), default=down)
-    take, pad = (n, up) if n <= up and up - n <= n / 2 else (min(down, n), down)
-    out.append((take, pad))
-    n -= take
-  return out
+    Pads up to the next size when that wastes at most half the real rows, else takes the largest size that fits.
+    """
+    out: list[tuple[int, int]] = []
+    while n > 0:
+        down = max((s for s in sizes if s <= n), default=min(sizes))
+        up = min((s for s in sizes if s >= n), default=down)
+        take, pad = (n, up) if n <= up and up - n <= n / 2 else (min(down, n), down)
+        out.append((take, pad))
+        n -= take
+    return out
 
 
 class BucketedBert:
-  """Shared driver: validates rows, pads them to length buckets, runs fixed-shape micro-batches through a
-  TinyJit per (length, batch) and reports progress. Subclasses define ``_head`` (what the JIT returns)."""
+    """Shared driver: validates rows, pads them to length buckets, runs fixed-shape micro-batches through a
+    TinyJit per (length, batch) and reports progress. Subclasses define ``_head`` (what the JIT returns)."""
 
-  SIZES: ClassVar[tuple[int, ...]] = BATCH_SIZES
+    SIZES: ClassVar[tuple[int, ...]] = BATCH_SIZES
 
-  def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], max_tokens: int = 256) -> None:
-    if not 2 <= max_tokens <= cfg.max_position_embeddings:
-      raise ValueError(f"max_tokens {max_tokens} must be in [2, max_position_embeddings={cfg.max_position_embeddings}]")
-    self.cfg, self.body, self.max_tokens = cfg, BertBody(cfg, weights), max_tokens
-    self.buckets = tuple(b for b in LENGTH_BUCKETS if b < max_tokens) + (max_tokens,)
-    self._jits: dict[tuple[int, int], TinyJit] = {}
+    def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], max_tokens: int = 256) -> None:
+        if not 2 <= max_tokens <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_tokens {max_tokens} must be in [2, max_position_embeddings={cfg.max_position_embeddings}]"
+            )
+        self.cfg, self.body, self.max_tokens = cfg, BertBody(cfg, weights), max_tokens
+        self.buckets = (*(b for b in LENGTH_BUCKETS if b < max_tokens), max_tokens)
+        self._jits: dict[tuple[int, int], TinyJit] = {}
 
-  @property
-  def dims(self) -> int: return self.cfg.hidden_size
+    @property
+    def dims(self) -> int:
+        return self.cfg.hidden_size
 
-  def _head(self, h: Tensor, mask: Tensor) -> Tensor: raise NotImplementedError
+    def _head(self, h: Tensor, mask: Tensor) -> Tensor:
+        raise NotImplementedError
 
-  def _forward(self, ids: Tensor, tt: Tensor, mask: Tensor) -> Tensor:
-    return self._head(self.body(ids, tt, mask), mask).realize()
+    def _forward(self, ids: Tensor, tt: Tensor, mask: Tensor) -> Tensor:
+        return self._head(self.body(ids, tt, mask), mask).realize()
 
-  def _bucket(self, n: int) -> int: return next(b for b in self.buckets if b >= n)
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
 
-  def _check(self, rows: Sequence[np.ndarray], what: str, limit: int) -> list[np.ndarray]:
-    out = []
-    for i, r in enumerate(rows):
-      a = np.asarray(r)
-      if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer): raise ValueError(f"{what}[{i}] must be a 1-D integer array, got {a.dtype} {a.shape}")
-      if not 1 <= len(a) <= self.max_tokens: raise ValueError(f"{what}[{i}] has {len(a)} tokens, must be 1..{self.max_tokens}")
-      if len(a) and (a.min() < 0 or a.max() >= limit): raise ValueError(f"{what}[{i}] has ids outside [0, {limit})")
-      out.append(a.astype(np.int32, copy=False))
-    return out
+    def _sizes(self, length: int) -> tuple[int, ...]:
+        return tuple(s for s in self.SIZES if s * length <= MAX_BATCH_TOKENS) or self.SIZES[:1]
 
-  def _run(self, rows: Sequence[np.ndarray], types: Sequence[np.ndarray] | None, width: int, progress: Progress) -> np.ndarray:
-    ids = self._check(rows, "rows", self.cfg.vocab_size)
-    if types is not None:
-      if len(types) != len(ids): raise ValueError(f"got {len(types)} token_type_ids rows for {len(ids)} rows")
-      tts = self._check(types, "token_type_ids", self.cfg.type_vocab_size)
-      if bad := [i for i, (a, t) in enumerate(zip(ids, tts, strict=True)) if len(a) != len(t)]:
-        raise ValueError(f"token_type_ids[{bad[0]}] length differs from its row")
-    out = np.zeros((len(ids), width), np.float32)
-    by_bucket: dict[int, list[int]] = {}
-    for i, a in enumerate(ids): by_bucket.setdefault(self._bucket(len(a)), []).append(i)
-    done = 0
-    for L in sorted(by_bucket):
-      idx = by_bucket[L]
-      sizes = tuple(s for s in self.SIZES if s * L <= MAX_BATCH_TOKENS) or self.SIZES[:1]
-      start = 0
-      for take, B in plan_batches(len(idx), sizes):
-        sel = idx[start:start + take]
-        x, t, m = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
-        for j, i in enumerate(sel):
-          n = len(ids[i])
-          x[j, :n], m[j, :n] = ids[i], 1
-          if types is not None: t[j, :n] = tts[i]
-        m[take:, 0] = 1  # padded rows attend to one token so no softmax row is all-masked; their output is dropped
-        if (jit := self._jits.get((L, B))) is None: jit = self._jits[(L, B)] = TinyJit(self._forward)
-        res = jit(*(Tensor(a, device=Device.DEFAULT) for a in (x, t, m))).numpy()
-        out[sel] = res[:take].reshape(take, width)
-        start += take
-        done += take
-        if progress is not None: progress(done)
-    return out
+    def all_shapes(self) -> list[tuple[int, int]]:
+        """Every (length, batch) micro-batch shape this model can run, smallest first."""
+        return [(L, B) for L in self.buckets for B in self._sizes(L)]
+
+    def warmup(self, shapes: Sequence[tuple[int, int]], progress: Progress = None) -> None:
+        """Compiles and captures the TinyJits for ``shapes`` ((length, batch) pairs from ``all_shapes``) ahead of
+        traffic: on CPU tinygrad's first run of a new shape spends seconds generating kernels."""
+        for k, (L, B) in enumerate(shapes):
+            if L not in self.buckets or B not in self._sizes(L):
+                raise ValueError(f"({L}, {B}) is not a micro-batch shape of this model")
+            # Two runs: the first compiles, the second captures the JIT (later calls replay).
+            for _ in range(2):
+                self._run([np.ones(L, np.int32)] * B, None, self._width(), None)
+            if progress is not None:
+                progress(k + 1)
+
+    def _width(self) -> int:
+        raise NotImplementedError
+
+    def _check(self, rows: Sequence[np.ndarray], what: str, limit: int) -> list[np.ndarray]:
+        out = []
+        for i, r in enumerate(rows):
+            a = np.asarray(r)
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"{what}[{i}] must be a 1-D integer array, got {a.dtype} {a.shape}")
+            if not 1 <= len(a) <= self.max_tokens:
+                raise ValueError(f"{what}[{i}] has {len(a)} tokens, must be 1..{self.max_tokens}")
+            if len(a) and (a.min() < 0 or a.max() >= limit):
+                raise ValueError(f"{what}[{i}] has ids outside [0, {limit})")
+            out.append(a.astype(np.int32, copy=False))
+        return out
+
+    def _run(
+        self, rows: Sequence[np.ndarray], types: Sequence[np.ndarray] | None, width: int, progress: Progress
+    ) -> np.ndarray:
+        ids = self._check(rows, "rows", self.cfg.vocab_size)
+        if types is not None:
+            if len(types) != len(ids):
+                raise ValueError(f"got {len(types)} token_type_ids rows for {len(ids)} rows")
+            tts = self._check(types, "token_type_ids", self.cfg.type_vocab_size)
+            if bad := [i for i, (a, t) in enumerate(zip(ids, tts, strict=True)) if len(a) != len(t)]:
+                raise ValueError(f"token_type_ids[{bad[0]}] length differs from its row")
+        out = np.zeros((len(ids), width), np.float32)
+        by_bucket: dict[int, list[int]] = {}
+        for i, a in enumerate(ids):
+            by_bucket.setdefault(self._bucket(len(a)), []).append(i)
+        done = 0
+        for L in sorted(by_bucket):
+            idx = by_bucket[L]
+            start = 0
+            for take, B in plan_batches(len(idx), self._sizes(L)):
+                sel = idx[start : start + take]
+                x, t, m = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
+                for j, i in enumerate(sel):
+                    n = len(ids[i])
+                    x[j, :n], m[j, :n] = ids[i], 1
+                    if types is not None:
+                        t[j, :n] = tts[i]
+                # Padded rows attend to one token so no softmax row is all-masked; their output is dropped.
+                m[take:, 0] = 1
+                if (jit := self._jits.get((L, B))) is None:
+                    jit = self._jits[(L, B)] = TinyJit(self._forward)
+                res = jit(*(Tensor(a, device=Device.DEFAULT) for a in (x, t, m))).numpy()
+                out[sel] = res[:take].reshape(take, width)
+                start += take
+                done += take
+                if progress is not None:
+                    progress(done)
+        return out
 
 
 class BertEncoder(BucketedBert):
-  @classmethod
-  def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256) -> BertEncoder:
-    cfg = BertConfig.from_dict(config)
-    return cls(cfg, load_weights(artifact_path, cfg.shapes()), max_tokens=min(max_tokens, cfg.max_position_embeddings))
+    @classmethod
+    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256) -> BertEncoder:
+        cfg = BertConfig.from_dict(config)
+        return cls(
+            cfg, load_weights(artifact_path, cfg.shapes()), max_tokens=min(max_tokens, cfg.max_position_embeddings)
+        )
 
-  def _head(self, h: Tensor, mask: Tensor) -> Tensor:
-    # Both poolings in one JIT so the cache key stays (length, batch); choosing one is a host-side slice.
-    m = mask.float().unsqueeze(-1)
-    mean = (h * m).sum(1) / m.sum(1).maximum(1e-9)
-    return Tensor.stack(mean, h[:, 0], dim=1)
+    def _width(self) -> int:
+        return 2 * self.dims
 
-  def embed(self, rows: list[np.ndarray], pooling: str, normalize: bool, progress: Progress = None) -> np.ndarray:
-    if pooling not in ("mean", "cls"): raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
-    v = self._run(rows, None, 2 * self.dims, progress).reshape(len(rows), 2, self.dims)[:, 0 if pooling == "mean" else 1]
-    v = np.ascontiguousarray(v)
-    # torch.nn.functional.normalize semantics: x / max(||x||, 1e-12)
-    if normalize: v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-    return v
+    def _head(self, h: Tensor, mask: Tensor) -> Tensor:
+        # Both poolings in one JIT so the cache key stays (length, batch); choosing one is a host-side slice.
+        m = mask.float().unsqueeze(-1)
+        mean = (h * m).sum(1) / m.sum(1).maximum(1e-9)
+        return Tensor.stack(mean, h[:, 0], dim=1)
+
+    def embed(self, rows: list[np.ndarray], pooling: str, normalize: bool, progress: Progress = None) -> np.ndarray:
+        if pooling not in ("mean", "cls"):
+            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        both = self._run(rows, None, self._width(), progress).reshape(len(rows), 2, self.dims)
+        v = np.ascontiguousarray(both[:, 0 if pooling == "mean" else 1])
+        # torch.nn.functional.normalize semantics: x / max(||x||, 1e-12)
+        if normalize:
+            v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        return v

@@ -12,38 +12,57 @@ from .bert import BertConfig, BucketedBert, Progress, load_weights
 
 
 class BertCrossEncoder(BucketedBert):
-  """Scores ``[CLS] query [SEP] doc [SEP]`` rows: classifier(tanh(pooler([CLS]))), like BertForSequenceClassification."""
+    """Scores ``[CLS] query [SEP] doc [SEP]`` rows as BertForSequenceClassification: classifier(tanh(pooler([CLS])))."""
 
-  def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], num_labels: int, max_tokens: int = 256) -> None:
-    super().__init__(cfg, weights, max_tokens)
-    self.num_labels = num_labels
-    self.pool_w, self.pool_b = weights["pooler.dense.weight"], weights["pooler.dense.bias"]
-    self.cls_w, self.cls_b = weights["classifier.weight"], weights["classifier.bias"]
+    def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], num_labels: int, max_tokens: int = 256) -> None:
+        super().__init__(cfg, weights, max_tokens)
+        self.num_labels = num_labels
+        self.pool_w, self.pool_b = weights["pooler.dense.weight"], weights["pooler.dense.bias"]
+        self.cls_w, self.cls_b = weights["classifier.weight"], weights["classifier.bias"]
 
-  @classmethod
-  def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256) -> BertCrossEncoder:
-    cfg = BertConfig.from_dict(config)
-    # HF derives num_labels from id2label when num_labels itself is absent.
-    n = config.get("num_labels", len(config.get("id2label") or {}) or 2)
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0: raise ValueError(f"cross-encoder config: num_labels must be a positive int, got {n!r}")
-    if (pt := config.get("problem_type")) not in (None, "regression", "single_label_classification", "multi_label_classification"):
-      raise ValueError(f"cross-encoder config: unsupported problem_type {pt!r}")
-    h = cfg.hidden_size
-    shapes = cfg.shapes() | {"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,), "classifier.weight": (n, h), "classifier.bias": (n,)}
-    return cls(cfg, load_weights(artifact_path, shapes), n, max_tokens=min(max_tokens, cfg.max_position_embeddings))
+    @classmethod
+    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256) -> BertCrossEncoder:
+        cfg = BertConfig.from_dict(config)
+        # HF derives num_labels from id2label when num_labels itself is absent.
+        n = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"cross-encoder config: num_labels must be a positive int, got {n!r}")
+        if (pt := config.get("problem_type")) not in (
+            None,
+            "regression",
+            "single_label_classification",
+            "multi_label_classification",
+        ):
+            raise ValueError(f"cross-encoder config: unsupported problem_type {pt!r}")
+        h = cfg.hidden_size
+        shapes = cfg.shapes() | {
+            "pooler.dense.weight": (h, h),
+            "pooler.dense.bias": (h,),
+            "classifier.weight": (n, h),
+            "classifier.bias": (n,),
+        }
+        return cls(cfg, load_weights(artifact_path, shapes), n, max_tokens=min(max_tokens, cfg.max_position_embeddings))
 
-  def _head(self, h: Tensor, mask: Tensor) -> Tensor:
-    return h[:, 0].linear(self.pool_w.T, self.pool_b).tanh().linear(self.cls_w.T, self.cls_b)
+    def _width(self) -> int:
+        return self.num_labels
 
-  def logits(self, pairs: list[np.ndarray], token_type_ids: list[np.ndarray] | None, progress: Progress = None) -> np.ndarray:
-    """Raw classifier logits, shape (n, num_labels)."""
-    return self._run(pairs, token_type_ids, self.num_labels, progress)
+    def _head(self, h: Tensor, mask: Tensor) -> Tensor:
+        return h[:, 0].linear(self.pool_w.T, self.pool_b).tanh().linear(self.cls_w.T, self.cls_b)
 
-  def score(self, pairs: list[np.ndarray], token_type_ids: list[np.ndarray] | None, progress: Progress = None) -> np.ndarray:
-    """One float32 relevance per pair: the single logit of a num_labels == 1 reranker.
+    def logits(
+        self, pairs: list[np.ndarray], token_type_ids: list[np.ndarray] | None, progress: Progress = None
+    ) -> np.ndarray:
+        """Raw classifier logits, shape (n, num_labels)."""
+        return self._run(pairs, token_type_ids, self._width(), progress)
 
-    Several labels have no agreed relevance score (sentence-transformers returns them all), so that is refused
-    rather than guessed; ``logits`` serves those models.
-    """
-    if self.num_labels != 1: raise ValueError(f"score() needs a single-logit reranker, this model has num_labels={self.num_labels}")
-    return np.ascontiguousarray(self.logits(pairs, token_type_ids, progress)[:, 0])
+    def score(
+        self, pairs: list[np.ndarray], token_type_ids: list[np.ndarray] | None, progress: Progress = None
+    ) -> np.ndarray:
+        """One float32 relevance per pair: the single logit of a num_labels == 1 reranker.
+
+        Several labels have no agreed relevance score (sentence-transformers returns them all), so that is refused
+        rather than guessed; ``logits`` serves those models.
+        """
+        if self.num_labels != 1:
+            raise ValueError(f"score() needs a single-logit reranker, this model has num_labels={self.num_labels}")
+        return np.ascontiguousarray(self.logits(pairs, token_type_ids, progress)[:, 0])

@@ -17,7 +17,7 @@ from tinygrad.llm.gguf import gguf_load
 
 MAX_NEW_TOKENS = 64
 PREFILL_CHUNK = 32
-SPLIT = 96
+SPLIT = 64
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -32,7 +32,7 @@ def _mv(x: Tensor, w: Tensor) -> Tensor:
     if x.shape[0] > 1 or not c or i % c:
         return x @ w.T
     s = i // c
-    return (x.reshape(1, 1, s, c) * w.reshape(1, o, s, c)).sum(-1).contiguous().sum(-1)
+    return (x.reshape(1, 1, s, c) * w.reshape(1, o, s, c)).sum(-1).contiguous().sum(-1).contiguous()
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -52,6 +52,7 @@ class LlamaLM:
         self.n_layers, self.dim = int(g("block_count")), int(g("embedding_length"))
         self.n_heads, self.n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv"))
         self.head_dim = self.dim // self.n_heads
+        self.hidden = int(g("feed_forward_length"))
         self.eps = float(g("attention.layer_norm_rms_epsilon"))
         self.max_context = min(max_context, int(g("context_length")))
         theta = float(g("rope.freq_base", 10000.0))
@@ -69,9 +70,16 @@ class LlamaLM:
         self.tok_embd = w("token_embd.weight")
         self.output = w("output.weight") if "output.weight" in sd else self.tok_embd
         self.out_norm = w("output_norm.weight")
+        # Q/K/V and gate/up share their input, so each pair runs as one wider matvec.
         self.layers = [
-            {k: w(f"blk.{i}.{k}.weight") for k in
-             ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+            {
+                "attn_norm": w(f"blk.{i}.attn_norm.weight"),
+                "qkv": Tensor.cat(*[w(f"blk.{i}.attn_{n}.weight") for n in "qkv"]).contiguous(),
+                "attn_output": w(f"blk.{i}.attn_output.weight"),
+                "ffn_norm": w(f"blk.{i}.ffn_norm.weight"),
+                "gate_up": Tensor.cat(w(f"blk.{i}.ffn_gate.weight"), w(f"blk.{i}.ffn_up.weight")).contiguous(),
+                "ffn_down": w(f"blk.{i}.ffn_down.weight"),
+            }
             for i in range(self.n_layers)
         ]
         freqs = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
@@ -81,8 +89,15 @@ class LlamaLM:
         self.cos = Tensor(np.cos(ang).astype(np.float32)).contiguous()
         self.sin = Tensor(np.sin(ang).astype(np.float32)).contiguous()
         self.cache = [Tensor.zeros(2, self.n_kv, slots, self.head_dim).contiguous() for _ in self.layers]
-        Tensor.realize(self.tok_embd, self.output, self.out_norm, self.cos, self.sin, *self.cache,
-                       *[t for lay in self.layers for t in lay.values()])
+        Tensor.realize(
+            self.tok_embd,
+            self.output,
+            self.out_norm,
+            self.cos,
+            self.sin,
+            *self.cache,
+            *[t for lay in self.layers for t in lay.values()],
+        )
         self._start = UOp.variable("start_pos", 0, self.max_context - 1)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
@@ -95,7 +110,7 @@ class LlamaLM:
     def _forward(self, tokens: Tensor, start: UOp) -> Tensor:
         """tokens (T,) int32 at positions start..start+T-1 -> greedy next id for every row, (T,) int32."""
         T = tokens.shape[0]
-        H, KV, hd = self.n_heads, self.n_kv, self.head_dim
+        H, KV, hd, hidden = self.n_heads, self.n_kv, self.head_dim, self.hidden
         x = self.tok_embd[tokens]
         cos, sin = self.cos[start : start + T].reshape(1, T, -1), self.sin[start : start + T].reshape(1, T, -1)
         # Rows past the prompt in a padded chunk write junk into the cache beyond the prompt; decode
@@ -103,9 +118,10 @@ class LlamaLM:
         mask = Tensor.full((1, 1, T, start + T), float("-inf")).triu(start + 1) if T > 1 else None
         for lay, cache in zip(self.layers, self.cache):
             h = _rms_norm(x, lay["attn_norm"], self.eps)
-            q = _rope(_mv(h, lay["attn_q"]).reshape(T, H, hd).transpose(0, 1), cos, sin)
-            k = _rope(_mv(h, lay["attn_k"]).reshape(T, KV, hd).transpose(0, 1), cos, sin)
-            v = _mv(h, lay["attn_v"]).reshape(T, KV, hd).transpose(0, 1)
+            qkv = _mv(h, lay["qkv"])
+            q = _rope(qkv[:, : H * hd].reshape(T, H, hd).transpose(0, 1), cos, sin)
+            k = _rope(qkv[:, H * hd : (H + KV) * hd].reshape(T, KV, hd).transpose(0, 1), cos, sin)
+            v = qkv[:, (H + KV) * hd :].reshape(T, KV, hd).transpose(0, 1)
             cache[:, :, start : start + T].assign(Tensor.stack(k, v)).realize()
             ck, cv = cache[0, :, 0 : start + T], cache[1, :, 0 : start + T]
             # GQA: each KV head serves H/KV query heads, grouped so K/V need no repeat.
@@ -116,7 +132,8 @@ class LlamaLM:
             o = (att.softmax(-1) @ cv.unsqueeze(1)).reshape(H, T, hd).transpose(0, 1).reshape(T, H * hd)
             x = x + _mv(o, lay["attn_output"])
             h = _rms_norm(x, lay["ffn_norm"], self.eps)
-            x = (x + _mv(_mv(h, lay["ffn_gate"]).silu() * _mv(h, lay["ffn_up"]), lay["ffn_down"])).contiguous()
+            gu = _mv(h, lay["gate_up"])
+            x = (x + _mv(gu[:, :hidden].silu() * gu[:, hidden:], lay["ffn_down"])).contiguous()
         logits = _mv(_rms_norm(x, self.out_norm, self.eps), self.output)
         return logits.argmax(-1).cast(dtypes.int32).realize()
 

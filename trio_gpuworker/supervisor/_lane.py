@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import trio
 
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import (
+    BrokenWorkerError,
     ClosedSupervisorError,
     DeadlineExceeded,
     EngineCrashed,
@@ -25,7 +27,7 @@ from .._errors import (
     UnexpectedFrame,
     WorkerError,
 )
-from .._proto import TERMINAL, Fault, Message, ProgressValidator, StrikePolicy
+from .._proto import INTERMEDIATE, TERMINAL, Fault, Message, ProgressValidator, StrikePolicy
 from ._events import EventBus
 from ._logring import LogRing
 from ._spawn import socket_path
@@ -77,7 +79,7 @@ class _Job:
 
 class Lane:
     def __init__(self, cfg: LaneConfig, sup: SupervisorConfig, runtime_dir: Path, loads: list[LoadSpec],
-                 bus: EventBus) -> None:
+                 bus: EventBus, arena_env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
         self.cfg = cfg
         self.id = cfg.id
         self.sup = sup
@@ -106,6 +108,13 @@ class Lane:
         self.last_error: str | None = None
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Job](math.inf)
         self._started: Callable[[], None] | None = None
+        self._arena_env = arena_env or {}
+        self._pass_fds = pass_fds
+        self._wp: WorkerProcess | None = None  # the live generation, for notifications
+        self.last_reaped: tuple[int, int] = (-1, 0)  # (pid, returncode) of the last reaped worker
+        # called as hook(lane, generation, msg) for worker notifications, and hook(lane, generation, None)
+        # once that generation's process is reaped (the data plane's crash fan-out and lease release)
+        self.hooks: list[Callable[[Lane, int, Message | None], None]] = []
 
     # --- caller side ---------------------------------------------------------------------------
 
@@ -244,11 +253,13 @@ class Lane:
         wp = WorkerProcess(lane_id=self.id, generation=gen, argv=self._argv(), env=self._env(gen),
                            sock_path=socket_path(self.runtime_dir, self.id), max_frame=self.sup.max_frame,
                            kill_grace_s=self.windows.kill_grace_s,
-                           drain_s=self.windows.exit_status_s, log=self.log, on_event=self._on_event)
+                           drain_s=self.windows.exit_status_s, log=self.log, on_event=self._on_event,
+                           pass_fds=self._pass_fds)
         served = False
         try:
             async with trio.open_nursery() as nursery:
                 await wp.start(nursery, self.windows.setup_s)
+                self._wp = wp
                 if wp.fault is None:
                     self.pid = wp.pid
                     await self._load_all(wp)
@@ -261,10 +272,14 @@ class Lane:
                     await self._shutdown(wp)
                 nursery.cancel_scope.cancel()
         finally:
+            self._wp = None
             rc = await wp.close(self._patience(wp))
             self.last_exit = describe_exit(rc)
             self.pid = None
             self.models_loaded = []
+            self.last_reaped = (wp.pid or -1, rc)
+            for hook in list(self.hooks):
+                hook(self, wp.generation, None)  # reaped: everything of this generation is gone
         self._after_generation(wp, rc)
         return served
 
@@ -304,10 +319,21 @@ class Lane:
         cache = self.sup.state_dir / "cache"
         cache.mkdir(parents=True, exist_ok=True)
         return {**os.environ, "DEV": self.cfg.device, "CACHEDB": str(cache / "tinygrad.db"), "PYTHONUNBUFFERED": "1",
-                "GPUWORKER_WORKER_ID": f"{self.id}.{gen}", "GPUWORKER_LANE_ID": self.id, **self.cfg.env}
+                "GPUWORKER_WORKER_ID": f"{self.id}.{gen}", "GPUWORKER_LANE_ID": self.id, **self._arena_env,
+                **self.cfg.env}
 
     def _on_event(self, wp: WorkerProcess, msg: Message) -> None:
-        self.bus.publish({**msg.fields, "lane_id": self.id, "generation": wp.generation})
+        for hook in list(self.hooks):
+            hook(self, wp.generation, msg)
+        if msg.t not in ("RING_READABLE", "RING_WRITABLE"):
+            self.bus.publish({**msg.fields, "lane_id": self.id, "generation": wp.generation})
+
+    async def notify(self, generation: int, t: str, fields: dict[str, Any]) -> None:
+        """Send a notification (a wake hint) to the worker of `generation`, alongside any running request."""
+        wp = self._wp
+        if wp is None or wp.generation != generation or wp.fault is not None or wp.stream is None:
+            raise BrokenWorkerError(f"lane {self.id} generation {generation} is not running")
+        await wp.send(t, fields)
 
     async def _load_all(self, wp: WorkerProcess) -> None:
         for spec in list(self.loads.values()):
@@ -363,10 +389,14 @@ class Lane:
         progress = ProgressValidator(req_id, "setup")
         window = self._window(job.t, "load" if job.t == "LOAD" else "inference" if job.t in SERVING else "control")
         await wp.send(job.t, {**job.fields, "req_id": req_id}, job.raw)
+        extras: list[Message] = []
         with trio.CancelScope(deadline=trio.current_time() + window) as watchdog:
             while True:
                 msg = await wp.replies.receive()
                 try:
+                    if msg.t in INTERMEDIATE.get(job.t, ()) and msg.get("req_id") == req_id:
+                        extras.append(msg)
+                        continue
                     if msg.t == "PROGRESS":
                         phase = progress.accept(msg)
                         window = self._window(job.t, phase)
@@ -381,7 +411,7 @@ class Lane:
                 except (ProgressViolation, UnexpectedFrame) as exc:
                     wp.fail("protocol", str(exc), exc)
                     await trio.sleep_forever()
-                return msg
+                return dataclasses.replace(msg, extras=tuple(extras)) if extras else msg
         wp.fail("hang", f"{job.t} sent nothing for {window:g} s (silence window)")
         await trio.sleep_forever()
         raise AssertionError("unreachable")

@@ -18,6 +18,8 @@ from .._errors import (
     NoLaneAvailable,
     RemoteProtocolError,
 )
+from ._arena import ArenaManager
+from ._dataplane import DataPlane, arena_env
 from ._events import EventBus
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ class Supervisor:
         self._tokenizers: dict[str, EmbeddingTokenizer] = {}
         self._dims: dict[str, int] = {}
         self._stack: AsyncExitStack | None = None
+        self.arena: ArenaManager | None = None
+        self.dataplane: DataPlane | None = None  # rings, objects and steps; None without an arena
         self._nursery: trio.Nursery | None = None
         self._closed = False
 
@@ -51,11 +55,18 @@ class Supervisor:
         cache = DigestCache(cfg.state_dir / "digests.json")
         specs = {m.id: await load_spec(m, cache) for m in cfg.models}
         self._stack = AsyncExitStack()
+        if cfg.arena_bytes:
+            self.arena = self._stack.enter_context(ArenaManager(cfg.arena_bytes))
+        env, fds = arena_env(self.arena)
         self._nursery = await self._stack.enter_async_context(trio.open_nursery())
         try:
             for lane_cfg in cfg.lanes:
-                lane = Lane(lane_cfg, cfg, self.runtime_dir, [specs[m] for m in lane_cfg.models], self.events)
+                lane = Lane(lane_cfg, cfg, self.runtime_dir, [specs[m] for m in lane_cfg.models], self.events,
+                            arena_env=env, pass_fds=fds)
                 self.lanes[lane.id] = lane
+            if self.arena is not None:
+                self.dataplane = DataPlane(self.lanes, self.arena, self.events)
+            for lane in self.lanes.values():
                 await self._nursery.start(lane.run)
         except BaseException as exc:
             await self._abort(exc)
@@ -95,19 +106,15 @@ class Supervisor:
     # --- routing -------------------------------------------------------------------------------
 
     def pick_lane(self, model: str) -> Lane:
-        """The least loaded lane that serves `model` and is not quarantined."""
+        """The least loaded ready lane that serves `model`, is not quarantined and is not drained
+        (`self.scheduler.drained`, when the daemon attached a scheduler)."""
+        from ._admission import choose_lane
+
         if self._closed:
             raise ClosedSupervisorError("the supervisor is shutting down")
         self.config.model(model)
-        candidates = [lane for lane in self.lanes.values() if model in lane.loads]
-        if not candidates:
-            raise NoLaneAvailable(f"no lane is configured to serve {model!r}")
-        open_lanes = [lane for lane in candidates if lane.cooldown_remaining() is None]
-        if not open_lanes:
-            lane = min(candidates, key=lambda ln: ln.cooldown_remaining() or 0.0)
-            raise lane.quarantine_error(lane.cooldown_remaining() or 0.0)
-        rank = {LaneState.READY: 0, LaneState.BUSY: 1}
-        return min(open_lanes, key=lambda ln: (ln.queued + (ln.state == LaneState.BUSY), rank.get(ln.state, 2)))
+        scheduler = getattr(self, "scheduler", None)
+        return choose_lane(model, self.lanes.values(), scheduler.drained if scheduler is not None else frozenset())
 
     def model_config(self, model: str) -> ModelConfig:
         return self.config.model(model)
@@ -148,10 +155,24 @@ class Supervisor:
 
     async def embed_rows(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
                          timeout: float | None = None) -> np.ndarray:
-        """Token-id rows -> embeddings, in EMBED_BATCH requests of at most max_batch_items rows."""
-        step = self.config.max_batch_items
-        parts = [await self.embed_ids(rows[i:i + step], model=model, pooling=pooling, normalize=normalize,
-                                      timeout=timeout) for i in range(0, len(rows), step)]
+        """Token-id rows -> embeddings, in EMBED_BATCH requests of at most max_batch_items rows.
+
+        With the daemon's `scheduler` attached, the rows' bytes are admitted against the model's queue budget
+        (OverCapacity when over it) until the vectors are back; with its `batcher` attached and enabled,
+        concurrent requests share EMBED_BATCH requests."""
+        from contextlib import nullcontext
+
+        if not rows:
+            return np.zeros((0, self._dims.get(model, 0)), dtype=np.float32)
+        scheduler = getattr(self, "scheduler", None)
+        batcher = getattr(self, "batcher", None)
+        nbytes = 4 * sum(len(r) for r in rows)
+        with scheduler.admit(model, nbytes) if scheduler is not None else nullcontext():
+            if batcher is not None and batcher.enabled:
+                return await batcher.embed(rows, model=model, pooling=pooling, normalize=normalize, timeout=timeout)
+            step = self.config.max_batch_items
+            parts = [await self.embed_ids(rows[i:i + step], model=model, pooling=pooling, normalize=normalize,
+                                          timeout=timeout) for i in range(0, len(rows), step)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def embed_ids(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
@@ -163,7 +184,8 @@ class Supervisor:
                                                 "items": items}, raw, timeout=timeout)
         n, dims = reply["n"], reply["dims"]
         if n != len(rows) or len(reply.raw or b"") != n * dims * 4:
-            raise RemoteProtocolError(f"VECTORS: n={n} dims={dims} raw_len={len(reply.raw or b'')} for {len(rows)} rows")
+            raise RemoteProtocolError(f"VECTORS: n={n} dims={dims} raw_len={len(reply.raw or b'')} "
+                                      f"for {len(rows)} rows")
         self._dims[model] = dims
         return np.frombuffer(reply.raw, dtype="<f4").reshape(n, dims).copy()
 

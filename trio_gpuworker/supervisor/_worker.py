@@ -18,7 +18,7 @@ from ._spawn import bind_listener, kill_and_reap, peer_credentials, spawn
 
 RECV_CHUNK = 1 << 20
 REPLY_BUFFER = 64
-NOTIFICATIONS = {"RING_READABLE", "RING_WRITABLE", "WORKER_FATAL"}
+WAKE_HINTS = {"RING_READABLE", "RING_WRITABLE"}
 
 
 @dataclass
@@ -32,7 +32,8 @@ class Fault:
 
 class WorkerProcess:
     def __init__(self, *, lane_id: str, generation: int, argv: list[str], env: dict[str, str], sock_path: Path,
-                 max_frame: int, kill_grace_s: float, drain_s: float, log: LogRing, on_event: Any = None) -> None:
+                 max_frame: int, kill_grace_s: float, drain_s: float, log: LogRing, on_event: Any = None,
+                 pass_fds: tuple[int, ...] = ()) -> None:
         self.lane_id = lane_id
         self.generation = generation
         self.argv = argv
@@ -41,6 +42,7 @@ class WorkerProcess:
         self.max_frame = max_frame
         self.kill_grace_s = kill_grace_s
         self.drain_s = drain_s
+        self.pass_fds = pass_fds
         self._reader_done: trio.Event | None = None
         self.log = log
         self.on_event = on_event
@@ -76,7 +78,7 @@ class WorkerProcess:
         listener = await bind_listener(self.sock_path)
         try:
             argv = [*self.argv, "--socket", os.fspath(self.sock_path), "--nonce", self.nonce]
-            self.proc = await spawn(argv, self.env)
+            self.proc = await spawn(argv, self.env, self.pass_fds)
             nursery.start_soon(self._pump, self.proc.stdout, "stdout")
             nursery.start_soon(self._pump, self.proc.stderr, "stderr")
             nursery.start_soon(self._watch_exit)
@@ -136,7 +138,7 @@ class WorkerProcess:
         self._reader_done = trio.Event()
         try:
             while (msg := await self._receive()) is not None:
-                if msg.t in NOTIFICATIONS:
+                if msg.t in WAKE_HINTS or "req_id" not in msg.fields:  # a notification, not a reply
                     if self.on_event is not None:
                         self.on_event(self, msg)
                     continue

@@ -85,6 +85,22 @@ def rss_mb() -> float:
 class Engine:
     def __init__(self) -> None:
         self.models: dict[str, Any] = {}
+        self.dataplane: Any = None  # WorkerDataPlane, set once the handshake gave us a generation
+
+    def do_install_ring(self, msg: Message, progress: Progress) -> Reply:
+        return self.dataplane.install_ring(msg)
+
+    def do_uninstall_ring(self, msg: Message, progress: Progress) -> Reply:
+        return self.dataplane.uninstall_ring(msg)
+
+    def do_configure_role(self, msg: Message, progress: Progress) -> Reply:
+        return self.dataplane.configure_role(msg)
+
+    def do_execute_step(self, msg: Message, progress: Progress) -> Reply:
+        return self.dataplane.execute_step(msg, progress)
+
+    def do_release_device_object(self, msg: Message, progress: Progress) -> Reply:
+        return self.dataplane.release(msg)
 
     def handle(self, msg: Message, progress: Progress) -> Reply:
         handler = getattr(self, f"do_{msg.t.lower()}", None)

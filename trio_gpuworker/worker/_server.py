@@ -16,6 +16,8 @@ import trio
 
 from .._errors import GpuWorkerError, RemoteProtocolError
 from .._proto import CLOSED, DEFAULT_MAX_FRAME, NEED_DATA, TERMINAL, WORKER, Connection, Message, hello_fields
+from ._compute import ComputeThread
+from ._dataplane import WorkerDataPlane
 from ._engine import Engine, Reply, WorkerRequestError
 
 RECV_CHUNK = 1 << 20
@@ -28,7 +30,10 @@ class WorkerServer:
         self.nonce = nonce
         self.conn = Connection(WORKER, DEFAULT_MAX_FRAME)
         self.engine = Engine()
+        self.compute = ComputeThread()
         self._send_lock = trio.Lock()
+        self._nursery: trio.Nursery | None = None
+        self._drain_wakeups: dict[int, trio.Event] = {}
         self.stopping: str | None = None
 
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
@@ -49,14 +54,17 @@ class WorkerServer:
     async def handshake(self) -> None:
         await self.send("HELLO", hello_fields(self.nonce, os.getpid(), DEFAULT_MAX_FRAME, ENGINE_INFO))
         ack = await self.receive()
-        if ack is None or not ack["accept"]:
+        if ack is None:
             raise SystemExit(2)
-        self.conn.set_max_frame(ack["max_frame"])
+        self.token = trio.lowlevel.current_trio_token()
+        emit = lambda t, fields: trio.from_thread.run(self.send, t, fields, trio_token=self.token)  # noqa: E731
+        self.engine.dataplane = WorkerDataPlane(ack["generation"], emit, self.engine.models)
 
     async def run(self) -> None:
         await self.handshake()
         send_req, recv_req = trio.open_memory_channel[Message](1)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._read_loop, send_req)
             await self._serve_requests(recv_req)  # returns after SHUTDOWN or once the daemon is gone
             nursery.cancel_scope.cancel()
@@ -66,7 +74,33 @@ class WorkerServer:
             while (msg := await self.receive()) is not None:
                 if msg.t in TERMINAL:
                     await send_req.send(msg)
-                # wake hints (RING_READABLE/WRITABLE) need no answer until a ring layer is installed
+                elif msg.t == "RING_WRITABLE":
+                    self.engine.dataplane.on_writable(msg["ring_id"])  # wakes a step blocked on egress space
+                elif msg.t == "RING_READABLE":
+                    self._kick_drain(msg["ring_id"])
+
+    def _kick_drain(self, ring_id: int) -> None:
+        """Hints are coalesced per ring: one drainer task per ring, woken, drains until no progress."""
+        wakeup = self._drain_wakeups.get(ring_id)
+        if wakeup is None:
+            wakeup = self._drain_wakeups[ring_id] = trio.Event()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._drainer, ring_id)
+        wakeup.set()
+
+    async def _drainer(self, ring_id: int) -> None:
+        dataplane = self.engine.dataplane
+        try:
+            while True:
+                await self._drain_wakeups[ring_id].wait()
+                self._drain_wakeups[ring_id] = trio.Event()
+                notices = await self.compute.run(dataplane.drain, ring_id)
+                if notices is None:
+                    return  # the ring is gone
+                for t, fields in notices:
+                    await self.send(t, fields)
+        finally:
+            self._drain_wakeups.pop(ring_id, None)
 
     async def _serve_requests(self, recv_req: trio.MemoryReceiveChannel[Message]) -> None:
         async with recv_req:
@@ -81,10 +115,11 @@ class WorkerServer:
         req_id = msg["req_id"]
 
         def progress(completed: int, phase: str) -> None:
-            trio.from_thread.run(self.send, "PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
+            trio.from_thread.run(self.send, "PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase},
+                                 trio_token=self.token)
 
         try:
-            reply: Reply = await trio.to_thread.run_sync(self.engine.handle, msg, progress)
+            reply: Reply = await self.compute.run(self.engine.handle, msg, progress)
         except WorkerRequestError as exc:
             await self.send("ERR", {"req_id": req_id, "code": exc.code, "msg": str(exc)})
             return
@@ -112,5 +147,6 @@ async def serve(socket_path: str, nonce: str) -> int:
         print(f"worker: {exc}", file=sys.stderr)
         return 3
     finally:
+        server.compute.close()
         await stream.aclose()
     return 0

@@ -1,0 +1,48 @@
+"""The data-plane control surface (GPU worker interface §7-§8) as protocol-v3 messages.
+
+Requests carry req_id and end in one terminal reply; OBJECT_PRODUCED is an intermediate reply of
+EXECUTE_STEP. Worker events without req_id are notifications, like the wake hints.
+"""
+
+from __future__ import annotations
+
+from ._schema import DAEMON, REQ, WORKER, Spec, flag, list_of, mapping, one_of, record, register, text, uint
+
+DIRECTIONS = ("ingress", "egress")
+UNINSTALL_REASONS = ("edge_stopped", "ring_faulted", "worker_shutdown")
+HANDLE = record(worker_generation=uint, id=uint)
+LAYOUT = record(offset=uint, header_len=uint, capacity=uint)
+STEP_INPUT = record(port_id=text, object_id=uint, sequence=uint, device_handle=HANDLE)
+STEP_OUTPUT = record(port_id=text, ring_id=uint, object_id=uint, sequence=uint, extent=uint, flags=uint)
+INTERMEDIATE = {"EXECUTE_STEP": {"OBJECT_PRODUCED"}}
+
+_MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
+    "CONFIGURE_ROLE": (Spec(DAEMON, {**REQ, "role_id": text, "config": mapping}), {}),
+    "ROLE_CONFIGURED": (Spec(WORKER, {**REQ, "role_id": text}), {"CONFIGURE_ROLE": {"ROLE_CONFIGURED", "ROLE_FAILED"}}),
+    "ROLE_FAILED": (Spec(WORKER, {**REQ, "role_id": text, "reason": text}, {"msg": text}), {}),
+    "INSTALL_RING": (Spec(DAEMON, {**REQ, "ring_id": uint, "edge_id": text, "port_id": text,
+                                   "direction": one_of(*DIRECTIONS), "layout": LAYOUT, "object_spec": mapping}), {}),
+    "RING_INSTALLED": (Spec(WORKER, {**REQ, "ring_id": uint}), {"INSTALL_RING": {"RING_INSTALLED", "RING_FAULT"}}),
+    # a terminal reply to INSTALL_RING (with req_id) or a notification at any time (without)
+    "RING_FAULT": (Spec(WORKER, {"ring_id": uint, "reason": text}, {"req_id": uint, "msg": text}), {}),
+    "UNINSTALL_RING": (Spec(DAEMON, {**REQ, "ring_id": uint, "reason": one_of(*UNINSTALL_REASONS)}), {}),
+    "RING_QUIESCED": (Spec(WORKER, {"ring_id": uint}, {"req_id": uint}), {"UNINSTALL_RING": {"RING_QUIESCED"}}),
+    "EXECUTE_STEP": (Spec(DAEMON, {**REQ, "role_id": text, "step_id": uint, "inputs": list_of(STEP_INPUT),
+                                   "outputs": list_of(STEP_OUTPUT), "runtime": mapping,
+                                   "release_inputs_after": flag}), {}),
+    "OBJECT_PRODUCED": (Spec(WORKER, {**REQ, "ring_id": uint, "port_id": text, "object_id": uint, "sequence": uint,
+                                      "extent": uint}), {}),
+    "STEP_COMPLETED": (Spec(WORKER, {**REQ, "step_id": uint}), {"EXECUTE_STEP": {"STEP_COMPLETED", "STEP_FAILED"}}),
+    "STEP_FAILED": (Spec(WORKER, {**REQ, "step_id": uint, "reason": text}, {"msg": text}), {}),
+    "RELEASE_DEVICE_OBJECT": (Spec(DAEMON, {**REQ, "device_handle": HANDLE}), {}),
+    "DEVICE_OBJECT_RELEASED": (Spec(WORKER, {**REQ, "device_handle": HANDLE}),
+                               {"RELEASE_DEVICE_OBJECT": {"DEVICE_OBJECT_RELEASED", "RELEASE_FAILED"}}),
+    "RELEASE_FAILED": (Spec(WORKER, {**REQ, "reason": text}, {"device_handle": HANDLE, "msg": text}), {}),
+    "OBJECT_LOADED": (Spec(WORKER, {"ring_id": uint, "edge_id": text, "port_id": text, "object_id": uint,
+                                    "sequence": uint, "extent": uint, "device_handle": HANDLE}), {}),
+    "OBJECT_FAILED": (Spec(WORKER, {"ring_id": uint, "reason": text},
+                           {"msg": text, "object_id": uint, "sequence": uint}), {}),
+}
+
+for _name, (_spec, _terminal) in _MESSAGES.items():
+    register(_name, _spec, _terminal)

@@ -1,0 +1,111 @@
+"""Lane administration behind the admin routes: load, unload, reload, drain, resume.
+
+LOAD and UNLOAD at run time go through `lane.call`, and the lane's `loads` (what a restarted generation
+loads) is kept equal to what the worker holds, so a crash after a runtime load reloads the right set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from .._errors import GpuWorkerError, WorkerError
+from .._proto import Message
+from ..supervisor import Lane, LaneState, Supervisor
+from ..supervisor._admission import Scheduler
+from ..supervisor._models import DigestCache, load_spec
+
+DRAIN_POLL_S = 0.05  # how often drain(wait=True) looks at the lane's queue
+
+
+class LaneNotFound(GpuWorkerError, LookupError):
+    code = "lane_not_found"
+
+
+class LaneAdmin:
+    def __init__(self, sup: Supervisor, scheduler: Scheduler | None) -> None:
+        self.sup = sup
+        self.scheduler = scheduler
+        self._digests: DigestCache | None = None
+
+    def lane(self, lane_id: str) -> Lane:
+        lane = self.sup.lanes.get(lane_id)
+        if lane is None:
+            raise LaneNotFound(f"no lane {lane_id!r}; lanes: {', '.join(self.sup.lanes) or 'none'}")
+        return lane
+
+    @property
+    def digests(self) -> DigestCache:
+        if self._digests is None:
+            self._digests = DigestCache(self.sup.config.state_dir / "digests.json")
+        return self._digests
+
+    async def load_model(self, lane_id: str, model: str, *, timeout_s: float | None = None,
+                         on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """LOAD `model` on the lane's worker, reporting PROGRESS; later generations load it too."""
+        lane = self.lane(lane_id)
+        spec = await load_spec(self.sup.config.model(model), self.digests)
+
+        def progress(msg: Message) -> None:
+            if on_progress is not None:
+                on_progress({"completed": msg.get("completed"), "phase": msg.get("phase")})
+
+        fields = {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
+                  "format": spec.format, "runtime_config": spec.runtime_config, "model_ref": spec.model_ref}
+        try:
+            reply = await lane.call("LOAD", fields, timeout=timeout_s, on_progress=progress)
+        except WorkerError as exc:
+            lane.load_errors[model] = f"{exc.code}: {exc.msg}"
+            raise
+        lane.loads[model] = spec
+        lane.load_errors.pop(model, None)
+        if reply["model_ref"] not in lane.models_loaded:
+            lane.models_loaded.append(reply["model_ref"])
+        return {"lane_id": lane.id, "model": model, "generation": lane.generation, "model_ref": reply["model_ref"],
+                "dims": reply.get("dims"), "cold_load_ms": reply.get("cold_load_ms")}
+
+    async def unload_model(self, lane_id: str, model: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """UNLOAD `model`; later generations no longer load it. Lifts the lane's quarantine (§5)."""
+        lane = self.lane(lane_id)
+        lane.loads.pop(model, None)
+        lane.clear_quarantine()
+        try:
+            await lane.call("UNLOAD", {"model_ref": model}, timeout=timeout_s)
+        except WorkerError as exc:
+            if exc.code != "model_not_loaded":
+                raise
+        if model in lane.models_loaded:
+            lane.models_loaded.remove(model)
+        return {"lane_id": lane.id, "model": model, "generation": lane.generation, "models": list(lane.models_loaded)}
+
+    async def reload(self, lane_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Ordered restart of the lane's worker after what is queued; lifts quarantine."""
+        lane = self.lane(lane_id)
+        await self.sup.reload_lane(lane.id, timeout=timeout_s)
+        return {"lane_id": lane.id, "generation": lane.generation, "state": lane.state.value,
+                "models": list(lane.models_loaded)}
+
+    async def drain(self, lane_id: str, *, wait: bool = False, timeout_s: float | None = None) -> bool:
+        """Route no new requests to the lane; with `wait`, until what is queued there has finished.
+        Returns whether the lane is idle."""
+        lane = self.lane(lane_id)
+        if self.scheduler is not None:
+            self.scheduler.drained.add(lane.id)
+        if wait:
+            with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
+                # the lane signals nothing when its queue empties: look every DRAIN_POLL_S
+                while not self.idle(lane):  # noqa: ASYNC110
+                    await trio.sleep(DRAIN_POLL_S)
+        return self.idle(lane)
+
+    def resume(self, lane_id: str) -> None:
+        lane = self.lane(lane_id)
+        if self.scheduler is not None:
+            self.scheduler.drained.discard(lane.id)
+
+    @staticmethod
+    def idle(lane: Lane) -> bool:
+        return lane.queued == 0 and lane.state != LaneState.BUSY

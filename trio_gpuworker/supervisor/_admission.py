@@ -1,0 +1,102 @@
+"""Admission and lane choice: a byte budget per model queue, drained lanes, the least loaded ready lane.
+
+    sched = Scheduler(AdmissionPolicy(queue_bytes=64 << 20))
+    with sched.admit("all-MiniLM-L6-v2", nbytes):   # OverCapacity (429) when the model's queue is full
+        ...                                        # queued + in flight until the block exits
+
+The budget counts the token-id bytes a request sends to a worker, from admission until its reply is back,
+so the memory held for queued work is bounded per model whatever the callers do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import GpuWorkerError, InvalidRequest, NoLaneAvailable
+
+if TYPE_CHECKING:
+    from ._lane import Lane
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    queue_bytes: int = 64 << 20  # per model: token-id bytes queued + in flight
+    retry_after_s: float = 1.0  # Retry-After of an over_capacity answer
+
+
+class OverCapacity(GpuWorkerError):
+    """The model's queue is over its byte budget right now; retry after `retry_after_s`."""
+
+    code = "over_capacity"
+
+    def __init__(self, message: str, *, model: str, queued_bytes: int, budget_bytes: int,
+                 retry_after_s: float) -> None:
+        super().__init__(message)
+        self.model = model
+        self.queued_bytes = queued_bytes
+        self.budget_bytes = budget_bytes
+        self.retry_after_s = retry_after_s
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self),
+                "detail": {"model": self.model, "queued_bytes": self.queued_bytes,
+                           "budget_bytes": self.budget_bytes, "retry_after_s": self.retry_after_s}}
+
+
+class Scheduler:
+    """Per-model admission counters and the set of drained lanes (no new requests routed to them)."""
+
+    def __init__(self, policy: AdmissionPolicy | None = None) -> None:
+        self.policy = policy or AdmissionPolicy()
+        self.queued_bytes: dict[str, int] = {}
+        self.queued: dict[str, int] = {}  # admitted requests not yet answered
+        self.rejected: dict[str, int] = {}
+        self.drained: set[str] = set()
+
+    @contextmanager
+    def admit(self, model: str, nbytes: int) -> Iterator[None]:
+        budget = self.policy.queue_bytes
+        if nbytes > budget:
+            raise InvalidRequest(f"the request needs {nbytes} bytes of token ids; the queue budget of model "
+                                 f"{model!r} is {budget} bytes (admission.queue_bytes)")
+        held = self.queued_bytes.get(model, 0)
+        if held + nbytes > budget:
+            self.rejected[model] = self.rejected.get(model, 0) + 1
+            raise OverCapacity(f"model {model!r} has {held} bytes queued or in flight; this request needs {nbytes} "
+                               f"more and the budget is {budget}", model=model, queued_bytes=held,
+                               budget_bytes=budget, retry_after_s=self.policy.retry_after_s)
+        self.queued_bytes[model] = held + nbytes
+        self.queued[model] = self.queued.get(model, 0) + 1
+        try:
+            yield
+        finally:
+            self.queued_bytes[model] -= nbytes
+            self.queued[model] -= 1
+
+
+def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset[str] = frozenset()) -> Lane:
+    """The least loaded lane serving `model`: not drained, not quarantined, ready before starting, and one that
+    loaded the model before one whose LOAD of it failed. Load = queued requests + the one running."""
+    from ._lane import LaneState
+
+    candidates = [lane for lane in lanes if model in lane.loads]
+    if not candidates:
+        raise NoLaneAvailable(f"no lane is configured to serve {model!r}")
+    routable = [lane for lane in candidates if lane.id not in drained]
+    if not routable:
+        raise NoLaneAvailable(f"every lane serving {model!r} is drained: {', '.join(ln.id for ln in candidates)}")
+    open_lanes = [lane for lane in routable if lane.cooldown_remaining() is None]
+    if not open_lanes:
+        lane = min(routable, key=lambda ln: ln.cooldown_remaining() or 0.0)
+        raise lane.quarantine_error(lane.cooldown_remaining() or 0.0)
+    serving = (LaneState.READY, LaneState.BUSY)
+    closing = (LaneState.STOPPING, LaneState.STOPPED)
+
+    def rank(ln: Lane) -> tuple[int, int, int]:
+        state = 0 if ln.state in serving else 2 if ln.state in closing else 1
+        return state, int(model in ln.load_errors), ln.queued + (ln.state == LaneState.BUSY)
+
+    return min(open_lanes, key=rank)
