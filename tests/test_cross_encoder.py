@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
+# Never reach for the network: huggingface_hub reads this once, at its import (which may be in another test module).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -16,134 +19,186 @@ transformers = pytest.importorskip("transformers")
 from trio_gpuworker.models.bert import BertEncoder, plan_batches  # noqa: E402
 from trio_gpuworker.models.cross_encoder import BertCrossEncoder  # noqa: E402
 
-TINY = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=64, type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12)
+# Two buckets out of order, an uneven count that needs a padded micro-batch, a 1-token row. Every test uses the same
+# lengths, hence the same two (length, batch) shapes: tinygrad's per-shape kernel generation dominates the run time.
+LENGTHS = [5, 40, 1, 16, 64, 9, 3, 33, 12, 2, 7]
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    type_vocab_size=2,
+    hidden_act="gelu",
+    layer_norm_eps=1e-12,
+)
 
 
 def _save(model: torch.nn.Module, path: pathlib.Path) -> tuple[pathlib.Path, dict]:
-  model.save_pretrained(path, safe_serialization=True)
-  return path / "model.safetensors", json.loads((path / "config.json").read_text())
+    model.save_pretrained(path, safe_serialization=True)
+    return path / "model.safetensors", json.loads((path / "config.json").read_text())
 
 
 def _tiny(path: pathlib.Path, num_labels: int, seed: int) -> tuple[torch.nn.Module, pathlib.Path, dict]:
-  torch.manual_seed(seed)
-  cfg = transformers.BertConfig(**TINY, num_labels=num_labels)
-  model = transformers.BertForSequenceClassification(cfg).eval()
-  # Default init (std 0.02, LayerNorm = identity) would leave most paths untested; make every weight matter.
-  with torch.no_grad():
-    for p in model.parameters(): p.normal_(0.0, 0.3)
-  return (model, *_save(model, path))
+    torch.manual_seed(seed)
+    cfg = transformers.BertConfig(**TINY, num_labels=num_labels)
+    model = transformers.BertForSequenceClassification(cfg).eval()
+    # Default init (std 0.02, LayerNorm = identity) would leave most paths untested; make every weight matter.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    return (model, *_save(model, path))
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, BertCrossEncoder, pathlib.Path, dict]:
-  model, art, cfg = _tiny(tmp_path_factory.mktemp("ce1"), 1, 0)
-  return model, BertCrossEncoder.load(art, cfg), art, cfg
+    model, art, cfg = _tiny(tmp_path_factory.mktemp("ce1"), 1, 0)
+    return model, BertCrossEncoder.load(art, cfg), art, cfg
 
 
 def _pairs(rng: np.random.Generator, lengths: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  ids, tts = [], []
-  for n in lengths:
-    q = int(rng.integers(0, n - 1)) if n > 2 else 0
-    x = rng.integers(1, TINY["vocab_size"], n).astype(np.int32)
-    x[0] = 2
-    ids.append(x)
-    tts.append(np.r_[np.zeros(q + 1, np.int32), np.ones(n - q - 1, np.int32)])
-  return ids, tts
+    ids, tts = [], []
+    for n in lengths:
+        q = int(rng.integers(0, n - 1)) if n > 2 else 0
+        x = rng.integers(1, TINY["vocab_size"], n).astype(np.int32)
+        x[0] = 2
+        ids.append(x)
+        tts.append(np.r_[np.zeros(q + 1, np.int32), np.ones(n - q - 1, np.int32)])
+    return ids, tts
 
 
 def _torch_out(model: torch.nn.Module, ids: list[np.ndarray], tts: list[np.ndarray] | None) -> torch.Tensor:
-  L = max(len(x) for x in ids)
-  x, t, m = (torch.zeros(len(ids), L, dtype=torch.long) for _ in range(3))
-  for i, a in enumerate(ids):
-    x[i, :len(a)], m[i, :len(a)] = torch.from_numpy(a.astype(np.int64)), 1
-    if tts is not None: t[i, :len(a)] = torch.from_numpy(tts[i].astype(np.int64))
-  with torch.no_grad(): return model(input_ids=x, attention_mask=m, token_type_ids=t)
+    L = max(len(x) for x in ids)
+    x, t, m = (torch.zeros(len(ids), L, dtype=torch.long) for _ in range(3))
+    for i, a in enumerate(ids):
+        x[i, : len(a)], m[i, : len(a)] = torch.from_numpy(a.astype(np.int64)), 1
+        if tts is not None:
+            t[i, : len(a)] = torch.from_numpy(tts[i].astype(np.int64))
+    with torch.no_grad():
+        return model(input_ids=x, attention_mask=m, token_type_ids=t)
 
 
 def test_scores_match_transformers(single: tuple) -> None:
-  model, ce, _, _ = single
-  rng = np.random.default_rng(1)
-  # Mixed buckets (16, 32, 64) out of order, an uneven count that needs padded micro-batches, a 1-token row.
-  ids, tts = _pairs(rng, [5, 40, 1, 16, 17, 64, 9, 3, 33, 12, 2, 7])
-  seen: list[int] = []
-  got = ce.score(ids, tts, progress=seen.append)
-  want = _torch_out(model, ids, tts).logits[:, 0].numpy()
-  assert got.dtype == np.float32 and got.shape == (len(ids),)
-  np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-  assert seen == sorted(set(seen)) and seen[-1] == len(ids)
-  # Replays of the now-captured TinyJits give the same numbers.
-  for _ in range(2): np.testing.assert_array_equal(ce.score(ids, tts), got)
-  # No token types means all zeros, as in HF.
-  np.testing.assert_allclose(ce.score(ids, None), _torch_out(model, ids, None).logits[:, 0].numpy(), atol=1e-4, rtol=0)
-  assert ce.score([], None).shape == (0,)
+    model, ce, _, _ = single
+    rng = np.random.default_rng(1)
+    ids, tts = _pairs(rng, LENGTHS)
+    seen: list[int] = []
+    got = ce.score(ids, tts, progress=seen.append)
+    want = _torch_out(model, ids, tts).logits[:, 0].numpy()
+    assert got.dtype == np.float32 and got.shape == (len(ids),)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert seen == [8, 11]  # one PROGRESS per micro-batch: (16 tokens x 8 rows), then (64 x 4, one row padding)
+    # Replays of the now-captured TinyJits give the same numbers.
+    for _ in range(2):
+        np.testing.assert_array_equal(ce.score(ids, tts), got)
+    # No token types means all zeros, as in HF.
+    np.testing.assert_allclose(
+        ce.score(ids, None), _torch_out(model, ids, None).logits[:, 0].numpy(), atol=1e-4, rtol=0
+    )
+    assert ce.score([], None).shape == (0,)
 
 
 def test_multi_label_logits(tmp_path: pathlib.Path) -> None:
-  model, art, cfg = _tiny(tmp_path, 3, 2)
-  ce = BertCrossEncoder.load(art, cfg)
-  ids, tts = _pairs(np.random.default_rng(3), [4, 11, 20])
-  np.testing.assert_allclose(ce.logits(ids, tts), _torch_out(model, ids, tts).logits.numpy(), atol=1e-4, rtol=0)
-  with pytest.raises(ValueError, match="num_labels=3"): ce.score(ids, tts)
+    model, art, cfg = _tiny(tmp_path, 3, 2)
+    ce = BertCrossEncoder.load(art, cfg)
+    ids, tts = _pairs(np.random.default_rng(3), LENGTHS)
+    np.testing.assert_allclose(ce.logits(ids, tts), _torch_out(model, ids, tts).logits.numpy(), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="num_labels=3"):
+        ce.score(ids, tts)
 
 
 def test_encoder_body_matches_bert_model(single: tuple) -> None:
-  # The same body serves BertEncoder; a BertForSequenceClassification checkpoint loads through the "bert." prefix.
-  model, _, art, cfg = single
-  enc = BertEncoder.load(art, cfg)
-  assert enc.dims == TINY["hidden_size"]
-  ids, _ = _pairs(np.random.default_rng(4), [3, 30, 8, 64, 1])
-  h = _torch_out(model.bert, ids, None).last_hidden_state.double().numpy()
-  m = np.zeros(h.shape[:2])
-  for i, a in enumerate(ids): m[i, :len(a)] = 1
-  mean = (h * m[..., None]).sum(1) / m.sum(1, keepdims=True)
-  np.testing.assert_allclose(enc.embed(ids, "mean", False), mean, atol=1e-4, rtol=0)
-  np.testing.assert_allclose(enc.embed(ids, "cls", False), h[:, 0], atol=1e-4, rtol=0)
-  unit = enc.embed(ids, "cls", True)
-  np.testing.assert_allclose(unit, h[:, 0] / np.linalg.norm(h[:, 0], axis=1, keepdims=True), atol=1e-5, rtol=0)
+    # The same body serves BertEncoder; a BertForSequenceClassification checkpoint loads through the "bert." prefix.
+    model, _, art, cfg = single
+    enc = BertEncoder.load(art, cfg)
+    assert enc.dims == TINY["hidden_size"]
+    ids, _ = _pairs(np.random.default_rng(4), LENGTHS)
+    h = _torch_out(model.bert, ids, None).last_hidden_state.double().numpy()
+    m = np.zeros(h.shape[:2])
+    for i, a in enumerate(ids):
+        m[i, : len(a)] = 1
+    mean = (h * m[..., None]).sum(1) / m.sum(1, keepdims=True)
+    np.testing.assert_allclose(enc.embed(ids, "mean", False), mean, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(enc.embed(ids, "cls", False), h[:, 0], atol=1e-4, rtol=0)
+    unit = enc.embed(ids, "cls", True)
+    np.testing.assert_allclose(unit, h[:, 0] / np.linalg.norm(h[:, 0], axis=1, keepdims=True), atol=1e-5, rtol=0)
 
 
 def test_rejects_bad_rows(single: tuple) -> None:
-  _, ce, _, _ = single
-  ok = np.array([2, 5, 3], np.int32)
-  with pytest.raises(ValueError, match="tokens"): ce.score([np.ones(65, np.int32)], None)
-  with pytest.raises(ValueError, match="tokens"): ce.score([np.zeros(0, np.int32)], None)
-  with pytest.raises(ValueError, match="outside"): ce.score([np.array([2, 97], np.int32)], None)
-  with pytest.raises(ValueError, match="outside"): ce.score([ok], [np.array([0, 2, 0], np.int32)])
-  with pytest.raises(ValueError, match="length"): ce.score([ok], [np.zeros(2, np.int32)])
-  with pytest.raises(ValueError, match="1-D integer"): ce.score([ok.astype(np.float32)], None)
-  with pytest.raises(ValueError, match="pooling"): BertEncoder.load(*single[2:]).embed([ok], "max", True)
+    _, ce, _, _ = single
+    ok = np.array([2, 5, 3], np.int32)
+    with pytest.raises(ValueError, match="tokens"):
+        ce.score([np.ones(65, np.int32)], None)
+    with pytest.raises(ValueError, match="tokens"):
+        ce.score([np.zeros(0, np.int32)], None)
+    with pytest.raises(ValueError, match="outside"):
+        ce.score([np.array([2, 97], np.int32)], None)
+    with pytest.raises(ValueError, match="outside"):
+        ce.score([ok], [np.array([0, 2, 0], np.int32)])
+    with pytest.raises(ValueError, match="length"):
+        ce.score([ok], [np.zeros(2, np.int32)])
+    with pytest.raises(ValueError, match="1-D integer"):
+        ce.score([ok.astype(np.float32)], None)
+    with pytest.raises(ValueError, match="pooling"):
+        BertEncoder.load(*single[2:]).embed([ok], "max", True)
 
 
 def test_load_errors(single: tuple, tmp_path: pathlib.Path) -> None:
-  from safetensors.numpy import load_file, save_file
-  _, _, art, cfg = single
-  with pytest.raises(ValueError, match="not a file"): BertCrossEncoder.load(tmp_path / "nope.safetensors", cfg)
-  (junk := tmp_path / "junk.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
-  with pytest.raises(ValueError): BertCrossEncoder.load(junk, cfg)
-  tensors = load_file(art)
-  save_file({k: v for k, v in tensors.items() if k != "classifier.bias"}, missing := tmp_path / "missing.safetensors")
-  with pytest.raises(ValueError, match="lacks"): BertCrossEncoder.load(missing, cfg)
-  BertEncoder.load(missing, cfg)  # the encoder does not need the classifier head
-  key = "bert.encoder.layer.1.intermediate.dense.weight"
-  save_file(tensors | {key: tensors[key][:-1]}, shaped := tmp_path / "shaped.safetensors")
-  with pytest.raises(ValueError, match="ill-shaped"): BertEncoder.load(shaped, cfg)
-  for bad in ({"hidden_size": 30}, {"hidden_act": "swish"}, {"num_hidden_layers": 0}, {"model_type": "roberta"},
-              {"position_embedding_type": "relative_key"}, {"vocab_size": "97"}):
-    with pytest.raises(ValueError, match="config"): BertEncoder.load(art, cfg | bad)
-  with pytest.raises(ValueError, match="num_labels"): BertCrossEncoder.load(art, cfg | {"num_labels": 0})
-  with pytest.raises(ValueError, match="lacks|ill-shaped"): BertCrossEncoder.load(art, cfg | {"num_labels": 2})
+    from safetensors.numpy import load_file, save_file
+
+    _, _, art, cfg = single
+    with pytest.raises(ValueError, match="not a file"):
+        BertCrossEncoder.load(tmp_path / "nope.safetensors", cfg)
+    (junk := tmp_path / "junk.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    with pytest.raises(ValueError):
+        BertCrossEncoder.load(junk, cfg)
+    tensors = load_file(art)
+    save_file({k: v for k, v in tensors.items() if k != "classifier.bias"}, missing := tmp_path / "missing.safetensors")
+    with pytest.raises(ValueError, match="lacks"):
+        BertCrossEncoder.load(missing, cfg)
+    BertEncoder.load(missing, cfg)  # the encoder does not need the classifier head
+    key = "bert.encoder.layer.1.intermediate.dense.weight"
+    save_file(tensors | {key: tensors[key][:-1]}, shaped := tmp_path / "shaped.safetensors")
+    with pytest.raises(ValueError, match="ill-shaped"):
+        BertEncoder.load(shaped, cfg)
+    for bad in (
+        {"hidden_size": 30},
+        {"hidden_act": "swish"},
+        {"num_hidden_layers": 0},
+        {"model_type": "roberta"},
+        {"position_embedding_type": "relative_key"},
+        {"vocab_size": "97"},
+    ):
+        with pytest.raises(ValueError, match="config"):
+            BertEncoder.load(art, cfg | bad)
+    with pytest.raises(ValueError, match="num_labels"):
+        BertCrossEncoder.load(art, cfg | {"num_labels": 0})
+    with pytest.raises(ValueError, match=r"lacks|ill-shaped"):
+        BertCrossEncoder.load(art, cfg | {"num_labels": 2})
 
 
 @pytest.mark.parametrize("n", [*range(1, 70), 100, 1000])
 def test_plan_batches_covers_rows_with_known_sizes(n: int) -> None:
-  sizes = (1, 4, 8, 16, 32)
-  plan = plan_batches(n, sizes)
-  assert sum(t for t, _ in plan) == n
-  assert all(b in sizes and 1 <= t <= b and b - t <= t / 2 for t, b in plan)
+    sizes = (1, 4, 8, 16, 32)
+    plan = plan_batches(n, sizes)
+    assert sum(t for t, _ in plan) == n
+    assert all(b in sizes and 1 <= t <= b and b - t <= t / 2 for t, b in plan)
 
 
 def test_truncated_artifact(single: tuple, tmp_path: pathlib.Path) -> None:
-  _, _, art, cfg = single
-  (cut := tmp_path / "cut.safetensors").write_bytes(art.read_bytes()[:-100])
-  with pytest.raises(ValueError, match="truncated"): BertEncoder.load(cut, cfg)
+    _, _, art, cfg = single
+    (cut := tmp_path / "cut.safetensors").write_bytes(art.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="truncated"):
+        BertEncoder.load(cut, cfg)
+
+
+def test_warmup(single: tuple) -> None:
+    _, ce, _, _ = single
+    shapes = ce.all_shapes()
+    assert shapes[0] == (16, 1) and (64, 32) in shapes and all(L * B <= 4096 for L, B in shapes)
+    seen: list[int] = []
+    ce.warmup([(16, 8)], progress=seen.append)
+    assert seen == [1]
+    with pytest.raises(ValueError, match="shape"):
+        ce.warmup([(17, 8)])

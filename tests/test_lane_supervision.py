@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
-from tests.supervision_helpers import FAST, MODEL, expected_fake_rows, fake_config, rows
+from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
 from trio_gpuworker import DeadlineExceeded, EngineCrashed, LaneState, Supervisor, Windows
 from trio_gpuworker._proto import Fault
 from trio_gpuworker.supervisor._spawn import kill_and_reap, spawn
@@ -57,8 +57,7 @@ async def test_handshake_breakers_are_killed_and_quarantined(tmp_path: Path, beh
     async with Supervisor(fake_config(tmp_path, fake_command(behavior), cooldown_s=60)) as sup:
         lane = sup.lanes["lane0"]
         with trio.fail_after(10):
-            while lane.state != LaneState.QUARANTINED:
-                await trio.sleep(0.02)
+            await lane.wait_state(LaneState.QUARANTINED)
         assert lane.generation == 2 and lane.pid is None
         assert fragment in lane.last_error
         with pytest.raises(EngineCrashed) as info:
@@ -115,8 +114,8 @@ async def test_crash_carries_log_tail(tmp_path: Path) -> None:
         assert len(lane.log.tail(1 << 20)) <= sup.config.log_ring_bytes
         os.kill(lane.pid, 9)
         with trio.fail_after(5):
-            while lane.generation < 2 or lane.state != LaneState.READY:
-                await trio.sleep(0.02)
+            await lane.wait_state(LaneState.RESTARTING, LaneState.STARTING)
+            await lane.wait_state(LaneState.READY)
         assert "killed by SIGKILL" in lane.last_error
         assert lane.policy.strikes == 1
 
@@ -204,8 +203,7 @@ async def test_clear_quarantine_lifts_it_at_once(tmp_path: Path) -> None:
     async with Supervisor(fake_config(tmp_path, fake_command("wrong_nonce"), cooldown_s=600)) as sup:
         lane = sup.lanes["lane0"]
         with trio.fail_after(10):
-            while lane.state != LaneState.QUARANTINED:
-                await trio.sleep(0.02)
+            await lane.wait_state(LaneState.QUARANTINED)
         lane.clear_quarantine()
         assert lane.cooldown_remaining() is None and lane.policy.strikes == 0
 
@@ -270,7 +268,7 @@ async def test_health_refresher_pings_idle_workers(tmp_path: Path) -> None:
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         with trio.fail_after(5):
-            while lane.rss_mb is None:
+            while lane.rss_mb is None:  # noqa: ASYNC110 - polling the cache is what a health probe does
                 await trio.sleep(0.02)
         assert lane.rss_mb > 0 and lane.models_loaded == [MODEL]
         assert lane.policy.strikes == 0

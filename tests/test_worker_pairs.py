@@ -19,7 +19,7 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa naïve café �
 @pytest.mark.parametrize("max_tokens", [5, 16, 17, 32, 256])
 def test_compose_pairs_matches_tokenizer_pairs(max_tokens: int) -> None:
     tok = EmbeddingTokenizer.from_file(TOKENIZER, max_tokens)
-    plain = EmbeddingTokenizer.from_file(TOKENIZER, 10_000)._tok
+    plain = EmbeddingTokenizer.from_file(TOKENIZER, 10_000).tokenizer
     rng = random.Random(max_tokens)
     cls_id, sep_id = plain.token_to_id("[CLS]"), plain.token_to_id("[SEP]")
     for _ in range(60):

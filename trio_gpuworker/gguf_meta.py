@@ -74,3 +74,18 @@ def read_metadata(path: str | pathlib.Path) -> dict[str, Any]:
         finally:
             # Views into the mmap must be gone before it closes.
             cur.buf.release()
+
+
+_CONTROL = 3  # llama.cpp token type
+_END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+
+
+def end_of_generation_ids(meta: dict[str, Any]) -> set[int]:
+    """Like llama.cpp's end-of-generation set: the declared EOS plus control tokens that end a turn."""
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    out = {int(eos)} if isinstance(eos, int) else set()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    for i, t in enumerate(meta.get("tokenizer.ggml.tokens") or []):
+        if t in _END_MARKERS and i < len(types) and types[i] == _CONTROL:
+            out.add(i)
+    return out

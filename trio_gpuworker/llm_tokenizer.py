@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from trio_gpuworker.gguf_meta import read_metadata
+from trio_gpuworker.gguf_meta import end_of_generation_ids, read_metadata
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -69,16 +69,13 @@ class ChatTokenizer:
         )
         tk.decoder = decoders.ByteLevel()
         # Control / user-defined tokens are matched whole in the text (as llama.cpp does with parse_special).
-        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == _CONTROL])
-        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+        typed = list(zip(tokens, types, strict=True))
+        tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in typed if ty == _CONTROL])
+        tk.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in typed if ty == _USER_DEFINED])
         if tk.get_vocab_size(with_added_tokens=True) != len(tokens):
             raise ValueError("special tokens do not map onto the GGUF vocabulary")
 
-        eos = meta.get("tokenizer.ggml.eos_token_id")
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        # Like llama.cpp's end-of-generation set: the declared EOS plus the ChatML/GPT end markers.
-        eos_ids = {int(eos)} if isinstance(eos, int) else set()
-        eos_ids |= {i for i, t in enumerate(tokens) if t in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>") and types[i] == _CONTROL}
 
         template = str(meta.get("tokenizer.chat_template", ""))
         if "<|im_start|>" not in template:
@@ -86,7 +83,7 @@ class ChatTokenizer:
         m = _DEFAULT_SYSTEM.search(template)
         return cls(
             tk,
-            eos_ids=eos_ids,
+            eos_ids=end_of_generation_ids(dict(meta)),
             bos_id=int(bos) if isinstance(bos, int) else None,
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
             default_system=m.group(1).replace("\\n", "\n") if m else None,

@@ -25,6 +25,11 @@ class EmbeddingTokenizer:
         # A pair needs room for 3 specials plus at least one token of each side, else tokenizers raises per call.
         self._pair_specials = self._tok.num_special_tokens_to_add(is_pair=True)
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (truncation at ``max_tokens``, no padding)."""
+        return self._tok
+
     @classmethod
     def from_file(cls, tokenizer_json: pathlib.Path, max_tokens: int = 256) -> EmbeddingTokenizer:
         path = pathlib.Path(tokenizer_json)
@@ -49,6 +54,14 @@ class EmbeddingTokenizer:
         if not texts:
             return []
         return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=True)]
+
+    def encode_plain(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids without [CLS]/[SEP], at most ``max_tokens`` each: what RERANK sends, since the worker
+        composes (and truncates) the query/document pairs itself."""
+        texts = self._strs(texts, "texts")
+        if not texts:
+            return []
+        return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode_pair(self, query: str, docs: list[str]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """([CLS] query [SEP] doc [SEP] ids, token_type_ids) per doc, truncated longest_first like HF."""

@@ -211,6 +211,18 @@ class Api:
         t0 = time.perf_counter()
         method, path = scope["method"], scope["path"]
         label, model, outcome, tracked = "other", "", "ok", False
+        started = False
+        server_send = send
+
+        async def send_once(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                if started:  # a failure after the answer began (a stream): it ends the stream, nothing more
+                    return
+                started = True
+            await server_send(message)
+
+        send = send_once
         try:
             route, params = self._match(method, path)
             label = route.label
@@ -249,21 +261,29 @@ class Api:
 
     async def _run(self, route: Route, params: dict[str, str], body: Any, receive: Receive, send: Send) -> int:
         """Run the handler and send its answer while watching for the client's disconnect, which cancels both."""
-        gone = False
+        gone = finished = False
         error: Exception | None = None
         status = 200
+
+        async def send_tracked(message: dict[str, Any]) -> None:
+            nonlocal finished
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                finished = True  # the server may report the (keep-alive) stream closed from here on
+            await send(message)
+
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
                 nonlocal gone
                 while (await receive())["type"] != "http.disconnect":
                     pass
-                gone = True
-                nursery.cancel_scope.cancel()
+                if not finished:
+                    gone = True
+                    nursery.cancel_scope.cancel()
 
             nursery.start_soon(watch)
             try:
-                status = await self._send_result(send, await route.handler(params, body))
+                status = await self._send_result(send_tracked, await route.handler(params, body))
             except Exception as exc:  # re-raised below, outside the nursery (not as an ExceptionGroup)
                 error = exc
             nursery.cancel_scope.cancel()

@@ -235,9 +235,7 @@ class Daemon:
         self.removing.add(lane_id)
         self.scheduler.drained.add(lane_id)
         lane.close()
-        # the lane signals nothing when it stops: look every so often
-        while lane.state != LaneState.STOPPED:  # noqa: ASYNC110
-            await trio.sleep(STATUS_INTERVAL_S / 50)
+        await lane.wait_state(LaneState.STOPPED)
         self.sup.lanes.pop(lane_id, None)
         self.scheduler.drained.discard(lane_id)
         self.removing.discard(lane_id)
@@ -265,29 +263,37 @@ async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
     Started value: (supervisor, the bound listener URLs, TCP first). The Daemon is `sup.daemon`."""
     env = os.environ if env is None else env
     notifier = notifier if notifier is not None else Notifier.from_env(env)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async with trio.open_nursery() as outer:  # listeners and the notify loop: alive until the very end
-            notifier.status("starting: spawning workers and loading models")
-            async with Supervisor(cfg.supervisor) as sup:
-                daemon = Daemon(cfg, sup, config_path=config_path, env=env, notifier=notifier)
-                sup.daemon = daemon  # type: ignore[attr-defined]
-                async with trio.open_nursery() as inner:
-                    daemon.nursery = inner
-                    await inner.start(daemon.batcher.run)
-                    await inner.start(daemon.metrics.watch_events)
-                    binds = await daemon.start_listeners(outer)
-                    outer.start_soon(daemon.notify_loop)
-                    inner.start_soon(daemon.serve_signals, signals)
-                    notifier.ready(daemon.status_line())
-                    log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
-                    task_status.started((sup, binds))
-                    await daemon.stop_requested.wait()
-                    await daemon.drain()
-                    inner.cancel_scope.cancel()
-                sup.close()
-            notifier.status("stopped")
-            outer.cancel_scope.cancel()
-    notifier.close()
+    try:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async with trio.open_nursery() as outer:  # listeners and the notify loop: alive until the very end
+                notifier.status("starting: spawning workers and loading models")
+                windows = cfg.supervisor.windows
+                with trio.CancelScope() as workers_stop:  # bounds the workers' shutdown after the drain
+                    async with Supervisor(cfg.supervisor) as sup:
+                        daemon = Daemon(cfg, sup, config_path=config_path, env=env, notifier=notifier)
+                        sup.daemon = daemon  # type: ignore[attr-defined]
+                        async with trio.open_nursery() as inner:
+                            daemon.nursery = inner
+                            await inner.start(daemon.batcher.run)
+                            await inner.start(daemon.metrics.watch_events)
+                            binds = await daemon.start_listeners(outer)
+                            outer.start_soon(daemon.notify_loop)
+                            inner.start_soon(daemon.serve_signals, signals)
+                            notifier.ready(daemon.status_line())
+                            log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
+                            task_status.started((sup, binds))
+                            await daemon.stop_requested.wait()
+                            await daemon.drain()
+                            inner.cancel_scope.cancel()
+                        # SHUTDOWN after what is queued; past the bound the kill path (which is shielded)
+                        workers_stop.deadline = trio.current_time() + windows.shutdown_s + windows.kill_grace_s
+                        sup.close()
+                if workers_stop.cancelled_caught:
+                    log.warning("workers did not stop within %g s: killed", windows.shutdown_s + windows.kill_grace_s)
+                notifier.status("stopped")
+                outer.cancel_scope.cancel()
+    finally:
+        notifier.close()
     log.info("gpuworkerd stopped")
 
 

@@ -215,7 +215,7 @@ class BucketedBert:
             )
         self.cfg, self.body, self.max_tokens = cfg, BertBody(cfg, weights), max_tokens
         self.buckets = (*(b for b in LENGTH_BUCKETS if b < max_tokens), max_tokens)
-        self._jits: dict[tuple[int, int], TinyJit] = {}
+        self._jits: dict[tuple[int, int], Callable[..., Tensor]] = {}  # one TinyJit per (length, batch)
 
     @property
     def dims(self) -> int:

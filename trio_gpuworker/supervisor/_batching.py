@@ -100,7 +100,7 @@ class Batcher:
             self._nursery = None
 
     async def embed(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
-                    timeout: float | None = None) -> np.ndarray:  # noqa: ASYNC109 (the Supervisor API's shape)
+                    timeout: float | None = None) -> np.ndarray:
         if self._nursery is None:
             raise ClosedSupervisorError("the batcher is not running")
         if not rows:

@@ -24,6 +24,7 @@ from .._proto import Message
 from ._arena import ArenaManager, Lease, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
 
+
 class RingFault(GpuWorkerError):
     """A ring is unusable; `code` is the RingFaultReason (worker_process_exited, header_malformed, ...)."""
 

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ RELOAD = "__RELOAD__"  # lane-internal job: end this generation (ordered, no str
 SERVING = frozenset({"EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP"})
 
 
-class LaneState(str, Enum):
+class LaneState(StrEnum):
     STARTING = "starting"
     READY = "ready"
     BUSY = "busy"
@@ -89,7 +89,8 @@ class Lane:
         self.bus = bus
         self.log = LogRing(cfg.id, sup.log_ring_bytes)
         self.policy = StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s)
-        self.state = LaneState.STARTING
+        self._state = LaneState.STARTING
+        self._state_changed = trio.Event()
         self.generation = 0
         self.pid: int | None = None
         self.models_loaded: list[str] = []
@@ -115,6 +116,22 @@ class Lane:
         # called as hook(lane, generation, msg) for worker notifications, and hook(lane, generation, None)
         # once that generation's process is reaped (the data plane's crash fan-out and lease release)
         self.hooks: list[Callable[[Lane, int, Message | None], None]] = []
+
+    @property
+    def state(self) -> LaneState:
+        return self._state
+
+    @state.setter
+    def state(self, value: LaneState) -> None:
+        if value is not self._state:
+            self._state = value
+            self._state_changed.set()
+            self._state_changed = trio.Event()
+
+    async def wait_state(self, *states: LaneState) -> None:
+        """Until the lane is in one of `states` (health probes, tests)."""
+        while self._state not in states:
+            await self._state_changed.wait()
 
     # --- caller side ---------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -44,7 +45,8 @@ def socket_path(runtime_dir: Path, worker_id: str) -> Path:
 
 async def bind_listener(path: Path) -> trio.socket.SocketType:
     """Bind before spawn so the worker can never race us; a stale socket file is removed first."""
-    path.unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await sock.bind(os.fspath(path))

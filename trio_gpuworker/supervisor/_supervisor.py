@@ -208,7 +208,8 @@ class Supervisor:
         reply = await lane.call("RERANK", {"model_ref": model, "query_n_tokens": len(q),
                                            "candidates": [{"n_tokens": len(d)} for d in docs]}, raw, timeout=timeout)
         if reply["n"] != len(docs) or len(reply.raw or b"") != 4 * len(docs):
-            raise RemoteProtocolError(f"SCORES: n={reply['n']} raw_len={len(reply.raw or b'')} for {len(docs)} documents")
+            raise RemoteProtocolError(
+                f"SCORES: n={reply['n']} raw_len={len(reply.raw or b'')} for {len(docs)} documents")
         return np.frombuffer(reply.raw, dtype="<f4").copy(), reply.get("method", "cross_encoder")
 
     def chat_tokenizer(self, model: str) -> Any:
@@ -220,7 +221,8 @@ class Supervisor:
         return tok
 
     async def generate(self, prompt: str | None = None, *, model: str, messages: list[dict[str, str]] | None = None,
-                       max_tokens: int = 16, grammar: str | None = None, timeout: float | None = None) -> dict[str, Any]:
+                       max_tokens: int = 16, grammar: str | None = None,
+                       timeout: float | None = None) -> dict[str, Any]:
         """Greedy completion of `prompt`, or of `messages` through the model's chat template (daemon-side)."""
         mc = self.config.model(model)
         if mc.kind != "generate":
@@ -271,5 +273,5 @@ class Supervisor:
     async def wait_ready(self, timeout: float = math.inf) -> None:
         """Until every lane is ready (tests and start-up notification)."""
         with trio.fail_after(timeout):
-            while any(lane.state not in (LaneState.READY, LaneState.BUSY) for lane in self.lanes.values()):
-                await trio.sleep(0.01)
+            for lane in self.lanes.values():
+                await lane.wait_state(LaneState.READY, LaneState.BUSY)

@@ -5,6 +5,7 @@ reached only through the DeviceBridge and the roles.
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 import os
@@ -37,8 +38,9 @@ class RingSlot:
     ring: Ring
     state: Any  # IngressState | EgressState
     writable: threading.Event = field(default_factory=threading.Event)
-    pending: Any = None  # the allocation the ingress object in flight is copied into
-    staging: np.ndarray | None = None  # host staging when the device has no host address (CUDA/NV)
+    # allocations handed to the drain, oldest first: one drain call may start and finish several objects
+    # before its events are read. Each is (device allocation, host staging or None when copies go direct).
+    pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
     closed: bool = False
 
 
@@ -80,7 +82,8 @@ class WorkerDataPlane:
         self._next_handle = 1
         self._bridge: Any = None
         fd, size = os.environ.get("GPUWORKER_ARENA_FD"), int(os.environ.get("GPUWORKER_ARENA_BYTES", "0"))
-        self.arena = mmap.mmap(int(fd), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if fd and size else None
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        self.arena = mmap.mmap(int(fd), size, mmap.MAP_SHARED, prot) if fd and size else None
 
     @property
     def bridge(self) -> Any:
@@ -118,8 +121,7 @@ class WorkerDataPlane:
         if slot is not None:
             slot.closed = True
             slot.writable.set()  # a step blocked on this ring's space gives up
-            if slot.pending is not None:
-                self.bridge.free_device(slot.pending)
+            self._drop_pending(slot)
             slot.ring.release()
         return Reply("RING_QUIESCED", {"ring_id": msg["ring_id"]})
 
@@ -168,12 +170,16 @@ class WorkerDataPlane:
             obj = self._lookup(binding["device_handle"])
             if obj is None:
                 raise DataPlaneError("invalid_input_handle", f"no live device object {binding['device_handle']}")
-            inputs[binding["port_id"]] = self.bridge.as_tensor(obj.alloc, obj.dtype, obj.shape)
+            try:
+                inputs[binding["port_id"]] = self.bridge.as_tensor(obj.alloc, obj.dtype, obj.shape)
+            except DeviceError as exc:
+                raise DataPlaneError(exc.code, str(exc)) from exc
         outs = []
         for binding in msg["outputs"]:
             slot = self.rings.get(binding["ring_id"])
             if slot is None or slot.direction != "egress":
-                raise DataPlaneError("invalid_output_ring", f"ring {binding['ring_id']} is not an installed egress ring")
+                raise DataPlaneError("invalid_output_ring",
+                                     f"ring {binding['ring_id']} is not an installed egress ring")
             outs.append((binding, slot))
         try:
             produced = role.execute(inputs, msg["runtime"])
@@ -276,18 +282,18 @@ class WorkerDataPlane:
         return out
 
     def _resolve(self, slot: RingSlot, extent: int) -> tuple[int, int]:
-        alloc = self.bridge.alloc_device(max(extent, 1))
-        slot.pending = alloc
+        alloc = self.bridge.alloc_device(extent)  # zero bytes allocate nothing; its host address is 0
         if self.bridge.direct:
+            slot.pending.append((alloc, None))
             return self.bridge.host_address(alloc), extent
-        slot.staging = np.empty(max(extent, 1), dtype=np.uint8)
-        return slot.staging.ctypes.data, extent
+        staging = np.empty(max(extent, 1), dtype=np.uint8)
+        slot.pending.append((alloc, staging))
+        return staging.ctypes.data, extent
 
     def _loaded(self, slot: RingSlot, object_id: int, sequence: int, extent: int) -> dict[str, Any]:
-        alloc, slot.pending = slot.pending, None
-        if slot.staging is not None:
-            self.bridge.host_to_device(alloc, 0, memoryview(slot.staging), extent)
-            slot.staging = None
+        alloc, staging = slot.pending.popleft()
+        if staging is not None:
+            self.bridge.host_to_device(alloc, 0, memoryview(staging), extent)
         self.bridge.synchronize()  # nothing is compute-visible before every copy completed
         handle_id, self._next_handle = self._next_handle, self._next_handle + 1
         try:
@@ -300,6 +306,5 @@ class WorkerDataPlane:
                 "device_handle": {"worker_generation": self.generation, "id": handle_id}}
 
     def _drop_pending(self, slot: RingSlot) -> None:
-        if slot.pending is not None:
-            self.bridge.free_device(slot.pending)
-            slot.pending = slot.staging = None
+        while slot.pending:
+            self.bridge.free_device(slot.pending.popleft()[0])

@@ -47,7 +47,8 @@ def sha256_file(path: Path) -> str:
 
 def split_rows(raw: bytes, lengths: list[int], allow_empty: bool = False) -> list[np.ndarray]:
     if len(raw) % 4 or sum(lengths) != len(raw) // 4:
-        raise WorkerRequestError("invalid_request", f"items name {sum(lengths)} ids, the raw frame holds {len(raw) / 4}")
+        raise WorkerRequestError("invalid_request",
+                                 f"items name {sum(lengths)} ids, the raw frame holds {len(raw) / 4}")
     if not allow_empty and any(n == 0 for n in lengths):
         raise WorkerRequestError("invalid_request", "an item has zero tokens")
     ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
@@ -131,7 +132,8 @@ class Engine:
             raise WorkerRequestError("artifact_invalid", f"artifact {path} does not exist")
         digest = sha256_file(path)
         if digest != msg["artifact_digest"].lower():
-            raise WorkerRequestError("artifact_invalid", f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
+            raise WorkerRequestError("artifact_invalid",
+                                     f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
         progress(1, "setup")
         rc = msg["runtime_config"]
         kind = rc.get("kind", "embedding")
@@ -143,19 +145,19 @@ class Engine:
                 config = json.loads(cfg_path.read_text())
             except (OSError, ValueError) as exc:
                 raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
-            model = self._load_bert(kind, path, config)
+            model = self._load_bert(kind, path, config, rc)
         elif fmt == "gguf" and kind == "generate":
             model = self._load_gguf(path, rc)
         else:
             raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
         progress(2, "setup")
-        model.warmup()  # compile the smallest shapes now, under LOAD's window, not the first request's
-        progress(3, "setup")
+        # compile and capture the configured shapes now, under LOAD's window, not the first request's
+        model.warmup(lambda k: progress(2 + k, "setup"))
         self.models[model_ref] = model
         return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
                                 "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
 
-    def _load_bert(self, kind: str, path: Path, config: dict[str, Any]) -> Any:
+    def _load_bert(self, kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any]) -> Any:
         if kind == "embedding":
             from ..models.bert import BertEncoder as cls
         elif kind == "rerank":
@@ -163,7 +165,7 @@ class Engine:
         else:
             raise WorkerRequestError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
         try:
-            return _Served(cls.load(path, config), kind, rc)
+            return _Served(cls.load(path, config, max_tokens=int(rc.get("max_tokens", 256))), kind, rc)
         except (ValueError, KeyError) as exc:
             raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
 
@@ -196,13 +198,16 @@ class Engine:
         q, *docs = split_rows(msg.raw or b"", [msg["query_n_tokens"]] + [c["n_tokens"] for c in msg["candidates"]],
                              allow_empty=True)
         done = lambda n: progress(n, "inference")  # noqa: E731
-        if m.kind == "rerank":
-            pairs, types = compose_pairs(q, docs, m.cls_id, m.sep_id, m.max_tokens)
-            scores, method = m.impl.score(pairs, types, done), "cross_encoder"
-        else:
-            wrap = lambda r: np.concatenate([[m.cls_id], r[: m.max_tokens - 2], [m.sep_id]]).astype(np.int32)  # noqa: E731
-            vecs = m.impl.embed([wrap(q)] + [wrap(d) for d in docs], "mean", True, done)
-            scores, method = vecs[1:] @ vecs[0], "bi_encoder_cosine"
+        try:
+            if m.kind == "rerank":
+                pairs, types = compose_pairs(q, docs, m.cls_id, m.sep_id, m.max_tokens)
+                scores, method = m.impl.score(pairs, types, done), "cross_encoder"
+            else:
+                wrap = lambda r: np.concatenate([[m.cls_id], r[: m.max_tokens - 2], [m.sep_id]]).astype(np.int32)  # noqa: E731
+                vecs = m.impl.embed([wrap(q)] + [wrap(d) for d in docs], "mean", True, done)
+                scores, method = vecs[1:] @ vecs[0], "bi_encoder_cosine"
+        except ValueError as exc:
+            raise WorkerRequestError("invalid_request", str(exc)) from exc
         return Reply("SCORES", {"n": len(docs), "method": method}, np.asarray(scores, dtype="<f4").tobytes())
 
     def do_generate(self, msg: Message, progress: Progress) -> Reply:
@@ -227,8 +232,13 @@ class _Served:
         self.dims = int(getattr(impl, "dims", 0))
         self.cls_id, self.sep_id = rc.get("cls_id", 101), rc.get("sep_id", 102)
         self.max_tokens = int(rc.get("max_tokens", 256))
+        self.warmup_shapes = rc.get("warmup_shapes", [[16, 1]])
         self.detokenizer: Any = None
 
-    def warmup(self) -> None:
-        if self.kind == "embedding":
-            self.impl.embed([np.array([self.cls_id, self.sep_id], dtype=np.int32)], "mean", True, None)
+    def warmup(self, progress: Callable[[int], None]) -> None:
+        """(length, batch) shapes from runtime_config `warmup_shapes` (default the smallest, (16, 1))."""
+        if self.kind in ("embedding", "rerank"):
+            try:
+                self.impl.warmup([tuple(s) for s in self.warmup_shapes], progress)
+            except (ValueError, TypeError) as exc:
+                raise WorkerRequestError("config_invalid", f"warmup_shapes: {exc}") from exc

@@ -1,0 +1,194 @@
+"""Data-plane throughput, one run, objects of 4 KiB, 64 KiB, 1 MiB and 64 MiB:
+
+- ingress: daemon producer -> shared-memory ring -> worker DeviceBridge -> tinygrad CPU buffer, timed
+  until the last OBJECT_LOADED (objects pipelined back to back; a consumer releases each handle once
+  WINDOW newer ones are loaded, so device memory is recycled as in a running pipeline);
+- echo round trip: push, OBJECT_LOADED, EXECUTE_STEP(echo), pull from the egress ring, one at a time;
+- baselines measured in the same run: a single-process two-copy memcpy (source -> staging ->
+  destination, buffers reused, page-aligned) and the same bytes sent as raw frames on a Unix
+  socket to a child process that decodes them with our FrameDecoder.
+
+    .venv/bin/python bench/ring.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DEV", "CPU")
+
+import numpy as np
+import trio
+
+from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig
+from trio_gpuworker._proto import frame_prefix
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 64 * MiB)
+RING_CAPACITY = 8 * MiB
+WINDOW = 16  # loaded objects a consumer holds before releasing the oldest
+SPEC = {"kind": "bytes", "max_extent": 1 << 30, "alignment": 1, "dtype": "uint8", "shape": [],
+        "sequence_policy": "strict"}
+FRAME_READER = """
+import os, socket, sys
+sys.path.insert(0, sys.argv[1])
+from trio_gpuworker._proto._framing import FrameDecoder
+s = socket.socket(fileno=int(sys.argv[2])); dec = FrameDecoder(1 << 30); n = int(sys.argv[3]); seen = 0
+while True:
+    data = s.recv(1 << 20)
+    if not data: break
+    dec.feed(data)
+    while (f := dec.next_frame()) is not None:
+        seen += 1
+        if seen in (1, n + 1): s.sendall(b"k")  # one ack after the warm-up frame, one after the lot
+"""
+
+
+def count_for(size: int, quick: bool) -> int:
+    total = (64 if quick else 256) * MiB
+    return max(4, min(2000, total // size))
+
+
+def page_aligned(n: int) -> np.ndarray:
+    return np.frombuffer(mmap.mmap(-1, max(n, 1)), np.uint8)[:n]
+
+
+def memcpy_two_copy(size: int, n: int) -> float:
+    src, staging, dst = page_aligned(size), page_aligned(size), page_aligned(size)
+    src[:] = 7
+    np.copyto(staging, src)
+    np.copyto(dst, staging)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        np.copyto(staging, src)
+        np.copyto(dst, staging)
+    return size * n / (time.perf_counter() - t0)
+
+
+def socket_frames(size: int, n: int) -> float:
+    """The same bytes as raw control-socket frames to another process that decodes every frame."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = subprocess.Popen([sys.executable, "-c", FRAME_READER, str(ROOT), str(b.fileno()), str(n)],
+                             pass_fds=(b.fileno(),))
+    b.close()
+    payload = page_aligned(size)
+    prefix = frame_prefix(size, 1 << 30)
+    a.sendall(prefix + payload.tobytes())
+    a.recv(1)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        a.sendall(prefix)
+        a.sendall(payload)
+    a.recv(1)
+    rate = size * n / (time.perf_counter() - t0)
+    a.close()
+    child.wait()
+    return rate
+
+
+async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[int, tuple[float, float, float]]:
+    """size -> (ingress bytes/s, ingress objects/s, echo round trip bytes/s)."""
+    cfg = SupervisorConfig(lanes=(LaneConfig("bench", ()),), models=(), state_dir=ROOT / ".state",
+                           runtime_dir=Path(tempfile.mkdtemp(prefix="gw-ring-")), arena_bytes=256 * MiB)
+    out = {}
+    async with Supervisor(cfg) as sup:
+        dp = sup.dataplane
+        await dp.configure_role("bench", "echo", {"kind": "echo"})
+        for size in sizes:
+            n = count_for(size, quick)
+            ingress = await dp.install_ring("bench", direction="ingress", capacity=RING_CAPACITY, object_spec=SPEC)
+            egress = await dp.install_ring("bench", direction="egress", capacity=RING_CAPACITY, object_spec=SPEC)
+            data = page_aligned(size)
+            data[:] = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+            seq = 0
+            await dp.release_handle("bench", await dp.load(ingress, data, object_id=0, sequence=seq))  # warm
+            seq += 1
+            t_ingress = await steady_ingress(dp, ingress, data, n, seq)
+            seq += n
+            rounds = max(2, n // 4)
+            t0 = time.perf_counter()
+            for i in range(rounds):
+                handle = await dp.load(ingress, data, object_id=seq, sequence=seq)
+                got: list = []
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(lambda: _pull(dp, egress, got))
+                    await dp.execute_step("bench", "echo", i, [{"port_id": "in", "object_id": seq, "sequence": seq,
+                                                                "device_handle": handle}],
+                                          [{"port_id": "out", "ring_id": egress.ring_id, "object_id": seq,
+                                            "sequence": i, "extent": size}], release_inputs_after=True)
+                seq += 1
+            t_echo = time.perf_counter() - t0
+            assert np.array_equal(got[0][2], data), "echo returned different bytes"
+            await dp.uninstall_ring(ingress)
+            await dp.uninstall_ring(egress)
+            out[size] = (size * n / t_ingress, n / t_ingress, size * rounds / t_echo)
+    return out
+
+
+async def steady_ingress(dp, ingress, data, n: int, first: int) -> float:
+    """Objects pushed back to back while a consumer releases each handle once WINDOW newer ones are
+    loaded: the steady state of a pipeline, where device memory is recycled rather than freshly faulted
+    in. Timed from the first push to the last OBJECT_LOADED."""
+    window: list[dict] = []
+    releases_send, releases_recv = trio.open_memory_channel(math.inf)
+
+    async def produce() -> None:
+        for i in range(n):
+            await dp.push(ingress, data, object_id=first + i, sequence=first + i)
+
+    async def release() -> None:
+        async for handle in releases_recv:
+            await dp.release_handle("bench", handle)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(release)
+        t0 = time.perf_counter()
+        nursery.start_soon(produce)
+        for _ in range(n):
+            window.append((await dp.next_event(ingress))["device_handle"])
+            if len(window) > WINDOW:
+                releases_send.send_nowait(window.pop(0))
+        elapsed = time.perf_counter() - t0
+        for handle in window:
+            releases_send.send_nowait(handle)
+        releases_send.close()
+    return elapsed
+
+
+async def _pull(dp, end, got) -> None:
+    got.append(await dp.pull(end))
+
+
+def human(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="fewer bytes per size")
+    args = p.parse_args()
+    rings = trio.run(ring_paths, SIZES, args.quick)
+    print(f"{os.cpu_count()} CPUs; ring capacity {human(RING_CAPACITY)}; GB/s = 1e9 bytes/s")
+    print(f"{'object':>8} {'memcpy x2':>10} {'socket':>8} {'ingress':>8} {'obj/s':>9} {'echo rt':>8} "
+          f"{'ingress/memcpy':>15} {'ingress/socket':>15}")
+    for size in SIZES:
+        n = count_for(size, args.quick)
+        mem, sock = memcpy_two_copy(size, n), socket_frames(size, n)
+        ing, objs, echo = rings[size]
+        print(f"{human(size):>8} {mem / 1e9:>10.2f} {sock / 1e9:>8.2f} {ing / 1e9:>8.2f} {objs:>9.0f} "
+              f"{echo / 1e9:>8.2f} {ing / mem:>14.2f}x {ing / sock:>14.2f}x")
+
+
+if __name__ == "__main__":
+    main()
