@@ -17,13 +17,13 @@ os.environ.setdefault("DEV", "CPU")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import trio  # noqa: E402
-from _common import sentences, table  # noqa: E402
+import httpx
+import numpy as np
+import trio
+from _common import sentences, table
 
-from trio_gpuworker.daemon.config import DEFAULT_MODEL, parse_config  # noqa: E402
-from trio_gpuworker.daemon.main import run_daemon  # noqa: E402
+from trio_gpuworker.daemon.config import DEFAULT_MODEL, parse_config
+from trio_gpuworker.daemon.main import run_daemon
 
 STATE = Path(__file__).resolve().parent.parent / ".state"
 

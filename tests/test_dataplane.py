@@ -54,7 +54,7 @@ async def test_object_ten_times_the_ring_streams_through_and_echoes_back(tmp_pat
         assert sup.arena.live() == []
 
 
-async def _collect(dp, end, out) -> None:  # noqa: ANN001
+async def _collect(dp, end, out) -> None:
     out.append(await dp.pull(end))
 
 
