@@ -229,7 +229,7 @@ class _Served:
     def __init__(self, impl: Any, kind: str, rc: dict[str, Any]) -> None:
         self.impl = impl
         self.kind = kind
-        self.dims = int(getattr(impl, "dims", 0))
+        self.dims = int(impl.dims) if kind in ("embedding", "rerank") and hasattr(impl, "dims") else 0
         self.cls_id, self.sep_id = rc.get("cls_id", 101), rc.get("sep_id", 102)
         self.max_tokens = int(rc.get("max_tokens", 256))
         self.warmup_shapes = rc.get("warmup_shapes", [[16, 1]])
@@ -242,3 +242,5 @@ class _Served:
                 self.impl.warmup([tuple(s) for s in self.warmup_shapes], progress)
             except (ValueError, TypeError) as exc:
                 raise WorkerRequestError("config_invalid", f"warmup_shapes: {exc}") from exc
+        elif self.kind == "generate":
+            self.impl.generate(np.ones(1, np.int32), 2, progress)  # compiles the prefill and the decode step
