@@ -140,10 +140,11 @@ class LlamaLM:
             lm.warmup()
         return lm
 
-    def warmup(self) -> None:
+    def warmup(self, progress: Callable[[int], None] | None = None) -> None:
+        """Trace and capture both JIT graphs. `progress` sees 1..4 after the (slow) first prefill calls."""
         # TinyJit runs eagerly once, captures on the second call and replays from the third: two prefill
         # chunks and three decode steps reach replay on both graphs.
-        self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, _never_stop=True)
+        self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, progress, ignore_eos=True)
 
     def _forward(self, tokens: Tensor, start: UOp, last: UOp | None = None) -> Tensor:
         """tokens (T,) int32 at positions start..start+T-1 -> greedy next id after row `last`, (1,) int32."""
@@ -163,18 +164,22 @@ class LlamaLM:
         max_tokens: int,
         progress: Callable[[int], None] | None = None,
         *,
-        _never_stop: bool = False,
+        ignore_eos: bool = False,
     ) -> tuple[list[int], str]:
         """Greedy continuation of `prompt_ids`: (generated ids without the stop token, "stop" | "length").
-        `progress(n)` is called after each generated token. ValueError when max_tokens is outside
-        1..MAX_NEW_TOKENS, the prompt is empty, holds an id outside the vocabulary, or prompt + max_tokens
-        exceeds max_context."""
+
+        `progress(n)` is called after each generated token (n = 1, 2, ...). `ignore_eos` keeps going past
+        end-of-generation tokens (warm-up, benchmarks). ValueError when max_tokens is outside
+        1..MAX_NEW_TOKENS, or the prompt is empty, not integers, holds an id outside the vocabulary, or
+        prompt + max_tokens exceeds max_context."""
         if not 1 <= max_tokens <= MAX_NEW_TOKENS:
             raise ValueError(f"max_tokens must be 1..{MAX_NEW_TOKENS}, got {max_tokens}")
         ids = np.asarray(prompt_ids).reshape(-1)
         n = len(ids)
         if n == 0:
             raise ValueError("empty prompt")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt ids must be integers, got {ids.dtype}")
         if n + max_tokens > self.max_context:
             raise ValueError(f"prompt of {n} tokens + {max_tokens} new exceeds the {self.max_context}-token context")
         # An out-of-range id would index past the embedding table rather than fail.
@@ -189,7 +194,7 @@ class LlamaLM:
         out_ids: list[int] = []
         pos = n
         while True:
-            if nxt in self.eos_ids and not _never_stop:
+            if nxt in self.eos_ids and not ignore_eos:
                 return out_ids, "stop"
             out_ids.append(nxt)
             if progress is not None:

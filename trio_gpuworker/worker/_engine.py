@@ -174,7 +174,7 @@ class Engine:
         from ..models.llama import LlamaLM
 
         try:
-            served = _Served(LlamaLM.load(path), "generate", rc)
+            served = _Served(LlamaLM.load(path, warmup=False), "generate", rc)  # warmed under LOAD's progress
             served.detokenizer = ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization here
             return served
         except (ValueError, KeyError) as exc:
@@ -243,4 +243,4 @@ class _Served:
             except (ValueError, TypeError) as exc:
                 raise WorkerRequestError("config_invalid", f"warmup_shapes: {exc}") from exc
         elif self.kind == "generate":
-            self.impl.generate(np.ones(1, np.int32), 2, progress)  # compiles the prefill and the decode step
+            self.impl.warmup(progress)  # captures the prefill and decode graphs before the first request
