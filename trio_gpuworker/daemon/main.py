@@ -218,27 +218,17 @@ class Daemon:
             return report.as_dict()
 
     async def add_lane(self, cfg: LaneConfig, specs: list[LoadSpec]) -> bool:
-        """Start a lane added to the configuration, where the supervisor can (Supervisor.add_lane)."""
-        add = getattr(self.sup, "add_lane", None)
-        if add is None:
-            return False
-        await add(cfg, specs)
+        """Start a lane added to the configuration."""
+        await self.sup.add_lane(cfg, specs)
         return True
 
     async def remove_lane(self, lane_id: str) -> None:
         """A lane gone from the configuration: routed no more, finishes what is queued, stops its worker."""
-        remove = getattr(self.sup, "remove_lane", None)
-        if remove is not None:
-            await remove(lane_id)
-            return
-        lane = self.sup.lanes[lane_id]
         self.removing.add(lane_id)
-        self.scheduler.drained.add(lane_id)
-        lane.close()
-        await lane.wait_state(LaneState.STOPPED)
-        self.sup.lanes.pop(lane_id, None)
-        self.scheduler.drained.discard(lane_id)
-        self.removing.discard(lane_id)
+        try:
+            await self.sup.remove_lane(lane_id)
+        finally:
+            self.removing.discard(lane_id)
 
     async def drain(self) -> None:
         """Stop admitting and accepting; wait (bounded) for the requests in flight."""

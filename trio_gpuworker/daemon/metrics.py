@@ -153,8 +153,7 @@ class _StateCollector(Collector):
                 pending.add_metric([mc.id], self.m.batcher.pending_rows(mc.id))
         yield from (qbytes, qreqs, budget, rejected, pending)
 
-        # the data plane keeps `bytes_moved = {"ingress": n, "egress": n}` when it counts; 0 until then
-        moved = getattr(getattr(sup, "dataplane", None), "bytes_moved", None) or {}
+        moved = sup.dataplane.bytes_moved if sup.dataplane is not None else {}
         ring = CounterMetricFamily("gpuworker_ring_bytes", "bytes moved through shared-memory rings",
                                    labels=["direction"])
         for direction in RING_DIRECTIONS:

@@ -86,10 +86,9 @@ async def apply_config(daemon: Daemon, new: Any) -> ReloadReport:
     old_models = {m.id: m for m in old.supervisor.models}
     changed = {mid for mid, spec in new_specs.items() if daemon.specs.get(mid) != spec}
     report.models_changed = sorted(changed & set(old_models))
-    tokenizers = getattr(sup, "_tokenizers", None)  # cached per model: drop those whose settings changed
     for m in new.supervisor.models:
-        if old_models.get(m.id) != m and isinstance(tokenizers, dict):
-            tokenizers.pop(m.id, None)
+        if old_models.get(m.id) != m:
+            sup.forget_tokenizer(m.id)  # cached per model: drop those whose settings changed
     old_lanes = {ln.id: ln for ln in old.supervisor.lanes}
     new_lanes = {ln.id: ln for ln in new.supervisor.lanes}
     to_reload = [lid for lid, ln in new_lanes.items() if lid in sup.lanes and lid in old_lanes

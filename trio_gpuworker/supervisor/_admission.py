@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .._errors import GpuWorkerError, InvalidRequest, NoLaneAvailable
+from .._errors import InvalidRequest, NoLaneAvailable, OverCapacity
 
 if TYPE_CHECKING:
     from ._lane import Lane
@@ -25,25 +25,6 @@ if TYPE_CHECKING:
 class AdmissionPolicy:
     queue_bytes: int = 64 << 20  # per model: token-id bytes queued + in flight
     retry_after_s: float = 1.0  # Retry-After of an over_capacity answer
-
-
-class OverCapacity(GpuWorkerError):
-    """The model's queue is over its byte budget right now; retry after `retry_after_s`."""
-
-    code = "over_capacity"
-
-    def __init__(self, message: str, *, model: str, queued_bytes: int, budget_bytes: int,
-                 retry_after_s: float) -> None:
-        super().__init__(message)
-        self.model = model
-        self.queued_bytes = queued_bytes
-        self.budget_bytes = budget_bytes
-        self.retry_after_s = retry_after_s
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"code": self.code, "message": str(self),
-                "detail": {"model": self.model, "queued_bytes": self.queued_bytes,
-                           "budget_bytes": self.budget_bytes, "retry_after_s": self.retry_after_s}}
 
 
 class Scheduler:

@@ -87,9 +87,9 @@ class DataPlane:
         self.arena = arena
         self.bus = bus
         self.ends: dict[int, RingEnd] = {}
-        self.bytes_in = self.bytes_out = 0
+        self.bytes_moved = {"ingress": 0, "egress": 0}  # payload bytes through rings, exported as a metric
         for lane in lanes.values():
-            lane.hooks.append(self._on_lane_event)
+            lane.hooks.append(self.on_lane_event)
 
     def _lane(self, lane_id: str) -> Lane:
         lane = self.lanes.get(lane_id)
@@ -156,7 +156,7 @@ class DataPlane:
             end.hint = trio.Event()
             n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
             end.bytes_moved += n
-            self.bytes_in += n
+            self.bytes_moved["ingress"] += n
             if notify:
                 await self._notify(end, "RING_READABLE")
             if not end.state.busy:
@@ -218,7 +218,7 @@ class DataPlane:
                 if ev[0] == "loaded":
                     end.received.append((ev[1], ev[2], pending.pop("buf")[: ev[3]]))
                     end.bytes_moved += ev[3]
-                    self.bytes_out += ev[3]
+                    self.bytes_moved["egress"] += ev[3]
                 elif ev[0] == "writable":
                     await self._notify(end, "RING_WRITABLE")
                 elif ev[0] in ("failed", "ring_fault"):
@@ -269,7 +269,7 @@ class DataPlane:
 
     # --- events from lanes -----------------------------------------------------------------------
 
-    def _on_lane_event(self, lane: Lane, generation: int, msg: Message | None) -> None:
+    def on_lane_event(self, lane: Lane, generation: int, msg: Message | None) -> None:
         if msg is None:
             self._generation_gone(lane, generation)
             return
@@ -300,8 +300,8 @@ class DataPlane:
 
     def close(self) -> None:
         for lane in self.lanes.values():
-            if self._on_lane_event in lane.hooks:
-                lane.hooks.remove(self._on_lane_event)
+            if self.on_lane_event in lane.hooks:
+                lane.hooks.remove(self.on_lane_event)
 
 
 def arena_env(arena: ArenaManager | None) -> tuple[dict[str, str], tuple[int, ...]]:

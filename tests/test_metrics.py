@@ -1,0 +1,75 @@
+"""GET /metrics, read back with prometheus_client's own exposition-format parser."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fakes import fake_command
+from tests.supervision_helpers import MODEL
+from tests.test_http import daemon_config, wait_until
+from trio_gpuworker.daemon.main import run_daemon
+
+
+def scrape(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """{sample name: {sorted labels: value}} from the exposition text (the parser rejects malformed text)."""
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[name][tuple(sorted(labels.items()))]
+
+
+async def test_metrics_exposition(tmp_path: Path) -> None:
+    # lane0 serves; lane1 crashes on its first request and is quarantined at once (strikes=1)
+    cfg = daemon_config(tmp_path, fake_command(), fake_command("crash_mid_request", on_request=1), strikes=1)
+    async with trio.open_nursery() as nursery:
+        sup, binds = await nursery.start(run_daemon, cfg)
+        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
+            sup.scheduler.drained.add("lane0")  # route the first request to lane1, which crashes
+            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": "boom"})
+            assert r.status_code == 503
+            sup.scheduler.drained.discard("lane0")
+            for _ in range(2):
+                assert (await http.post("/v1/embeddings", json={"model": MODEL, "input": "x"})).status_code == 200
+            assert (await http.post("/v1/embeddings", json={"model": "nope", "input": "x"})).status_code == 404
+            assert (await http.post("/v1/embeddings", json={"model": MODEL})).status_code == 400
+            await wait_until(lambda: sup.lanes["lane1"].state.value == "quarantined")
+            crashes = "gpuworker_worker_crashes_total"
+            await wait_until(lambda: crashes in scrape(sup.daemon.metrics.render().decode()))  # counted from events
+            r = await http.get("/metrics")
+        nursery.cancel_scope.cancel()
+
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=")
+    m = scrape(r.text)
+    route = "/v1/embeddings"
+    assert value(m, "gpuworker_http_requests_total", route=route, model=MODEL, outcome="ok") == 2
+    assert value(m, "gpuworker_http_requests_total", route=route, model=MODEL, outcome="engine_crashed") == 1
+    assert value(m, "gpuworker_http_requests_total", route=route, model="unknown", outcome="model_not_found") == 1
+    assert value(m, "gpuworker_http_requests_total", route=route, model=MODEL, outcome="invalid_request") == 1
+    assert value(m, "gpuworker_http_request_duration_seconds_count", route=route, model=MODEL) == 4
+    assert value(m, "gpuworker_http_request_duration_seconds_bucket", route=route, model=MODEL, le="+Inf") == 4
+
+    assert value(m, "gpuworker_lane_state", lane="lane0", state="ready") == 1
+    assert value(m, "gpuworker_lane_state", lane="lane0", state="busy") == 0
+    assert value(m, "gpuworker_lane_state", lane="lane1", state="quarantined") == 1
+    assert value(m, "gpuworker_lane_quarantined", lane="lane1") == 1
+    assert value(m, "gpuworker_lane_strikes", lane="lane1") == 1
+    assert value(m, "gpuworker_lane_generation", lane="lane0") == 1
+    assert value(m, "gpuworker_lane_restarts_total", lane="lane0") == 0
+    assert value(m, "gpuworker_worker_crashes_total", lane="lane1", cause="crash") == 1
+    assert value(m, "gpuworker_lane_quarantines_total", lane="lane1") == 1
+    assert value(m, "gpuworker_lane_queue_depth", lane="lane0") == 0
+    assert value(m, "gpuworker_model_queue_bytes", model=MODEL) == 0
+    assert value(m, "gpuworker_model_queue_budget_bytes", model=MODEL) == 64 << 20
+    assert value(m, "gpuworker_embed_batch_rows_count", model=MODEL) == 3  # batching is on by default
+    assert value(m, "gpuworker_ring_bytes_total", direction="ingress") == 0
+    assert value(m, "gpuworker_ring_bytes_total", direction="egress") == 0
+    assert "gpuworker_worker_rss_bytes" not in m or all(v > 0 for v in m["gpuworker_worker_rss_bytes"].values())
