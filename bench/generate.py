@@ -1,0 +1,108 @@
+"""Greedy generation with SmolLM2-135M-Instruct (Q4_1 GGUF), same prompts, one run: tokens/s and time
+to first token of the daemon (Supervisor -> worker process), of an in-process tinygrad run, and of the
+independent numpy reference decoder (tests/reference_llama.py).
+
+    .venv/bin/python bench/generate.py [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("DEV", "CPU")
+
+import numpy as np
+import trio
+
+from tests.reference_llama import NumpyLlama, gguf_path
+from trio_gpuworker import Supervisor
+from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT, parse_config
+from trio_gpuworker.llm_tokenizer import ChatTokenizer
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain in one sentence what a GPU does."]
+
+
+def prompts(tok: ChatTokenizer) -> list[np.ndarray]:
+    return [np.asarray(tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])), np.int32)
+            for q in QUESTIONS]
+
+
+async def daemon_run(ids: list[np.ndarray], max_tokens: int) -> list[tuple[float, float, int]]:
+    """(seconds to first token, seconds total, tokens) per prompt, through the lane's worker process."""
+    env = {"GPUWORKER_STATE_DIR": str(ROOT / ".state"), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-gen-")}
+    cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor
+    cfg = type(cfg)(**{**cfg.__dict__, "lanes": tuple(ln for ln in cfg.lanes if DEFAULT_LM in ln.models)})
+    out = []
+    async with Supervisor(cfg) as sup:
+        lane = sup.pick_lane(DEFAULT_LM)
+        for p in ids:
+            first: list[float] = []
+            t0 = time.perf_counter()
+            reply = await lane.call("GENERATE", {"model_ref": DEFAULT_LM, "max_tokens": max_tokens}, p.tobytes(),
+                                    on_progress=lambda m: first.append(time.perf_counter()) if not first else None)
+            out.append((first[0] - t0, time.perf_counter() - t0, reply["n_gen"]))
+    return out
+
+
+def inprocess_run(ids: list[np.ndarray], max_tokens: int) -> list[tuple[float, float, int]]:
+    from trio_gpuworker.models.llama import LlamaLM
+
+    lm = LlamaLM.load(gguf_path())  # warms up: captures the prefill and decode graphs
+    out = []
+    for p in ids:
+        first: list[float] = []
+        t0 = time.perf_counter()
+        gen, _ = lm.generate(p, max_tokens, lambda n: first.append(time.perf_counter()) if n == 1 else None)
+        out.append((first[0] - t0, time.perf_counter() - t0, len(gen)))
+    return out
+
+
+def reference_run(ids: list[np.ndarray], n: int) -> list[tuple[float, float, int]]:
+    ref = NumpyLlama(gguf_path())
+    out = []
+    for p in ids:
+        t0 = time.perf_counter()
+        ref.generate(list(p), 1)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref.generate(list(p), n)
+        out.append((ttft, time.perf_counter() - t0, n))
+    return out
+
+
+def summary(rows: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """(tokens/s over all prompts, median time to first token in ms)."""
+    return sum(r[2] for r in rows) / sum(r[1] for r in rows), statistics.median(r[0] for r in rows) * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--max-tokens", type=int, default=32)
+    args = p.parse_args()
+    ids = prompts(ChatTokenizer.from_gguf(gguf_path()))
+    results = {
+        "in-process tinygrad (LlamaLM.generate)": inprocess_run(ids, args.max_tokens),
+        "daemon (Supervisor -> worker, UDS)": trio.run(daemon_run, ids, args.max_tokens),
+        "numpy reference decoder": reference_run(ids, min(args.max_tokens, 16)),
+    }
+    base = summary(results["in-process tinygrad (LlamaLM.generate)"])[0]
+    print(f"SmolLM2-135M-Instruct Q4_1, greedy, {len(ids)} chat prompts of {[len(i) for i in ids]} tokens, "
+          f"max_tokens {args.max_tokens}, {os.cpu_count()} CPUs, DEV={os.environ['DEV']}")
+    print(f"{'path':<42}{'tokens/s':>10}{'TTFT ms':>10}{'ratio':>8}")
+    for name, rows in results.items():
+        rate, ttft = summary(rows)
+        print(f"{name:<42}{rate:>10.2f}{ttft:>10.0f}{rate / base:>7.2f}x")
+    print("(ratio = tokens/s / in-process tinygrad; TTFT includes the prompt's prefill)")
+
+
+if __name__ == "__main__":
+    main()
