@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -10,18 +9,9 @@ from pathlib import Path
 import trio
 
 from .._config import ModelConfig
+from .._digest import sha256_file
 from .._errors import ConfigError
 from ._lane import LoadSpec
-
-HASH_CHUNK = 4 << 20
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class DigestCache:
@@ -41,7 +31,7 @@ class DigestCache:
     async def digest(self, artifact: Path) -> str:
         key = self._key(artifact)
         if key not in self._cache:
-            self._cache[key] = await trio.to_thread.run_sync(_sha256, artifact)
+            self._cache[key] = await trio.to_thread.run_sync(sha256_file, artifact)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text(json.dumps(self._cache, indent=0))

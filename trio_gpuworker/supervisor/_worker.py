@@ -11,12 +11,12 @@ from typing import Any
 
 import trio
 
+from .._channel import receive_message
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
-from .._proto import CLOSED, DAEMON, NEED_DATA, Connection, HandshakeRules, Message
+from .._proto import DAEMON, Connection, HandshakeRules, Message
 from ._logring import LogRing
 from ._spawn import bind_listener, kill_and_reap, peer_credentials, spawn
 
-RECV_CHUNK = 1 << 20
 REPLY_BUFFER = 64
 WAKE_HINTS = {"RING_READABLE", "RING_WRITABLE"}
 
@@ -157,14 +157,7 @@ class WorkerProcess:
             self._reader_done.set()
 
     async def _receive(self) -> Message | None:
-        while True:
-            ev = self.conn.next_event()
-            if isinstance(ev, Message):
-                return ev
-            if ev is CLOSED:
-                return None
-            assert ev is NEED_DATA
-            self.conn.receive_data(await self.stream.receive_some(RECV_CHUNK))
+        return await receive_message(self.conn, self.stream)
 
     # --- use -----------------------------------------------------------------------------------
 

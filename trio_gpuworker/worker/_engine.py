@@ -5,7 +5,6 @@ tinygrad is imported on the first LOAD, so a fresh worker answers HELLO fast.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import resource
 import time
@@ -16,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from .._digest import sha256_file
 from .._proto import Message
 
 Progress = Callable[[int, str], None]
-HASH_CHUNK = 4 << 20
 
 
 class WorkerRequestError(Exception):
@@ -35,14 +34,6 @@ class Reply:
     t: str
     fields: dict[str, Any] = field(default_factory=dict)
     raw: bytes | None = None
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def split_rows(raw: bytes, lengths: list[int], allow_empty: bool = False) -> list[np.ndarray]:

@@ -14,13 +14,13 @@ from typing import Any
 
 import trio
 
+from .._channel import encode_messages, receive_message
 from .._errors import GpuWorkerError, RemoteProtocolError
-from .._proto import CLOSED, DEFAULT_MAX_FRAME, NEED_DATA, TERMINAL, WORKER, Connection, Message, hello_fields
+from .._proto import DEFAULT_MAX_FRAME, TERMINAL, WORKER, Connection, Message, hello_fields
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
 from ._engine import Engine, Reply, WorkerRequestError
 
-RECV_CHUNK = 1 << 20
 ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": []}
 
 
@@ -46,17 +46,10 @@ class WorkerServer:
         if not messages:
             return
         async with self._send_lock:
-            await self.stream.send_all(b"".join(bytes(c) for t, f in messages for c in self.conn.send(t, f)))
+            await self.stream.send_all(encode_messages(self.conn, messages))
 
     async def receive(self) -> Message | None:
-        while True:
-            ev = self.conn.next_event()
-            if isinstance(ev, Message):
-                return ev
-            if ev is CLOSED:
-                return None
-            assert ev is NEED_DATA
-            self.conn.receive_data(await self.stream.receive_some(RECV_CHUNK))
+        return await receive_message(self.conn, self.stream)
 
     async def handshake(self) -> None:
         await self.send("HELLO", hello_fields(self.nonce, os.getpid(), DEFAULT_MAX_FRAME, ENGINE_INFO))
