@@ -51,10 +51,16 @@ CHILD = textwrap.dedent(
         digest, total, buf = hashlib.sha256(), 0, bytearray(1 << 20)
         while True:
             wait_hint()
-            while True:  # drain until no progress; clear the bit before each look
-                ring.clear_readable()
+            while True:  # drain until no progress
                 closed = ring.state == STATE_CLOSED
                 n = min(ring.readable, rng.randint(1, len(buf)))
+                if not n:
+                    # about to wait: arm the hint, then look once more so a commit in between is not missed.
+                    # Clearing only here (not before every look) keeps hints to one per wait, so neither
+                    # side's socket fills with hints the other is too busy to read.
+                    ring.clear_readable()
+                    closed = ring.state == STATE_CLOSED
+                    n = min(ring.readable, rng.randint(1, len(buf)))
                 if not n:
                     if closed:
                         return f"{total} {digest.hexdigest()}"
@@ -151,9 +157,12 @@ def child(mode: str, capacity: int, seed: int) -> Iterator[Link]:
 def produce_bytes(link: Link, data: bytes, chunks: list[int]) -> None:
     ring, pos, i = link.ring, 0, 0
     while pos < len(data):
-        ring.clear_writable()  # before looking for space, so a consume we miss hints again
-        n = min(ring.writable, chunks[i % len(chunks)], len(data) - pos)
+        want = min(chunks[i % len(chunks)], len(data) - pos)
         i += 1
+        n = min(ring.writable, want)
+        if not n:
+            ring.clear_writable()  # arm the hint, then look again so a consume in between is not missed
+            n = min(ring.writable, want)
         if not n:
             link.wait_writable()
             continue
