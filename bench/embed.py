@@ -14,8 +14,11 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("DEV", "CPU")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# bench/http.py would shadow the standard library's `http` (hypercorn imports it): keep this folder last
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
+sys.path.insert(0, str(HERE.parent))
+sys.path.append(str(HERE))
 
 import httpx
 import numpy as np

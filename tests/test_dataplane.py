@@ -167,3 +167,27 @@ async def test_install_ring_rejects_a_bad_layout(tmp_path: Path) -> None:
                                                  "object_spec": SPEC})
         assert reply.t == "RING_FAULT" and reply["reason"] in ("ring_layout_invalid", "unsupported_ring_version")
         assert struct.calcsize("<I") == 4
+
+
+async def test_file_pump_streams_a_file_through_a_small_ring(tmp_path: Path) -> None:
+    weights = np.random.default_rng(5).standard_normal(50_000).astype(np.float32)  # 200 KB through 4 KiB
+    path = tmp_path / "weights.bin"
+    path.write_bytes(weights.tobytes())
+    async with Supervisor(config(tmp_path)) as sup:
+        dp = sup.dataplane
+        ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC)
+        egress = await dp.install_ring("dp", direction="egress", capacity=4096, object_spec=SPEC)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: dp.pump_file(ingress, path, object_id=1, sequence=0))
+            loaded = await dp.next_event(ingress)
+        assert loaded["extent"] == weights.nbytes
+        await dp.configure_role("dp", "echo", {"kind": "echo"})
+        got: list = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: _collect(dp, egress, got))
+            await dp.execute_step("dp", "echo", 1, [{"port_id": "in", "object_id": 1, "sequence": 0,
+                                                     "device_handle": loaded["device_handle"]}],
+                                  [{"port_id": "out", "ring_id": egress.ring_id, "object_id": 2, "sequence": 0,
+                                    "extent": weights.nbytes}])
+        np.testing.assert_array_equal(got[0][2].view(np.float32), weights)
+        assert dp.bytes_moved["ingress"] >= weights.nbytes and dp.bytes_moved["egress"] >= weights.nbytes

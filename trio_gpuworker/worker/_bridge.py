@@ -47,6 +47,19 @@ DTYPE_NAMES = (
 
 
 POOL_BYTES = 256 << 20  # recycled device memory kept per worker (CPU), bounded
+PREFAULT_MIN = 64 << 10
+MADV_POPULATE_WRITE = 23  # Linux 5.14; Python 3.11's mmap module does not name it
+
+
+def _prefault(buf: Any) -> None:
+    """Fault a fresh CPU buffer in with one madvise instead of one trap per 4 KiB page during the ingress
+    copy (about 4x faster for 1 MiB here). Older kernels refuse it: the copy then faults pages as usual."""
+    mapping = getattr(getattr(buf, "_buf", None), "meta", None)
+    if hasattr(mapping, "madvise"):
+        try:
+            mapping.madvise(MADV_POPULATE_WRITE)
+        except OSError:
+            pass
 
 
 class DeviceError(GpuWorkerError):
@@ -180,6 +193,8 @@ class DeviceBridge:
                 self._dev.allocator.free_cache()
         self._owned.add(buf)
         self._poolable.add(buf)
+        if self.direct and nbytes >= PREFAULT_MIN:
+            _prefault(buf)
         # a recycled LRU buffer may still be named by queued work; host writes are not ordered with the device queue
         if self.direct:
             self.synchronize()
