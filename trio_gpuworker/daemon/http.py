@@ -9,6 +9,7 @@ before it reaches a worker if it has not yet.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import math
@@ -595,10 +596,9 @@ class Api:
         t0 = trio.current_time()
 
         def on_progress(event: dict[str, Any]) -> None:
-            try:
+            # a slow reader skips progress lines, never the result
+            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                 send_ch.send_nowait({"event": "progress", "elapsed_s": round(trio.current_time() - t0, 3), **event})
-            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                pass  # a slow reader skips progress lines, never the result
 
         last: tuple[str, int] | None = None
 

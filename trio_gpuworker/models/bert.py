@@ -7,6 +7,7 @@ BertForSequenceClassification checkpoint loads too). Inputs are token ids that a
 
 from __future__ import annotations
 
+import abc
 import math
 import pathlib
 from collections.abc import Callable, Sequence
@@ -202,7 +203,7 @@ def plan_batches(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-class BucketedBert:
+class BucketedBert(abc.ABC):
     """Shared driver: validates rows, pads them to length buckets, runs fixed-shape micro-batches through a
     TinyJit per (length, batch) and reports progress. Subclasses define ``_head`` (what the JIT returns)."""
 
@@ -221,8 +222,9 @@ class BucketedBert:
     def dims(self) -> int:
         return self.cfg.hidden_size
 
+    @abc.abstractmethod
     def _head(self, h: Tensor, mask: Tensor) -> Tensor:
-        raise NotImplementedError
+        """The task head on the encoder's hidden states (pooling, or pooler + classifier)."""
 
     def _forward(self, ids: Tensor, tt: Tensor, mask: Tensor) -> Tensor:
         return self._head(self.body(ids, tt, mask), mask).realize()
@@ -249,8 +251,9 @@ class BucketedBert:
             if progress is not None:
                 progress(k + 1)
 
+    @abc.abstractmethod
     def _width(self) -> int:
-        raise NotImplementedError
+        """Columns of the model's output per row."""
 
     def _check(self, rows: Sequence[np.ndarray], what: str, limit: int) -> list[np.ndarray]:
         out = []

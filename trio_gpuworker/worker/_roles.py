@@ -16,6 +16,7 @@ Every failure is a RoleError whose `code` is a StepFailure / RoleFailure wire na
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -50,7 +51,7 @@ def _tinygrad_failure(exc: BaseException, what: str) -> RoleError:
     return RoleError("tinygrad_error", f"{what}: {type(exc).__name__}: {exc}")
 
 
-class _Base:
+class _Base(abc.ABC):
     """Port checks and error mapping around a role's `_run`."""
 
     kind: ClassVar[str]
@@ -84,8 +85,9 @@ class _Base:
             raise _tinygrad_failure(exc, f"{self.kind} step") from exc
         return out
 
+    @abc.abstractmethod
     def _run(self, inputs: dict[str, Tensor], runtime: dict[str, Any]) -> dict[str, Tensor]:
-        raise NotImplementedError
+        """The role's computation, on validated input tensors."""
 
 
 class EchoRole(_Base):
