@@ -9,7 +9,6 @@ before it reaches a worker if it has not yet.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 import math
@@ -17,111 +16,42 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
 
 from .._errors import (
-    ClosedSupervisorError,
-    ConfigError,
-    DeadlineExceeded,
-    EngineCrashed,
     GpuWorkerError,
     InvalidRequest,
-    ModelNotFound,
-    NoLaneAvailable,
-    WorkerError,
 )
 from ..supervisor import LaneState, Supervisor
-from ..supervisor._admission import OverCapacity, Scheduler
-from .admin import LaneAdmin, LaneNotFound
+from ..supervisor._admission import Scheduler
+from .admin import LaneAdmin
 from .config import HttpConfig
+from .http_admin import AdminRoutes
+from .http_common import (
+    DRAIN_RETRY_AFTER_S,
+    MAX_GEN_TOKENS,
+    ClientGone,
+    HttpError,
+    Raw,
+    Receive,
+    Route,
+    Scope,
+    Send,
+    Stream,
+    error_body,
+    error_status,
+)
 
 if TYPE_CHECKING:
     from .metrics import Metrics
 
 log = logging.getLogger("trio_gpuworker.http")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Emit = Callable[[dict[str, Any]], Awaitable[None]]
 
-MAX_GEN_TOKENS = 64
-STATE_POLL_S = 0.5  # a streamed load or reload reports the lane's state on each change, and at least this often
-PROGRESS_BUFFER = 64  # PROGRESS events a slow streaming client may lag behind before some are skipped
-DRAIN_RETRY_AFTER_S = 5
-
-
-class HttpError(GpuWorkerError):
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.headers = headers or {}
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready."""
-
-
-@dataclass
-class Raw:
-    status: int
-    body: bytes
-    content_type: str
-
-
-@dataclass
-class Stream:
-    """NDJSON events: `produce(emit)` awaits `emit(event)` for each line."""
-
-    produce: Callable[[Emit], Awaitable[None]]
-
-
-# Worker-side ERR codes that mean the caller's input was at fault.
-_CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loaded", "unsupported_request"}
-
-
-def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
-    if isinstance(exc, HttpError):
-        return exc.status, exc.headers
-    if isinstance(exc, OverCapacity):
-        return 429, {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
-    if isinstance(exc, EngineCrashed):
-        if exc.quarantined:
-            return 503, {"retry-after": str(max(1, math.ceil(exc.cooldown_remaining_s or 0)))}
-        return 503, {}
-    if isinstance(exc, DeadlineExceeded):
-        return 504, {}
-    if isinstance(exc, InvalidRequest | ConfigError):
-        return 400, {}
-    if isinstance(exc, ModelNotFound | LaneNotFound):
-        return 404, {}
-    if isinstance(exc, ClosedSupervisorError | NoLaneAvailable):
-        return 503, {}
-    if isinstance(exc, WorkerError):
-        return (400 if exc.code in _CLIENT_WORKER_CODES else 502), {}
-    return 500, {}
-
-
-def error_body(exc: GpuWorkerError) -> dict[str, Any]:
-    return {"error": {**exc.to_wire(), "code": getattr(exc, "code", "internal")}}
-
-
-@dataclass(frozen=True)
-class Route:
-    method: str
-    pattern: re.Pattern[str]
-    label: str  # the route template, a metrics label
-    handler: Callable[[dict[str, str], Any], Awaitable[Any]]
-    admin: bool = False
-    tracked: bool = False  # counted in flight and refused while draining
-
-
-class Api:
+class Api(AdminRoutes):
     def __init__(self, sup: Supervisor, http: HttpConfig, *, scheduler: Scheduler | None = None,
                  metrics: Metrics | None = None,
                  reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
@@ -536,104 +466,3 @@ class Api:
                                   "logprobs": None, "finish_reason": out["finish_reason"]}],
                      "usage": self._usage(out)}
 
-    # --- admin routes (Unix socket) ------------------------------------------------------------
-
-    @staticmethod
-    def _flag(body: dict[str, Any], key: str) -> bool:
-        value = body.get(key, False)
-        if not isinstance(value, bool):
-            raise InvalidRequest(f"'{key}' must be a boolean")
-        return value
-
-    def _body_model(self, body: dict[str, Any]) -> str:
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise InvalidRequest("'model' must be a string")
-        self.sup.model_config(model)
-        return model
-
-    async def lane_reload(self, params: dict[str, str], body: dict[str, Any]) -> Any:
-        lane = self.admin.lane(params["lane"])
-        op = lambda _: self.admin.reload(lane.id, timeout_s=self.http.request_timeout_s)  # noqa: E731
-        if self._flag(body, "stream"):
-            return Stream(lambda emit: self._stream(emit, op, lane.id))
-        return 200, await op(None)
-
-    async def lane_load(self, params: dict[str, str], body: dict[str, Any]) -> Any:
-        lane, model = self.admin.lane(params["lane"]), self._body_model(body)
-
-        def op(on_progress: Callable[[dict[str, Any]], None] | None) -> Awaitable[dict[str, Any]]:
-            return self.admin.load_model(lane.id, model, on_progress=on_progress, timeout_s=self.http.request_timeout_s)
-
-        if self._flag(body, "stream"):
-            return Stream(lambda emit: self._stream(emit, op, lane.id))
-        return 200, await op(None)
-
-    async def lane_unload(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        lane, model = self.admin.lane(params["lane"]), self._body_model(body)
-        return 200, await self.admin.unload_model(lane.id, model, timeout_s=self.http.request_timeout_s)
-
-    async def lane_drain(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        lane = self.admin.lane(params["lane"])
-        idle = await self.admin.drain(lane.id, wait=self._flag(body, "wait"), timeout_s=self.http.request_timeout_s)
-        return 200, {**self._lane_status(lane.status()), "idle": idle}
-
-    async def lane_resume(self, params: dict[str, str], _: dict[str, Any]) -> tuple[int, Any]:
-        lane = self.admin.lane(params["lane"])
-        self.admin.resume(lane.id)
-        return 200, self._lane_status(lane.status())
-
-    async def config_reload(self, _: dict[str, str], __: dict[str, Any]) -> tuple[int, Any]:
-        if self.reload_config is None:
-            raise HttpError(404, "not_found", "configuration reload is not available")
-        return 200, await self.reload_config()
-
-    async def _stream(self, emit: Emit, op: Callable[[Callable[[dict[str, Any]], None] | None],
-                                                     Awaitable[dict[str, Any]]], lane_id: str) -> None:
-        """Run `op`, streaming its PROGRESS events and the lane's state changes, then its result or error."""
-        send_ch, recv_ch = trio.open_memory_channel[dict[str, Any]](PROGRESS_BUFFER)
-        outcome: dict[str, Any] = {}
-        t0 = trio.current_time()
-
-        def on_progress(event: dict[str, Any]) -> None:
-            # a slow reader skips progress lines, never the result
-            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                send_ch.send_nowait({"event": "progress", "elapsed_s": round(trio.current_time() - t0, 3), **event})
-
-        last: tuple[str, int] | None = None
-
-        def report_state() -> None:
-            nonlocal last
-            lane = self.sup.lanes.get(lane_id)
-            if lane is not None and (lane.state.value, lane.generation) != last:
-                last = (lane.state.value, lane.generation)
-                on_progress({"event": "state", "state": lane.state.value, "generation": lane.generation})
-
-        async def run() -> None:
-            async with send_ch:
-                try:
-                    outcome["result"] = await op(on_progress)
-                except GpuWorkerError as exc:
-                    outcome["error"] = exc
-                report_state()  # the state the operation left the lane in, before the result
-
-        async def watch_state() -> None:
-            while True:
-                report_state()
-                lane = self.sup.lanes.get(lane_id)
-                if lane is None:
-                    return
-                with trio.move_on_after(STATE_POLL_S):  # and on any state change, at once
-                    await lane.wait_state(*(s for s in LaneState if s is not lane.state))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_state)
-            nursery.start_soon(run)
-            async for event in recv_ch:
-                await emit(event)
-            nursery.cancel_scope.cancel()
-        if "error" in outcome:
-            status, _ = error_status(outcome["error"])
-            await emit({"event": "error", "status": status, **error_body(outcome["error"])})
-        else:
-            await emit({"event": "done", "result": outcome.get("result")})

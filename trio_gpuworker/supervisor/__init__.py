@@ -1,7 +1,8 @@
 """The trio shell around _proto: lanes, supervisor, spawn/kill, log ring, event bus."""
 
 from ._events import EventBus
-from ._lane import Lane, LaneState, LoadSpec
+from ._jobs import LaneState, LoadSpec
+from ._lane import Lane
 from ._logring import LogRing
 from ._supervisor import Supervisor
 

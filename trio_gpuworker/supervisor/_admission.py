@@ -61,7 +61,7 @@ class Scheduler:
 def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset[str] = frozenset()) -> Lane:
     """The least loaded lane serving `model`: not drained, not quarantined, ready before starting, and one that
     loaded the model before one whose LOAD of it failed. Load = queued requests + the one running."""
-    from ._lane import LaneState
+    from ._jobs import LaneState
 
     candidates = [lane for lane in lanes if model in lane.loads]
     if not candidates:

@@ -6,11 +6,8 @@ import dataclasses
 import logging
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -29,52 +26,12 @@ from .._errors import (
 )
 from .._proto import INTERMEDIATE, TERMINAL, Fault, Message, ProgressValidator, StrikePolicy
 from ._events import EventBus
+from ._jobs import RELOAD, SERVING, Job, LaneState, LoadSpec
 from ._logring import LogRing
-from ._spawn import socket_path
+from ._spawn import socket_path, worker_argv, worker_env
 from ._worker import WorkerProcess, describe_exit
 
 log = logging.getLogger("trio_gpuworker.lane")
-
-RELOAD = "__RELOAD__"  # lane-internal job: end this generation (ordered, no strike) and start a fresh one
-SERVING = frozenset({"EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP"})
-
-
-class LaneState(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    BUSY = "busy"
-    RESTARTING = "restarting"
-    QUARANTINED = "quarantined"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    """What LOAD needs for one model; the supervisor resolves digests before lanes start."""
-
-    model_ref: str
-    artifact_path: Path
-    digest: str
-    format: str
-    runtime_config: dict[str, Any]
-
-
-@dataclass(eq=False)
-class _Job:
-    t: str
-    fields: dict[str, Any]
-    raw: bytes | None
-    on_progress: Callable[[Message], None] | None = None
-    done: trio.Event = field(default_factory=trio.Event)
-    result: Message | None = None
-    error: BaseException | None = None
-    abandoned: bool = False
-
-    def finish(self, result: Message | None = None, error: BaseException | None = None) -> None:
-        if not self.done.is_set():
-            self.result, self.error = result, error
-            self.done.set()
 
 
 class Lane:
@@ -101,13 +58,13 @@ class Lane:
         self.queued = 0
         self._req_id = 0
         self._closing = False
-        self._current: _Job | None = None
-        self._held: _Job | None = None  # a job taken while quarantined, served by the next generation
-        self._reloading: _Job | None = None  # finished once the next generation has loaded
+        self._current: Job | None = None
+        self._held: Job | None = None  # a job taken while quarantined, served by the next generation
+        self._reloading: Job | None = None  # finished once the next generation has loaded
         self._wakeup = trio.Event()
         self._closed = trio.Event()
         self.last_error: str | None = None
-        self._jobs_send, self._jobs_recv = trio.open_memory_channel[_Job](math.inf)
+        self._jobs_send, self._jobs_recv = trio.open_memory_channel[Job](math.inf)
         self._started: Callable[[], None] | None = None
         self._arena_env = arena_env or {}
         self._pass_fds = pass_fds
@@ -154,7 +111,7 @@ class Lane:
         remaining = self.cooldown_remaining()
         if remaining is not None:
             raise self.quarantine_error(remaining)
-        job = _Job(t, fields, raw, on_progress)
+        job = Job(t, fields, raw, on_progress)
         self.queued += 1
         self._jobs_send.send_nowait(job)
         self._wakeup.set()
@@ -177,7 +134,7 @@ class Lane:
         if self._closing:
             raise ClosedSupervisorError(f"lane {self.id} is shutting down")
         self.clear_quarantine()
-        job = _Job(RELOAD, {"generation": self.generation}, None)
+        job = Job(RELOAD, {"generation": self.generation}, None)
         self.queued += 1
         self._jobs_send.send_nowait(job)
         self._wakeup.set()
@@ -270,7 +227,8 @@ class Lane:
         self.generation += 1
         gen = self.generation
         self.state = LaneState.STARTING
-        wp = WorkerProcess(lane_id=self.id, generation=gen, argv=self._argv(), env=self._env(gen),
+        wp = WorkerProcess(lane_id=self.id, generation=gen, argv=worker_argv(self.cfg),
+                           env=worker_env(self.cfg, self.sup.state_dir, gen, self._arena_env),
                            sock_path=socket_path(self.runtime_dir, self.id), max_frame=self.sup.max_frame,
                            kill_grace_s=self.windows.kill_grace_s,
                            drain_s=self.windows.exit_status_s, log=self.log, on_event=self._on_event,
@@ -387,16 +345,6 @@ class Lane:
         if model_ref in self.models_loaded:
             self.models_loaded.remove(model_ref)
 
-    def _argv(self) -> list[str]:
-        return list(self.cfg.worker_command or (sys.executable, "-m", "trio_gpuworker.worker"))
-
-    def _env(self, gen: int) -> dict[str, str]:
-        cache = self.sup.state_dir / "cache"
-        cache.mkdir(parents=True, exist_ok=True)
-        return {**os.environ, "DEV": self.cfg.device, "CACHEDB": str(cache / "tinygrad.db"), "PYTHONUNBUFFERED": "1",
-                "GPUWORKER_WORKER_ID": f"{self.id}.{gen}", "GPUWORKER_LANE_ID": self.id, **self._arena_env,
-                **self.cfg.env}
-
     def _on_event(self, wp: WorkerProcess, msg: Message) -> None:
         for hook in list(self.hooks):
             hook(self, wp.generation, msg)
@@ -412,7 +360,7 @@ class Lane:
 
     async def _load_all(self, wp: WorkerProcess) -> None:
         for spec in list(self.loads.values()):
-            job = _Job("LOAD", {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
+            job = Job("LOAD", {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
                                 "format": spec.format, "runtime_config": spec.runtime_config,
                                 "model_ref": spec.model_ref}, None)
             self._current = job
@@ -456,7 +404,7 @@ class Lane:
                 served = True
             job.finish(result=reply)
 
-    async def _exchange(self, wp: WorkerProcess, job: _Job) -> Message:
+    async def _exchange(self, wp: WorkerProcess, job: Job) -> Message:
         """Write one request and read until its terminal reply, under the phase's silence window.
         On a fault the generation is cancelled and this never returns."""
         self._req_id += 1
@@ -505,7 +453,7 @@ class Lane:
         wp.ordered_stop = True
         with trio.move_on_after(self.windows.shutdown_s):
             try:
-                await self._exchange(wp, _Job("SHUTDOWN", {"mode": "graceful"}, None))
+                await self._exchange(wp, Job("SHUTDOWN", {"mode": "graceful"}, None))
             except (trio.BrokenResourceError, OSError):
                 return
 

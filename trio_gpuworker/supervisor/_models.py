@@ -11,7 +11,7 @@ import trio
 from .._config import ModelConfig
 from .._digest import sha256_file
 from .._errors import ConfigError
-from ._lane import LoadSpec
+from ._jobs import LoadSpec
 
 
 class DigestCache:

@@ -8,10 +8,12 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import trio
 
+from .._config import LaneConfig
 from .._errors import ConfigError
 
 SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes including the NUL
@@ -69,6 +71,19 @@ async def spawn(argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] 
         argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True, pass_fds=pass_fds, close_fds=True,
     )
+
+
+def worker_argv(cfg: LaneConfig) -> list[str]:
+    """The lane's configured engine, or the built-in tinygrad worker; the lane appends --socket and --nonce."""
+    return list(cfg.worker_command or (sys.executable, "-m", "trio_gpuworker.worker"))
+
+
+def worker_env(cfg: LaneConfig, state_dir: Path, generation: int, arena_env: dict[str, str]) -> dict[str, str]:
+    """tinygrad's device and kernel cache (under the state directory), worker identity, the arena fd."""
+    cache = state_dir / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "DEV": cfg.device, "CACHEDB": str(cache / "tinygrad.db"), "PYTHONUNBUFFERED": "1",
+            "GPUWORKER_WORKER_ID": f"{cfg.id}.{generation}", "GPUWORKER_LANE_ID": cfg.id, **arena_env, **cfg.env}
 
 
 def _signal_group(pid: int, sig: int) -> None:

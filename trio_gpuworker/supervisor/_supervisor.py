@@ -21,7 +21,8 @@ from .._errors import (
 from ._arena import ArenaManager
 from ._dataplane import DataPlane, arena_env
 from ._events import EventBus
-from ._lane import Lane, LaneState, LoadSpec
+from ._jobs import LaneState, LoadSpec
+from ._lane import Lane
 from ._models import DigestCache, load_spec
 from ._spawn import default_runtime_dir, workers_dir
 

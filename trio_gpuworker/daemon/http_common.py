@@ -1,0 +1,101 @@
+"""What the HTTP routes share: ASGI types, error mapping, streamed and raw results."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import (
+    ClosedSupervisorError,
+    ConfigError,
+    DeadlineExceeded,
+    EngineCrashed,
+    GpuWorkerError,
+    InvalidRequest,
+    ModelNotFound,
+    NoLaneAvailable,
+    OverCapacity,
+    WorkerError,
+)
+from .admin import LaneNotFound
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Emit = Callable[[dict[str, Any]], Awaitable[None]]
+
+MAX_GEN_TOKENS = 64
+STATE_POLL_S = 0.5  # a streamed load or reload reports the lane's state on each change, and at least this often
+PROGRESS_BUFFER = 64  # PROGRESS events a slow streaming client may lag behind before some are skipped
+DRAIN_RETRY_AFTER_S = 5
+
+
+class HttpError(GpuWorkerError):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.headers = headers or {}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class Raw:
+    status: int
+    body: bytes
+    content_type: str
+
+
+@dataclass
+class Stream:
+    """NDJSON events: `produce(emit)` awaits `emit(event)` for each line."""
+
+    produce: Callable[[Emit], Awaitable[None]]
+
+
+# Worker-side ERR codes that mean the caller's input was at fault.
+_CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loaded", "unsupported_request"}
+
+
+def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
+    if isinstance(exc, HttpError):
+        return exc.status, exc.headers
+    if isinstance(exc, OverCapacity):
+        return 429, {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
+    if isinstance(exc, EngineCrashed):
+        if exc.quarantined:
+            return 503, {"retry-after": str(max(1, math.ceil(exc.cooldown_remaining_s or 0)))}
+        return 503, {}
+    if isinstance(exc, DeadlineExceeded):
+        return 504, {}
+    if isinstance(exc, InvalidRequest | ConfigError):
+        return 400, {}
+    if isinstance(exc, ModelNotFound | LaneNotFound):
+        return 404, {}
+    if isinstance(exc, ClosedSupervisorError | NoLaneAvailable):
+        return 503, {}
+    if isinstance(exc, WorkerError):
+        return (400 if exc.code in _CLIENT_WORKER_CODES else 502), {}
+    return 500, {}
+
+
+def error_body(exc: GpuWorkerError) -> dict[str, Any]:
+    return {"error": {**exc.to_wire(), "code": getattr(exc, "code", "internal")}}
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    pattern: re.Pattern[str]
+    label: str  # the route template, a metrics label
+    handler: Callable[[dict[str, str], Any], Awaitable[Any]]
+    admin: bool = False
+    tracked: bool = False  # counted in flight and refused while draining
+
+
