@@ -21,12 +21,9 @@ from cython_ring._ring import (
     STATE_FAULTED,
     WAKE_READABLE,
     WAKE_WRITABLE,
-    EgressState,
-    IngressState,
     Ring,
-    drain_ingress,
-    write_egress,
 )
+from cython_ring._stream import EgressState, IngressState, drain_ingress, write_egress
 
 __all__ = [
     "FLAG_BEGIN_SEQUENCE",

@@ -122,3 +122,7 @@ cdef class ObjectSpec:
     cdef readonly tuple shape
     cdef readonly str sequence_policy
     cdef readonly bint strict
+
+
+# The error hierarchy, imported on first failure (trio_gpuworker/__init__ pulls in trio).
+cdef object _errors()

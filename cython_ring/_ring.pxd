@@ -1,7 +1,81 @@
 from cpython.buffer cimport Py_buffer
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
 
 from cython_ring._mo01 cimport ObjectSpec
+
+cdef extern from "atomics.h" nogil:
+    uint64_t cr_load_acquire_u64(void* p)
+    uint64_t cr_load_relaxed_u64(void* p)
+    void cr_store_release_u64(void* p, uint64_t v)
+    uint32_t cr_load_acquire_u32(void* p)
+    void cr_store_release_u32(void* p, uint32_t v)
+    uint32_t cr_fetch_or_u32(void* p, uint32_t v)
+    uint32_t cr_fetch_and_u32(void* p, uint32_t v)
+    int cr_cas_u32(void* p, uint32_t expected, uint32_t desired)
+
+cdef enum:
+    R_MAGIC = 0x47525753
+    R_VERSION = 2
+    R_HEADER_LEN = 128
+    R_ALIGN = 64
+    OFF_MAGIC = 0
+    OFF_VERSION = 4
+    OFF_HEADER_LEN = 6
+    OFF_RING_ID = 8
+    OFF_CAPACITY = 16
+    OFF_COMMIT = 24
+    OFF_CONSUME = 32
+    OFF_STATE = 40
+    OFF_WAKE = 44
+    OFF_RESERVED = 48
+    S_ACTIVE = 1
+    S_CLOSED = 2
+    S_FAULTED = 3
+    W_READABLE = 1
+    W_WRITABLE = 2
+    # Below this a copy is cheaper than dropping and retaking the GIL.
+    NOGIL_COPY = 65536
+
+
+# Copies between the ring's data region and flat memory, splitting at the wrap point.
+cdef inline void ring_read(const uint8_t* data, uint64_t cap, uint64_t pos, uint8_t* dst,
+                           uint64_t n) noexcept nogil:
+    cdef uint64_t phys = pos % cap
+    cdef uint64_t first = cap - phys
+    if first >= n:
+        memcpy(dst, data + phys, n)
+    else:
+        memcpy(dst, data + phys, first)
+        memcpy(dst + first, data, n - first)
+
+
+cdef inline void ring_write(uint8_t* data, uint64_t cap, uint64_t pos, const uint8_t* src,
+                            uint64_t n) noexcept nogil:
+    cdef uint64_t phys = pos % cap
+    cdef uint64_t first = cap - phys
+    if first >= n:
+        memcpy(data + phys, src, n)
+    else:
+        memcpy(data + phys, src, first)
+        memcpy(data, src + first, n - first)
+
+
+cdef inline void ring_read_big(const uint8_t* data, uint64_t cap, uint64_t pos, uint8_t* dst, uint64_t n):
+    if n >= NOGIL_COPY:
+        with nogil:
+            ring_read(data, cap, pos, dst, n)
+    else:
+        ring_read(data, cap, pos, dst, n)
+
+
+cdef inline void ring_write_big(uint8_t* data, uint64_t cap, uint64_t pos, const uint8_t* src, uint64_t n):
+    if n >= NOGIL_COPY:
+        with nogil:
+            ring_write(data, cap, pos, src, n)
+    else:
+        ring_write(data, cap, pos, src, n)
+
 
 cdef class Ring:
     cdef Py_buffer _view
@@ -19,29 +93,3 @@ cdef class Ring:
     cdef int _require(self, bint producing) except -1
     cdef int _check(self, uint64_t commit, uint64_t consume) except -1
     cdef list _spans(self, uint64_t pos, uint64_t n)
-
-
-cdef class IngressState:
-    cdef int _phase
-    cdef readonly uint64_t expected_sequence
-    cdef readonly uint64_t object_id
-    cdef readonly uint64_t sequence
-    cdef readonly uint64_t extent
-    cdef readonly uint32_t flags
-    cdef readonly uint64_t copied
-    cdef uint64_t _dst
-    cdef readonly uint64_t objects_loaded
-    cdef readonly uint64_t bytes_consumed
-    cdef readonly object last_exception
-
-
-cdef class EgressState:
-    cdef int _phase
-    cdef readonly ObjectSpec spec
-    cdef readonly uint64_t expected_sequence
-    cdef readonly uint64_t object_id
-    cdef readonly uint64_t sequence
-    cdef readonly uint64_t extent
-    cdef readonly uint32_t flags
-    cdef readonly uint64_t produced
-    cdef readonly uint64_t objects_produced
