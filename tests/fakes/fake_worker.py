@@ -158,6 +158,7 @@ class FakeWorker:
         if self.at_start("crash_before_hello"):
             return 3
         self.sock.connect(a.socket)
+        print(f"fake worker {os.getpid()} connected", file=sys.stderr, flush=True)  # what a crash's log tail shows
         hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, {"engine": "fake", "version": "1"})
         if self.at_start("garbage_hello"):
             self.write(frame(garbage_bytes()))

@@ -9,7 +9,6 @@ from .._errors import FrameTooLarge, LocalProtocolError
 LENGTH = struct.Struct("<I")
 PREFIX_LEN = LENGTH.size
 DEFAULT_MAX_FRAME = 64 << 20
-U32_MAX = 0xFFFFFFFF
 
 
 def encode_frame(payload: bytes | bytearray | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:

@@ -298,11 +298,6 @@ class DataPlane:
                               "lane_id": lane.id, "generation": generation, "synthetic": True})
             self._release(end, Reaped(pid, rc, pump_stopped=True))
 
-    def close(self) -> None:
-        for lane in self.lanes.values():
-            if self.on_lane_event in lane.hooks:
-                lane.hooks.remove(self.on_lane_event)
-
 
 def arena_env(arena: ArenaManager | None) -> tuple[dict[str, str], tuple[int, ...]]:
     if arena is None:
