@@ -33,6 +33,12 @@ class LocalProtocolError(ProtocolError):
     """We tried to send something the protocol does not allow (a bug on our side)."""
 
 
+class OutgoingFrameTooLarge(LocalProtocolError):
+    """A frame we were about to send exceeds the negotiated max_frame; nothing was written."""
+
+    code = "request_too_large"
+
+
 class RemoteProtocolError(ProtocolError):
     """The peer sent something the protocol does not allow."""
 
@@ -170,6 +176,12 @@ class InvalidRequest(GpuWorkerError, ValueError):
     """A caller's request is malformed or out of bounds."""
 
     code = "invalid_request"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request cannot be carried in the negotiated frame size (or exceeds a configured cap)."""
+
+    code = "request_too_large"
 
 
 class NoLaneAvailable(GpuWorkerError):

@@ -36,6 +36,7 @@ behaves.
     flood_stderr                  ~1 MiB to stderr and to stdout, then the reply
     slow                          reply after --delay s, PROGRESS every --progress-every s (else silent)
     exit_after_reply              the reply, then exit 0
+    stop_after_reply              the reply, then SIGSTOP itself: it never reads the next request
 
 --fault-rate P [--seed S]: besides any behavior, each serving request misbehaves with probability P, drawing
 from RANDOM_FAULTS (crash, crash between header and raw, silent hang, garbage, wrong req_id, regressing progress).
@@ -73,7 +74,7 @@ HANDSHAKE_BEHAVIORS = ("crash_before_hello", "garbage_hello", "wrong_nonce", "v2
                        "oversize_hello", "ignore_sigterm")
 REQUEST_BEHAVIORS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "hang_sigstop", "garbage",
                      "oversize_length", "regressing_progress", "wrong_req_id", "flood_stderr", "slow",
-                     "exit_after_reply")
+                     "exit_after_reply", "stop_after_reply")
 BEHAVIORS = (*HANDSHAKE_BEHAVIORS, "crash_during_load", *REQUEST_BEHAVIORS)
 # what --fault-rate draws from (the soak test): each ends the request with a typed error, never a hang of the caller
 RANDOM_FAULTS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "garbage", "wrong_req_id",
@@ -258,6 +259,8 @@ class FakeWorker:
         if behavior == "exit_after_reply":
             self.sock.close()
             os._exit(0)
+        if behavior == "stop_after_reply":
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     @staticmethod
     def reply(msg: Message) -> tuple[str, dict[str, Any], bytes | None]:

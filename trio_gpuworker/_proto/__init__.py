@@ -7,6 +7,8 @@ from ._connection import CLOSED, NEED_DATA, Connection, Message, check_fields, d
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefix
 from ._handshake import PROTOCOL_VERSION, RING_ABI, HandshakeRules, hello_fields
 from ._progress import ProgressValidator
+from ._requests import REQUESTS, RequestTracker, Verdict, is_request
+from ._requests import Kind as ReplyKind
 from ._ring_messages import INTERMEDIATE
 from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, register
 from ._strikes import Fault, StrikePolicy
@@ -19,6 +21,7 @@ __all__ = [
     "INTERMEDIATE",
     "NEED_DATA",
     "PROTOCOL_VERSION",
+    "REQUESTS",
     "RING_ABI",
     "SCHEMAS",
     "TERMINAL",
@@ -29,12 +32,16 @@ __all__ = [
     "HandshakeRules",
     "Message",
     "ProgressValidator",
+    "ReplyKind",
+    "RequestTracker",
     "Spec",
     "StrikePolicy",
+    "Verdict",
     "check_fields",
     "decode_control",
     "encode_frame",
     "frame_prefix",
     "hello_fields",
+    "is_request",
     "register",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 
-from .._errors import FrameTooLarge, LocalProtocolError
+from .._errors import FrameTooLarge, OutgoingFrameTooLarge
 
 LENGTH = struct.Struct("<I")
 PREFIX_LEN = LENGTH.size
@@ -14,14 +14,14 @@ DEFAULT_MAX_FRAME = 64 << 20
 def encode_frame(payload: bytes | bytearray | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     n = len(payload)
     if n > max_frame:
-        raise LocalProtocolError(f"frame of {n} bytes exceeds max_frame {max_frame}")
+        raise OutgoingFrameTooLarge(f"frame of {n} bytes exceeds max_frame {max_frame}")
     return LENGTH.pack(n) + bytes(payload)
 
 
 def frame_prefix(n: int, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     """The length prefix alone, for writing a large payload without concatenating it."""
     if n > max_frame:
-        raise LocalProtocolError(f"frame of {n} bytes exceeds max_frame {max_frame}")
+        raise OutgoingFrameTooLarge(f"frame of {n} bytes exceeds max_frame {max_frame}")
     return LENGTH.pack(n)
 
 

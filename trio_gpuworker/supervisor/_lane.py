@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -20,12 +19,12 @@ from .._errors import (
     DeadlineExceeded,
     EngineCrashed,
     GpuWorkerError,
-    ProgressViolation,
-    UnexpectedFrame,
+    InvalidRequest,
     WorkerError,
 )
-from .._proto import INTERMEDIATE, TERMINAL, Fault, Message, ProgressValidator, StrikePolicy
+from .._proto import Fault, Message, RequestTracker, StrikePolicy
 from ._events import EventBus
+from ._exchange import exchange, salvage
 from ._jobs import RELOAD, SERVING, Job, LaneState, LoadSpec
 from ._logring import LogRing
 from ._spawn import socket_path, worker_argv, worker_env
@@ -56,10 +55,9 @@ class Lane:
         self.last_exit: str | None = None
         self.restarts = 0
         self.queued = 0
-        self._req_id = 0
+        self.requests = RequestTracker()  # req_ids, the open request and the rules its replies follow
         self._closing = False
         self._current: Job | None = None
-        self._held: Job | None = None  # a job taken while quarantined, served by the next generation
         self._reloading: Job | None = None  # finished once the next generation has loaded
         self._wakeup = trio.Event()
         self._closed = trio.Event()
@@ -84,6 +82,11 @@ class Lane:
             self._state = value
             self._state_changed.set()
             self._state_changed = trio.Event()
+
+    @property
+    def requests_sent(self) -> int:
+        """The last req_id this lane issued (requests that failed local validation are counted, never sent)."""
+        return self.requests.last_req_id
 
     async def wait_state(self, *states: LaneState) -> None:
         """Until the lane is in one of `states` (health probes, tests)."""
@@ -184,10 +187,10 @@ class Lane:
             self.pid = None
             stopped = ClosedSupervisorError(f"lane {self.id} stopped")
             self._fail_queued(stopped)
-            for job in (self._current, self._held, self._reloading):
+            for job in (self._current, self._reloading):
                 if job is not None:
                     job.finish(error=stopped)  # past the drain bound: answer rather than drop the caller
-            self._current = self._held = self._reloading = None
+            self._current = self._reloading = None
 
     def _mark_started(self) -> None:
         if self._started is not None:
@@ -195,8 +198,9 @@ class Lane:
             started()
 
     async def _sit_out_quarantine(self) -> None:
-        """No worker runs while quarantined; queued requests fail fast. After the cool-down the next
-        request (or a reload) starts a fresh worker with zero strikes."""
+        """No worker runs while quarantined; queued requests fail fast. Once the cool-down is over (or a
+        reload lifts it) a fresh worker starts with zero strikes at once: the router sends no traffic to a
+        lane that is not ready, so waiting for a request here could leave it out of service for good."""
         self.state = LaneState.QUARANTINED
         self.pid = None
         while (remaining := self.cooldown_remaining()) is not None and not self._closing:
@@ -204,14 +208,6 @@ class Lane:
             with trio.move_on_after(remaining):
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
-        if self._closing:
-            return
-        self.state = LaneState.RESTARTING
-        while self._held is None and not self._closing:
-            try:
-                self._held = await self._jobs_recv.receive()
-            except trio.EndOfChannel:
-                return
 
     def _fail_queued(self, error: GpuWorkerError) -> None:
         while True:
@@ -226,6 +222,7 @@ class Lane:
         """Spawn, load, serve until closing or a fault. Returns True if a request was served."""
         self.generation += 1
         gen = self.generation
+        self.requests.abort()  # a request left open by the last generation died with it
         self.state = LaneState.STARTING
         wp = WorkerProcess(lane_id=self.id, generation=gen, argv=worker_argv(self.cfg),
                            env=worker_env(self.cfg, self.sup.state_dir, gen, self._arena_env),
@@ -280,40 +277,17 @@ class Lane:
             log_tail=self.log.tail(self.sup.log_tail_bytes))
         if fault.error is not None:
             err.__cause__ = fault.error
-        if fault.cause == "crash":  # after a protocol fault or a hang nothing the worker sent is trusted
-            self._salvage_reply(wp)
+        if fault.cause == "crash" and self._current is not None and salvage(wp, self._current, self.requests):
+            self._current = None  # after a protocol fault or a hang nothing the worker sent is trusted
         self.policy.strike(Fault(fault.cause), trio.current_time())
         self.last_error = str(err)
         log.warning("%s", err, extra={"lane_id": self.id, "generation": wp.generation})
-        for job in (self._current, self._held, self._reloading):
+        for job in (self._current, self._reloading):
             if job is not None:
                 job.finish(error=err)
-        self._current = self._held = self._reloading = None
+        self._current = self._reloading = None
         self.bus.publish({"t": "WORKER_CRASHED", "lane_id": self.id, "generation": wp.generation,
                           "status": describe_exit(rc), "cause": fault.cause})
-
-    def _salvage_reply(self, wp: WorkerProcess) -> None:
-        """A worker may write its whole reply and exit before the serving task, cancelled with the generation,
-        reads it: a complete terminal reply already received still goes to its caller."""
-        job = self._current
-        extras: list[Message] = []
-        while job is not None:
-            try:
-                msg = wp.replies.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
-            if msg.get("req_id") != self._req_id:
-                continue
-            if msg.t in INTERMEDIATE.get(job.t, ()):
-                extras.append(msg)
-            elif msg.t == "ERR":
-                job.finish(error=WorkerError(msg["code"], msg["msg"]))
-            elif msg.t in TERMINAL.get(job.t, ()):
-                job.finish(result=dataclasses.replace(msg, extras=tuple(extras)) if extras else msg)
-            else:
-                continue
-            if job.done.is_set():
-                self._current = job = None
 
     # --- models --------------------------------------------------------------------------------
 
@@ -364,8 +338,13 @@ class Lane:
                                 "format": spec.format, "runtime_config": spec.runtime_config,
                                 "model_ref": spec.model_ref}, None)
             self._current = job
-            reply = await self._exchange(wp, job)
-            self._current = None
+            try:
+                reply = await exchange(wp, job, self.requests, self.windows)
+            except InvalidRequest as exc:
+                self.load_errors[spec.model_ref] = f"{exc.code}: {exc}"
+                continue
+            finally:
+                self._current = None
             if reply.t == "ERR":
                 self.load_errors[spec.model_ref] = f"{reply['code']}: {reply['msg']}"
             else:
@@ -376,13 +355,11 @@ class Lane:
         served = False
         self.state = LaneState.READY
         while True:
-            job, self._held = self._held, None
-            if job is None:
-                try:
-                    job = await self._jobs_recv.receive()
-                except trio.EndOfChannel:
-                    return served
-                self.queued -= 1
+            try:
+                job = await self._jobs_recv.receive()
+            except trio.EndOfChannel:
+                return served
+            self.queued -= 1
             if job.abandoned:
                 continue  # its caller is gone: never let it reach the worker
             if job.t == RELOAD:
@@ -393,9 +370,15 @@ class Lane:
                 return served
             self._current = job
             self.state = LaneState.BUSY
-            reply = await self._exchange(wp, job)
+            try:
+                reply = await exchange(wp, job, self.requests, self.windows)
+            except InvalidRequest as exc:  # failed local validation: this request alone, nothing was sent
+                reply = None
+                job.finish(error=exc)
             self._current = None
             self.state = LaneState.READY
+            if reply is None:
+                continue
             if reply.t == "ERR":
                 job.finish(error=WorkerError(reply["code"], reply["msg"]))
                 continue
@@ -404,56 +387,13 @@ class Lane:
                 served = True
             job.finish(result=reply)
 
-    async def _exchange(self, wp: WorkerProcess, job: Job) -> Message:
-        """Write one request and read until its terminal reply, under the phase's silence window.
-        On a fault the generation is cancelled and this never returns."""
-        self._req_id += 1
-        req_id = self._req_id
-        progress = ProgressValidator(req_id, "setup")
-        window = self._window(job.t, "load" if job.t == "LOAD" else "inference" if job.t in SERVING else "control")
-        await wp.send(job.t, {**job.fields, "req_id": req_id}, job.raw)
-        extras: list[Message] = []
-        with trio.CancelScope(deadline=trio.current_time() + window) as watchdog:
-            while True:
-                msg = await wp.replies.receive()
-                try:
-                    if msg.t in INTERMEDIATE.get(job.t, ()) and msg.get("req_id") == req_id:
-                        extras.append(msg)
-                        continue
-                    if msg.t == "PROGRESS":
-                        phase = progress.accept(msg)
-                        window = self._window(job.t, phase)
-                        watchdog.deadline = trio.current_time() + window
-                        if job.on_progress is not None and not job.abandoned:
-                            job.on_progress(msg)
-                        continue
-                    if msg.get("req_id") != req_id:
-                        raise UnexpectedFrame(f"{msg.t} for req_id {msg.get('req_id')} while {req_id} is current")
-                    if msg.t != "ERR" and msg.t not in TERMINAL.get(job.t, ()):
-                        raise UnexpectedFrame(f"{msg.t} is not a reply to {job.t}")
-                except (ProgressViolation, UnexpectedFrame) as exc:
-                    wp.fail("protocol", str(exc), exc)
-                    await trio.sleep_forever()
-                return dataclasses.replace(msg, extras=tuple(extras)) if extras else msg
-        wp.fail("hang", f"{job.t} sent nothing for {window:g} s (silence window)")
-        await trio.sleep_forever()
-        raise AssertionError("unreachable")
-
-    def _window(self, t: str, phase: str) -> float:
-        w = self.windows
-        if phase == "inference":
-            return w.inference_s
-        if phase == "control":
-            return w.control_s
-        return w.load_s if t == "LOAD" or phase == "load" else w.setup_s
-
     async def _shutdown(self, wp: WorkerProcess) -> None:
         """Ordered stop: SHUTDOWN, wait for the exit, then the kill path reaps whatever is left."""
         self.state = LaneState.STOPPING
         wp.ordered_stop = True
         with trio.move_on_after(self.windows.shutdown_s):
             try:
-                await self._exchange(wp, Job("SHUTDOWN", {"mode": "graceful"}, None))
+                await exchange(wp, Job("SHUTDOWN", {"mode": "graceful"}, None), self.requests, self.windows)
             except (trio.BrokenResourceError, OSError):
                 return
 

@@ -161,8 +161,15 @@ class WorkerProcess:
 
     # --- use -----------------------------------------------------------------------------------
 
+    def encode(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None
+               ) -> list[bytes | memoryview]:
+        """Validate a message and frame it; LocalProtocolError (nothing written) when it breaks the protocol."""
+        return self.conn.send(t, fields, raw)
+
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
-        chunks = self.conn.send(t, fields, raw)
+        await self.write(t, self.encode(t, fields, raw))
+
+    async def write(self, t: str, chunks: list[bytes | memoryview]) -> None:
         async with self._send_lock:
             try:
                 for chunk in chunks:

@@ -15,8 +15,8 @@ from typing import Any
 import trio
 
 from .._channel import encode_messages, receive_message
-from .._errors import GpuWorkerError, RemoteProtocolError
-from .._proto import DEFAULT_MAX_FRAME, TERMINAL, WORKER, Connection, Message, hello_fields
+from .._errors import GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError
+from .._proto import DEFAULT_MAX_FRAME, WORKER, Connection, Message, hello_fields, is_request
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
 from ._engine import Engine, Reply, WorkerRequestError
@@ -72,7 +72,7 @@ class WorkerServer:
     async def _read_loop(self, send_req: trio.MemorySendChannel[Message]) -> None:
         async with send_req:
             while (msg := await self.receive()) is not None:
-                if msg.t in TERMINAL:
+                if is_request(msg.t):
                     await send_req.send(msg)
                 elif msg.t == "RING_WRITABLE":
                     self.engine.dataplane.on_writable(msg["ring_id"])  # wakes a step blocked on egress space
@@ -129,7 +129,16 @@ class WorkerServer:
             traceback.print_exc(file=sys.stderr)
             await self.send("ERR", {"req_id": req_id, "code": "worker_internal", "msg": f"{type(exc).__name__}: {exc}"})
             return
-        await self.send(reply.t, {"req_id": req_id, **reply.fields}, reply.raw)
+        try:
+            chunks = self.conn.send(reply.t, {"req_id": req_id, **reply.fields}, reply.raw)
+        except OutgoingFrameTooLarge as exc:
+            # the request was valid, the answer is too big to carry: a typed ERR, and this worker keeps serving
+            await self.send("ERR", {"req_id": req_id, "code": "reply_too_large",
+                                    "msg": f"{reply.t} does not fit the negotiated max_frame: {exc}"})
+            return
+        async with self._send_lock:
+            for chunk in chunks:
+                await self.stream.send_all(chunk)
 
 
 async def serve(socket_path: str, nonce: str) -> int:
@@ -139,13 +148,26 @@ async def serve(socket_path: str, nonce: str) -> int:
     server = WorkerServer(stream, nonce)
     try:
         await server.run()
-    except (RemoteProtocolError, trio.BrokenResourceError) as exc:
-        print(f"worker: control connection failed: {exc}", file=sys.stderr)
-        return 3
-    except GpuWorkerError as exc:
-        print(f"worker: {exc}", file=sys.stderr)
-        return 3
+    except BaseException as exc:  # what ends the worker is logged as itself, then its exit code
+        return report_exit(exc)
     finally:
         server.compute.close()
         await stream.aclose()
     return 0
+
+
+def report_exit(exc: BaseException) -> int:
+    """Say on stderr (the lane's log ring) what ended the worker, unwrapping trio's exception groups, and pick
+    the exit code. Interrupts and SystemExit propagate as themselves."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, KeyboardInterrupt | SystemExit | trio.Cancelled):
+        raise exc
+    if isinstance(exc, RemoteProtocolError | trio.BrokenResourceError):
+        print(f"worker: control connection failed: {exc}", file=sys.stderr)
+    elif isinstance(exc, GpuWorkerError):
+        print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr)
+    else:
+        print("worker: fatal error:", file=sys.stderr)
+        traceback.print_exception(exc, file=sys.stderr)
+    return 3

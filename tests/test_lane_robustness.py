@@ -1,0 +1,98 @@
+"""A lane keeps serving whatever one request does: local protocol errors fail that request alone, a stopped
+worker cannot block the request write, quarantine neither leaks queue slots nor leaves a lane unrouted."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from tests.fakes import fake_command
+from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
+from tests.test_http import wait_until
+from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, Supervisor
+from trio_gpuworker._errors import RequestTooLarge
+
+
+def batch_fields(n: int, pooling: str = "mean", n_tokens: int = 1) -> dict[str, object]:
+    return {"model_ref": MODEL, "pooling": pooling, "normalize": True,
+            "items": [{"id": i, "n_tokens": n_tokens} for i in range(n)]}
+
+
+async def test_request_failing_the_schema_fails_alone(tmp_path: Path) -> None:
+    async with Supervisor(fake_config(tmp_path, fake_command())) as sup:
+        lane = sup.lanes["lane0"]
+        with pytest.raises(InvalidRequest, match="pooling"):
+            await lane.call("EMBED_BATCH", batch_fields(1, pooling="max"), np.ones(1, "<i4").tobytes())
+        rs = rows(3, 2)
+        out = await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
+        np.testing.assert_array_equal(out[:, :3], expected_fake_rows(rs))
+        assert lane.generation == 1 and lane.policy.strikes == 0 and lane.queued == 0
+
+
+async def test_request_larger_than_max_frame_fails_alone(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(fake_config(tmp_path, fake_command()), max_frame=64 * 1024)
+    async with Supervisor(cfg) as sup:
+        lane = sup.lanes["lane0"]
+        n = 20_000  # 80 KB of token ids: one raw frame over the 64 KiB limit
+        with pytest.raises(RequestTooLarge) as info:
+            await lane.call("EMBED_BATCH", batch_fields(n), np.ones(n, "<i4").tobytes())
+        assert info.value.code == "request_too_large" and isinstance(info.value, InvalidRequest)
+        rs = rows(4)
+        out = await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
+        np.testing.assert_array_equal(out[:, :3], expected_fake_rows(rs))
+        assert lane.generation == 1 and lane.policy.strikes == 0 and lane.state == LaneState.READY
+
+
+async def test_stopped_worker_cannot_block_the_request_write(tmp_path: Path) -> None:
+    """The watchdog is armed before the write: a worker that stops reading while a payload larger than the
+    socket buffer is written is a hang (strike, kill, restart), not a lane blocked forever."""
+    cfg = fake_config(tmp_path, fake_command("stop_after_reply", on_request=1))
+    async with Supervisor(cfg) as sup:
+        lane = sup.lanes["lane0"]
+        await sup.embed_ids(rows(2), model=MODEL, pooling="mean", normalize=True)  # then the worker stops
+        n = 4 * 1024 * 1024  # 16 MiB of ids, far beyond the socket buffer
+        with trio.fail_after(cfg.windows.inference_s + 10), pytest.raises(EngineCrashed) as info:
+            await lane.call("EMBED_BATCH", batch_fields(1, n_tokens=n), np.ones(n, "<i4").tobytes())
+        assert info.value.cause == "hang" and info.value.generation == 1
+        assert lane.policy.strikes == 1
+        with trio.fail_after(10):
+            await lane.wait_state(LaneState.READY)
+        assert lane.generation == 2
+
+
+async def test_quarantine_leaves_no_queued_count_behind(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(fake_config(tmp_path, fake_command("crash_mid_request", on_request=1,
+                                                                once_file=tmp_path / "once"), strikes=1,
+                                          cooldown_s=0.5), health_interval_s=0.05)
+    async with Supervisor(cfg) as sup:
+        lane = sup.lanes["lane0"]
+        with pytest.raises(EngineCrashed):
+            await sup.embed_ids(rows(1), model=MODEL, pooling="mean", normalize=True)
+        assert lane.state == LaneState.QUARANTINED
+        with trio.fail_after(10):
+            await lane.wait_state(LaneState.READY)
+        rs = rows(2, 2)
+        out = await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
+        np.testing.assert_array_equal(out[:, :3], expected_fake_rows(rs))
+        assert lane.queued == 0 and lane.status()["queued"] == 0
+        await wait_until(lambda: lane.rss_mb is not None, within_s=10)  # the PING refresher runs again
+
+
+async def test_expired_quarantine_comes_back_without_traffic(tmp_path: Path) -> None:
+    """lane0 is quarantined while lane1 serves; the router sends lane0 nothing, yet after the cool-down it is
+    READY again on its own, with a fresh generation and zero strikes."""
+    crash = fake_command("crash_mid_request", on_request=0)
+    async with Supervisor(fake_config(tmp_path, crash, fake_command(), strikes=2, cooldown_s=0.5)) as sup:
+        lane0, lane1 = sup.lanes["lane0"], sup.lanes["lane1"]
+        for _ in range(2):
+            with pytest.raises(EngineCrashed):
+                await lane0.call("EMBED_BATCH", batch_fields(1), np.ones(1, "<i4").tobytes())
+        assert lane0.cooldown_remaining() is not None
+        assert lane1.state == LaneState.READY
+        with trio.fail_after(10):
+            await lane0.wait_state(LaneState.READY)
+        assert lane0.generation == 3 and lane0.policy.strikes == 0 and lane0.queued == 0

@@ -1,0 +1,111 @@
+"""The request on one control connection: req_ids, which replies belong to it, and the progress rules.
+
+Both sides use it. The daemon's lane opens a request with `begin`, classifies every reply frame with
+`classify` (or `salvage` once the worker is gone), and learns from each verdict whether the silence
+window is renewed. The worker asks `is_request` for every frame it reads. Nothing here does I/O or
+reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .._errors import LocalProtocolError, RemoteProtocolError, UnexpectedFrame
+from ._connection import Message
+from ._progress import ProgressValidator
+from ._ring_messages import INTERMEDIATE
+from ._schema import TERMINAL
+
+REQUESTS = frozenset(TERMINAL)  # every message that opens a request, mapped to its terminal replies
+
+
+def is_request(t: str) -> bool:
+    """True when `t` opens a request (and so carries a req_id that a terminal reply will close)."""
+    return t in REQUESTS
+
+
+class Kind(Enum):
+    PROGRESS = "progress"  # PROGRESS for the open request; `renews` says whether it renews the watchdog
+    INTERMEDIATE = "intermediate"  # a reply that precedes the terminal one (OBJECT_PRODUCED of EXECUTE_STEP)
+    TERMINAL = "terminal"  # the reply that ends the open request
+    ERROR = "error"  # ERR: ends the open request with a worker error
+    STRAY = "stray"  # salvage only: a frame of no use once the worker is gone
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Kind
+    phase: str | None = None
+    renews: bool = False
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    t: str
+    req_id: int
+
+
+class RequestTracker:
+    """One request open at a time; req_ids increase and are never reused on this tracker.
+
+    A PROGRESS frame renews the watchdog only when it reports completed work (`completed > 0`): a count of
+    zero may announce a phase, but timer ticks and announcements never keep a silent worker alive.
+    """
+
+    def __init__(self) -> None:
+        self.last_req_id = 0
+        self.open: OpenRequest | None = None
+        self._progress: ProgressValidator | None = None
+
+    def begin(self, t: str, phase: str = "setup") -> int:
+        """Open a request of type `t`; returns its req_id."""
+        if self.open is not None:
+            raise LocalProtocolError(f"{t} while {self.open.t} (req_id {self.open.req_id}) is still open")
+        if not is_request(t):
+            raise LocalProtocolError(f"{t} is not a request")
+        self.last_req_id += 1
+        self.open = OpenRequest(t, self.last_req_id)
+        self._progress = ProgressValidator(self.last_req_id, phase)
+        return self.last_req_id
+
+    def abort(self) -> None:
+        """The request was never written (it failed local validation): no reply will come for it."""
+        self.open = self._progress = None
+
+    @property
+    def phase(self) -> str | None:
+        return self._progress.phase if self._progress is not None else None
+
+    def classify(self, msg: Message) -> Verdict:
+        """Classify a reply frame (one with a req_id) against the open request; a terminal verdict closes it.
+
+        Raises UnexpectedFrame or ProgressViolation (both RemoteProtocolError) when the worker broke the rules.
+        """
+        req = self.open
+        if req is None:
+            raise UnexpectedFrame(f"{msg.t} for req_id {msg.get('req_id')} while no request is open")
+        if msg.t == "PROGRESS":
+            assert self._progress is not None
+            before = self._progress.completed
+            phase = self._progress.accept(msg)
+            return Verdict(Kind.PROGRESS, phase, renews=msg["completed"] > (before or 0))
+        if msg.get("req_id") != req.req_id:
+            raise UnexpectedFrame(f"{msg.t} for req_id {msg.get('req_id')} while {req.req_id} is current")
+        if msg.t in INTERMEDIATE.get(req.t, ()):
+            return Verdict(Kind.INTERMEDIATE)
+        if msg.t == "ERR":
+            self.abort()
+            return Verdict(Kind.ERROR)
+        if msg.t in TERMINAL[req.t]:
+            self.abort()
+            return Verdict(Kind.TERMINAL)
+        raise UnexpectedFrame(f"{msg.t} is not a reply to {req.t}")
+
+    def salvage(self, msg: Message) -> Verdict:
+        """Like `classify`, for frames read after the worker exited: a complete reply it wrote before exiting
+        still reaches its caller, and anything that is not a reply to the open request is dropped."""
+        try:
+            return self.classify(msg)
+        except RemoteProtocolError:
+            return Verdict(Kind.STRAY)
