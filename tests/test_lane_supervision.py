@@ -178,9 +178,9 @@ async def test_cancelled_queued_request_never_reaches_the_worker(tmp_path: Path)
             await trio.sleep(0.1)
             with trio.move_on_after(0.1):
                 await embed(sup, rows(9))  # queued behind the slow one, then abandoned
-        before = lane._req_id
+        before = lane.requests_sent
         await embed(sup, rows(2))
-        assert lane._req_id == before + 1  # the abandoned request was dropped, not sent
+        assert lane.requests_sent == before + 1  # the abandoned request was dropped, not sent
 
 
 async def test_two_strikes_quarantine_then_cooldown_starts_fresh_worker(tmp_path: Path) -> None:
