@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -35,6 +36,11 @@ class LoadSpec:
     digest: str
     format: str
     runtime_config: dict[str, Any]
+
+    def load_fields(self) -> dict[str, Any]:
+        """The LOAD request's fields (without req_id)."""
+        return {"artifact_path": os.fspath(self.artifact_path), "artifact_digest": self.digest,
+                "format": self.format, "runtime_config": self.runtime_config, "model_ref": self.model_ref}
 
 
 @dataclass(eq=False)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -294,10 +293,8 @@ class Lane:
     async def load_model(self, spec: LoadSpec, *, timeout: float | None = None,
                          on_progress: Callable[[Message], None] | None = None) -> Message:
         """LOAD on the running worker; later generations load it too. Lifts quarantine only on success."""
-        fields = {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
-                  "format": spec.format, "runtime_config": spec.runtime_config, "model_ref": spec.model_ref}
         try:
-            reply = await self.call("LOAD", fields, timeout=timeout, on_progress=on_progress)
+            reply = await self.call("LOAD", spec.load_fields(), timeout=timeout, on_progress=on_progress)
         except WorkerError as exc:
             self.load_errors[spec.model_ref] = f"{exc.code}: {exc.msg}"
             raise
@@ -334,9 +331,7 @@ class Lane:
 
     async def _load_all(self, wp: WorkerProcess) -> None:
         for spec in list(self.loads.values()):
-            job = Job("LOAD", {"artifact_path": os.fspath(spec.artifact_path), "artifact_digest": spec.digest,
-                                "format": spec.format, "runtime_config": spec.runtime_config,
-                                "model_ref": spec.model_ref}, None)
+            job = Job("LOAD", spec.load_fields(), None)
             self._current = job
             try:
                 reply = await exchange(wp, job, self.requests, self.windows)

@@ -1,0 +1,108 @@
+"""The shape of the codebase: small modules, no import cycles (not even under TYPE_CHECKING), an I/O-free core."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "trio_gpuworker"
+MAX_LINES = 400
+
+
+def modules() -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every package module `name` imports, wherever the import statement sits (functions, TYPE_CHECKING)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    deps: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        for target in targets:
+            parts = target.split(".")
+            # importing a.b.c runs a and a.b first (unless they enclose the importer itself)
+            for i in range(1, len(parts) + 1):
+                dep = ".".join(parts[:i])
+                if dep in known and dep != name and not name.startswith(dep + "."):
+                    deps.add(dep)
+    return deps
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while (w := stack.pop()) != v:
+                comp.append(w)
+            comp.append(v)
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_import_graph_has_no_cycles() -> None:
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_cycles() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("path", sorted([*PACKAGE.rglob("*.py"), *(ROOT / "cython_ring").glob("*.py*")]),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_modules_stay_small(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.name} has {lines} lines"
+
+
+def test_proto_core_does_no_io() -> None:
+    """The sans-I/O core imports no trio, socket, os, threads or tinygrad, and nothing from the shell."""
+    known = modules()
+    banned = ("trio", "socket", "os", "threading", "tinygrad", "time", "selectors", "asyncio", "subprocess")
+    for name, path in known.items():
+        if not name.startswith("trio_gpuworker._proto"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            roots = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else \
+                [(node.module or "").split(".")[0]] if isinstance(node, ast.ImportFrom) and not node.level else []
+            assert not set(roots) & set(banned), f"{name} imports {roots}"
+        shell = {"trio_gpuworker.supervisor", "trio_gpuworker.daemon", "trio_gpuworker.worker"}
+        assert not {d.rsplit(".", 1)[0] if d.count(".") > 1 else d for d in imports(name, path, known)} & shell
