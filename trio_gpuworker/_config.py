@@ -61,6 +61,7 @@ class LaneConfig:
     device: str = "CPU"
     worker_command: tuple[str, ...] | None = None  # default: python -m trio_gpuworker.worker
     env: dict[str, str] = field(default_factory=dict)
+    standby: bool = False  # keep a second worker loaded and idle, promoted at once when the active one fails
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A lane: at most one worker process at a time, one request in flight, supervision rules of §5."""
+"""A lane: one active worker process at a time (plus an idle standby with `standby = true`), one request in
+flight, the supervision rules of §5."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ from .._errors import (
     InvalidRequest,
     WorkerError,
 )
-from .._proto import Fault, Message, RequestTracker, StrikePolicy
+from .._proto import Fault, Message, StrikePolicy
 from ._events import EventBus
 from ._exchange import exchange, salvage
+from ._generation import Generation, host
 from ._jobs import RELOAD, SERVING, Job, LaneState, LoadSpec
 from ._logring import LogRing
 from ._spawn import socket_path, worker_argv, worker_env
+from ._standby import StandbyKeeper
 from ._worker import WorkerProcess, describe_exit
 
 log = logging.getLogger("trio_gpuworker.lane")
@@ -46,7 +49,10 @@ class Lane:
         self.policy = StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s)
         self._state = LaneState.STARTING
         self._state_changed = trio.Event()
-        self.generation = 0
+        self.generation = 0  # the active worker's
+        self._spawned = 0  # generations are numbered in spawn order, standbys included
+        self.active: Generation | None = None
+        self.standby = StandbyKeeper(self) if cfg.standby else None
         self.pid: int | None = None
         self.models_loaded: list[str] = []
         self.load_errors: dict[str, str] = {}
@@ -54,18 +60,18 @@ class Lane:
         self.last_exit: str | None = None
         self.restarts = 0
         self.queued = 0
-        self.requests = RequestTracker()  # req_ids, the open request and the rules its replies follow
         self._closing = False
         self._current: Job | None = None
         self._reloading: Job | None = None  # finished once the next generation has loaded
         self._wakeup = trio.Event()
         self._closed = trio.Event()
+        self._idle_scope: trio.CancelScope | None = None  # cancelled to stop serving between requests
         self.last_error: str | None = None
         self._jobs_send, self._jobs_recv = trio.open_memory_channel[Job](math.inf)
         self._started: Callable[[], None] | None = None
         self._arena_env = arena_env or {}
         self._pass_fds = pass_fds
-        self._wp: WorkerProcess | None = None  # the live generation, for notifications
+        self._nursery: trio.Nursery | None = None
         self.last_reaped: tuple[int, int] = (-1, 0)  # (pid, returncode) of the last reaped worker
         # called as hook(lane, generation, msg) for worker notifications, and hook(lane, generation, None)
         # once that generation's process is reaped (the data plane's crash fan-out and lease release)
@@ -84,8 +90,12 @@ class Lane:
 
     @property
     def requests_sent(self) -> int:
-        """The last req_id this lane issued (requests that failed local validation are counted, never sent)."""
-        return self.requests.last_req_id
+        """The last req_id the active worker was issued (requests that failed local validation count)."""
+        return self.active.requests.last_req_id if self.active is not None else 0
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     async def wait_state(self, *states: LaneState) -> None:
         """Until the lane is in one of `states` (health probes, tests)."""
@@ -165,21 +175,36 @@ class Lane:
         self._started = lambda: task_status.started()
         backoff = self.sup.restart.backoff_initial_s
         try:
-            while not self._closing:
-                if self.cooldown_remaining() is not None:
-                    await self._sit_out_quarantine()
-                    continue
-                served = await self._run_generation()
-                self._mark_started()
-                if self._closing or self.cooldown_remaining() is not None or self._reloading is not None:
-                    continue
-                if served:
-                    backoff = self.sup.restart.backoff_initial_s
-                self.state = LaneState.RESTARTING
-                self.restarts += 1
-                with trio.move_on_after(backoff):
-                    await self._closed.wait()
-                backoff = min(backoff * self.sup.restart.backoff_factor, self.sup.restart.backoff_max_s)
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._refresh_health)
+                if self.standby is not None:
+                    nursery.start_soon(self.standby.run)
+                while not self._closing:
+                    if self.cooldown_remaining() is not None:
+                        await self._sit_out_quarantine()
+                        continue
+                    promoted = None
+                    if self.standby is not None and self._reloading is not None:
+                        await self.standby.stop()  # a reload restarts both: the standby has the old settings
+                    elif self.standby is not None:
+                        promoted = self.standby.take()
+                    served = await self._run_active(promoted or self.spawn())
+                    self._mark_started()
+                    if self._closing or self.cooldown_remaining() is not None or self._reloading is not None:
+                        continue
+                    if served:
+                        backoff = self.sup.restart.backoff_initial_s
+                    self.restarts += 1
+                    if self.standby is not None and self.standby.ready:
+                        continue  # promoted at once: no backoff, the failed request already has its answer
+                    self.state = LaneState.RESTARTING
+                    with trio.move_on_after(backoff):
+                        await self._closed.wait()
+                    backoff = min(backoff * self.sup.restart.backoff_factor, self.sup.restart.backoff_max_s)
+                if self.standby is not None:
+                    await self.standby.stop()
+                nursery.cancel_scope.cancel()  # the health refresher and the standby keeper
         finally:
             self._mark_started()
             self.state = LaneState.STOPPED
@@ -197,11 +222,13 @@ class Lane:
             started()
 
     async def _sit_out_quarantine(self) -> None:
-        """No worker runs while quarantined; queued requests fail fast. Once the cool-down is over (or a
-        reload lifts it) a fresh worker starts with zero strikes at once: the router sends no traffic to a
-        lane that is not ready, so waiting for a request here could leave it out of service for good."""
+        """No worker runs while quarantined (the standby is stopped too); queued requests fail fast. Once the
+        cool-down is over (or a reload lifts it) a fresh worker starts with zero strikes at once: the router
+        sends no traffic to a lane that is not ready, so waiting for a request could leave it out for good."""
         self.state = LaneState.QUARANTINED
         self.pid = None
+        if self.standby is not None:
+            await self.standby.stop()
         while (remaining := self.cooldown_remaining()) is not None and not self._closing:
             self._fail_queued(self.quarantine_error(remaining))
             with trio.move_on_after(remaining):
@@ -217,76 +244,99 @@ class Lane:
             self.queued -= 1
             job.finish(error=error)
 
-    async def _run_generation(self) -> bool:
-        """Spawn, load, serve until closing or a fault. Returns True if a request was served."""
-        self.generation += 1
-        gen = self.generation
-        self.requests.abort()  # a request left open by the last generation died with it
-        self.state = LaneState.STARTING
-        wp = WorkerProcess(lane_id=self.id, generation=gen, argv=worker_argv(self.cfg),
-                           env=worker_env(self.cfg, self.sup.state_dir, gen, self._arena_env),
-                           sock_path=socket_path(self.runtime_dir, self.id), max_frame=self.sup.max_frame,
-                           kill_grace_s=self.windows.kill_grace_s,
+    def spawn(self, *, standby: bool = False) -> Generation:
+        """Start a worker process in the lane's nursery: it connects, completes HELLO and loads the lane's
+        models (`ready`), and runs until it faults or is stopped in order."""
+        assert self._nursery is not None
+        self._spawned += 1
+        number = self._spawned
+        wp = WorkerProcess(lane_id=self.id, generation=number, argv=worker_argv(self.cfg),
+                           env=worker_env(self.cfg, self.sup.state_dir, number, self._arena_env),
+                           sock_path=socket_path(self.runtime_dir, f"{self.id}.{number}"),
+                           max_frame=self.sup.max_frame, kill_grace_s=self.windows.kill_grace_s,
                            drain_s=self.windows.exit_status_s, log=self.log, on_event=self._on_event,
                            pass_fds=self._pass_fds)
+        gen = Generation(wp, standby=standby)
+        self._nursery.start_soon(host, gen, self.windows, lambda: self.loads.values(), self._reaped)
+        return gen
+
+    def _reaped(self, gen: Generation) -> None:
+        assert gen.rc is not None
+        self.last_reaped = (gen.wp.pid or -1, gen.rc)
+        for hook in list(self.hooks):
+            hook(self, gen.number, None)  # reaped: everything of this generation is gone
+
+    async def _run_active(self, gen: Generation) -> bool:
+        """Serve on `gen` until closing, a reload or a fault. Returns True if a request was served."""
+        self.active = gen
+        self.generation = gen.number
+        gen.standby = False
+        self.pid = gen.wp.pid
+        if not gen.ready.is_set():
+            self.state = LaneState.STARTING
+            await gen.ready.wait()
         served = False
-        try:
-            async with trio.open_nursery() as nursery:
-                await wp.start(nursery, self.windows.setup_s)
-                self._wp = wp
-                if wp.fault is None:
-                    self.pid = wp.pid
-                    await self._load_all(wp)
-                    if self._reloading is not None:
-                        self._reloading.finish(result=Message("RELOADED", {"generation": wp.generation}))
-                        self._reloading = None
-                    self._mark_started()
-                    nursery.start_soon(self._refresh_health)
-                    served = await self._serve(wp)
-                    await self._shutdown(wp)
-                nursery.cancel_scope.cancel()
-        finally:
-            self._wp = None
-            rc = await wp.close(self._patience(wp))
-            self.last_exit = describe_exit(rc)
-            self.pid = None
-            self.models_loaded = []
-            self.last_reaped = (wp.pid or -1, rc)
-            for hook in list(self.hooks):
-                hook(self, wp.generation, None)  # reaped: everything of this generation is gone
-        self._after_generation(wp, rc)
+        with trio.CancelScope() as scope:
+            gen.wp.cancel_on_fault(scope)
+            if gen.wp.fault is None:
+                self.pid, self.models_loaded, self.load_errors = gen.wp.pid, gen.models, dict(gen.load_errors)
+                if self._reloading is not None:
+                    self._reloading.finish(result=Message("RELOADED", {"generation": gen.number}))
+                    self._reloading = None
+                self._mark_started()
+                served = await self._serve(gen)
+        if gen.wp.fault is None:
+            self.state = LaneState.STOPPING
+        gen.stop_requested.set()
+        with trio.CancelScope(shield=True):  # the host reaps in a shielded scope too: this wait is short
+            await gen.reaped.wait()
+        assert gen.rc is not None
+        self.active = None
+        self.last_exit = describe_exit(gen.rc)
+        self.pid = None
+        self.models_loaded = []
+        self._after_generation(gen)
         return served
 
-    def _patience(self, wp: WorkerProcess) -> float:
-        """How long a dying worker may take to exit by itself before the kill path."""
-        if wp.ordered_stop:
-            return self.windows.shutdown_s
-        if wp.fault is not None and wp.fault.cause == "crash":
-            return self.windows.exit_status_s  # an EOF usually means it is exiting: keep its real status
-        return 0.0
-
-    def _after_generation(self, wp: WorkerProcess, rc: int) -> None:
-        fault = wp.fault
+    def _after_generation(self, gen: Generation) -> None:
+        fault = gen.wp.fault
         if fault is None or fault.cause == "ordered":
             return
-        err = EngineCrashed(
-            f"worker of lane {self.id} (generation {wp.generation}) failed: {fault.detail}; {describe_exit(rc)}",
-            lane_id=self.id, generation=wp.generation, cause=fault.cause,
-            exit_code=rc if rc >= 0 else None, signal=-rc if rc < 0 else None,
-            log_tail=self.log.tail(self.sup.log_tail_bytes))
-        if fault.error is not None:
-            err.__cause__ = fault.error
-        if fault.cause == "crash" and self._current is not None and salvage(wp, self._current, self.requests):
+        if fault.cause == "crash" and self._current is not None and salvage(gen.wp, self._current, gen.requests):
             self._current = None  # after a protocol fault or a hang nothing the worker sent is trusted
-        self.policy.strike(Fault(fault.cause), trio.current_time())
-        self.last_error = str(err)
-        log.warning("%s", err, extra={"lane_id": self.id, "generation": wp.generation})
+        err = self.strike(gen)
         for job in (self._current, self._reloading):
             if job is not None:
                 job.finish(error=err)
         self._current = self._reloading = None
-        self.bus.publish({"t": "WORKER_CRASHED", "lane_id": self.id, "generation": wp.generation,
-                          "status": describe_exit(rc), "cause": fault.cause})
+
+    def fault_error(self, gen: Generation) -> EngineCrashed:
+        fault, rc = gen.wp.fault, gen.rc
+        assert fault is not None
+        role = "standby worker" if gen.standby else "worker"
+        err = EngineCrashed(
+            f"{role} of lane {self.id} (generation {gen.number}) failed: {fault.detail}; {describe_exit(rc)}",
+            lane_id=self.id, generation=gen.number, cause=fault.cause,
+            exit_code=rc if rc is not None and rc >= 0 else None, signal=-rc if rc is not None and rc < 0 else None,
+            log_tail=self.log.tail(self.sup.log_tail_bytes))
+        if fault.error is not None:
+            err.__cause__ = fault.error
+        return err
+
+    def strike(self, gen: Generation) -> EngineCrashed:
+        """Count a genuine fault of `gen` (active or standby), log it and tell subscribers. A strike that
+        quarantines the lane stops it serving at the next request boundary, standby or not."""
+        fault = gen.wp.fault
+        assert fault is not None
+        err = self.fault_error(gen)
+        quarantined = self.policy.strike(Fault(fault.cause), trio.current_time())
+        self.last_error = str(err)
+        log.warning("%s", err, extra={"lane_id": self.id, "generation": gen.number})
+        self.bus.publish({"t": "WORKER_CRASHED", "lane_id": self.id, "generation": gen.number,
+                          "status": describe_exit(gen.rc), "cause": fault.cause, "standby": gen.standby})
+        if quarantined and self._idle_scope is not None:
+            self._idle_scope.cancel()
+        return err
 
     # --- models --------------------------------------------------------------------------------
 
@@ -302,6 +352,8 @@ class Lane:
         self.load_errors.pop(spec.model_ref, None)
         if reply["model_ref"] not in self.models_loaded:
             self.models_loaded.append(reply["model_ref"])
+        if self.standby is not None:  # both workers have it before the load is acknowledged
+            await self.standby.apply("LOAD", spec.load_fields())
         return reply
 
     async def unload_model(self, model_ref: str, *, timeout: float | None = None) -> None:
@@ -315,6 +367,8 @@ class Lane:
                 raise
         if model_ref in self.models_loaded:
             self.models_loaded.remove(model_ref)
+        if self.standby is not None:
+            await self.standby.apply("UNLOAD", {"model_ref": model_ref})
 
     def _on_event(self, wp: WorkerProcess, msg: Message) -> None:
         for hook in list(self.hooks):
@@ -324,49 +378,39 @@ class Lane:
 
     async def notify(self, generation: int, t: str, fields: dict[str, Any]) -> None:
         """Send a notification (a wake hint) to the worker of `generation`, alongside any running request."""
-        wp = self._wp
+        wp = self.active.wp if self.active is not None else None
         if wp is None or wp.generation != generation or wp.fault is not None or wp.stream is None:
             raise BrokenWorkerError(f"lane {self.id} generation {generation} is not running")
         await wp.send(t, fields)
 
-    async def _load_all(self, wp: WorkerProcess) -> None:
-        for spec in list(self.loads.values()):
-            job = Job("LOAD", spec.load_fields(), None)
-            self._current = job
-            try:
-                reply = await exchange(wp, job, self.requests, self.windows)
-            except InvalidRequest as exc:
-                self.load_errors[spec.model_ref] = f"{exc.code}: {exc}"
-                continue
-            finally:
-                self._current = None
-            if reply.t == "ERR":
-                self.load_errors[spec.model_ref] = f"{reply['code']}: {reply['msg']}"
-            else:
-                self.load_errors.pop(spec.model_ref, None)
-                self.models_loaded.append(reply["model_ref"])
-
-    async def _serve(self, wp: WorkerProcess) -> bool:
+    async def _serve(self, gen: Generation) -> bool:
         served = False
         self.state = LaneState.READY
         while True:
-            try:
-                job = await self._jobs_recv.receive()
-            except trio.EndOfChannel:
-                return served
+            if self.cooldown_remaining() is not None:
+                return served  # quarantined by a standby's strike: the lane sits the cool-down out
+            job = None
+            with trio.CancelScope() as self._idle_scope:  # such a strike ends the wait for work too
+                try:
+                    job = await self._jobs_recv.receive()
+                except trio.EndOfChannel:
+                    return served
+            self._idle_scope = None
+            if job is None:
+                continue
             self.queued -= 1
             if job.abandoned:
                 continue  # its caller is gone: never let it reach the worker
             if job.t == RELOAD:
-                if job.fields["generation"] < wp.generation:
-                    job.finish(result=Message("RELOADED", {"generation": wp.generation}))  # already fresh
+                if job.fields["generation"] < gen.number:
+                    job.finish(result=Message("RELOADED", {"generation": gen.number}))  # already fresh
                     continue
                 self._reloading = job
                 return served
             self._current = job
             self.state = LaneState.BUSY
             try:
-                reply = await exchange(wp, job, self.requests, self.windows)
+                reply = await exchange(gen.wp, job, gen.requests, self.windows)
             except InvalidRequest as exc:  # failed local validation: this request alone, nothing was sent
                 reply = None
                 job.finish(error=exc)
@@ -381,16 +425,6 @@ class Lane:
                 self.policy.success()
                 served = True
             job.finish(result=reply)
-
-    async def _shutdown(self, wp: WorkerProcess) -> None:
-        """Ordered stop: SHUTDOWN, wait for the exit, then the kill path reaps whatever is left."""
-        self.state = LaneState.STOPPING
-        wp.ordered_stop = True
-        with trio.move_on_after(self.windows.shutdown_s):
-            try:
-                await exchange(wp, Job("SHUTDOWN", {"mode": "graceful"}, None), self.requests, self.windows)
-            except (trio.BrokenResourceError, OSError):
-                return
 
     async def _refresh_health(self) -> None:
         """Background PING while idle keeps rss_mb and models current; health requests never PING."""
@@ -426,4 +460,5 @@ class Lane:
             "last_exit": self.last_exit,
             "last_error": self.last_error,
             "device": self.cfg.device,
+            "standby": self.standby.describe() if self.standby is not None else None,
         }

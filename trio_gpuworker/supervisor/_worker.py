@@ -54,7 +54,7 @@ class WorkerProcess:
         self.ordered_stop = False  # set before we shut it down or kill it on purpose: no strike
         self.returncode: int | None = None
         self.hello: Message | None = None
-        self._scope: trio.CancelScope | None = None
+        self._scopes: list[trio.CancelScope] = []  # everything that runs on this generation's behalf
         self._send_lock = trio.Lock()
         send, recv = trio.open_memory_channel[Message](REPLY_BUFFER)
         self._reply_send, self.replies = send, recv
@@ -67,14 +67,21 @@ class WorkerProcess:
         """Record the first fault and stop everything this generation runs."""
         if self.fault is None:
             self.fault = Fault("ordered" if self.ordered_stop else cause, detail, error)
-        if self._scope is not None:
-            self._scope.cancel()
+        for scope in self._scopes:
+            scope.cancel()
+
+    def cancel_on_fault(self, scope: trio.CancelScope) -> None:
+        """Work done on this worker from outside its own nursery (a lane serving it, an admin LOAD on a
+        standby) runs in `scope`, which a fault cancels like the generation's own tasks."""
+        self._scopes.append(scope)
+        if self.fault is not None:
+            scope.cancel()
 
     # --- start ---------------------------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery, setup_s: float) -> None:
         """Listen, spawn, accept the spawned pid only, and complete HELLO. Raises nothing: faults are recorded."""
-        self._scope = nursery.cancel_scope
+        self.cancel_on_fault(nursery.cancel_scope)
         listener = await bind_listener(self.sock_path)
         try:
             argv = [*self.argv, "--socket", os.fspath(self.sock_path), "--nonce", self.nonce]
