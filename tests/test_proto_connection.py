@@ -31,7 +31,7 @@ from trio_gpuworker._proto import (
     hello_fields,
 )
 
-ENGINE = {"engine": "fake", "version": "1"}
+ENGINE = {"engine": "fake", "version": "1", "build_flags": []}
 Event = Any  # Message | NEED_DATA | CLOSED
 
 

@@ -159,18 +159,19 @@ class FakeWorker:
             return 3
         self.sock.connect(a.socket)
         print(f"fake worker {os.getpid()} connected", file=sys.stderr, flush=True)  # what a crash's log tail shows
-        hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, {"engine": "fake", "version": "1"})
+        engine = {"engine": "fake", "version": "1", "build_flags": []}
+        hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, engine)
         if self.at_start("garbage_hello"):
             self.write(frame(garbage_bytes()))
         elif self.at_start("oversize_hello"):
             self.write(struct.pack("<I", 0xFFFFFFF0))
         elif self.at_start("frame_before_hello"):
             self.write(frame(cbor2.dumps({"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []})))
+        elif self.at_start("v2_hello"):
+            self.write(frame(cbor2.dumps({"t": "HELLO", **hello, "v": 2})))  # our own Connection sends only v3
         else:
             if self.at_start("wrong_nonce"):
                 hello["nonce"] = "00" * 16 if a.nonce != "00" * 16 else "11" * 16
-            elif self.at_start("v2_hello"):
-                hello["v"] = 2
             self.send("HELLO", hello)
         while (msg := self.recv()) is not None:
             if msg.t == "HELLO_ACK":

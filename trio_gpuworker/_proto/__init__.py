@@ -3,12 +3,13 @@
 Nothing here imports trio, socket, os or tinygrad; time is passed in, never read.
 """
 
-from ._connection import CLOSED, NEED_DATA, Connection, Message, check_fields, decode_control
+from ._connection import CLOSED, NEED_DATA, Connection, decode_control
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefix
-from ._handshake import PROTOCOL_VERSION, RING_ABI, HandshakeRules, hello_fields
+from ._handshake import PROTOCOL_VERSION, RING_ABI, TRANSITIONS, Handshake, HandshakeRules, HandshakeState, hello_fields
+from ._message import Message
 from ._progress import ProgressValidator
 from ._ring_messages import INTERMEDIATE
-from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, register
+from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, check_fields, register
 from ._strikes import Fault, StrikePolicy
 
 __all__ = [
@@ -22,11 +23,14 @@ __all__ = [
     "RING_ABI",
     "SCHEMAS",
     "TERMINAL",
+    "TRANSITIONS",
     "WORKER",
     "Connection",
     "Fault",
     "FrameDecoder",
+    "Handshake",
     "HandshakeRules",
+    "HandshakeState",
     "Message",
     "ProgressValidator",
     "Spec",
