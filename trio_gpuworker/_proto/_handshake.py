@@ -100,7 +100,8 @@ class Handshake:
         next_state = TRANSITIONS.get((self.our_role, self.state, direction, kind))
         if next_state is None:
             verb = "send" if direction is S else "receive"
-            raise order_error(f"the {self.our_role} cannot {verb} {t} in handshake state {self.state.value}")
+            when = "before the handshake completed" if kind == OTHER else "at this point of the handshake"
+            raise order_error(f"the {self.our_role} cannot {verb} {t} {when} (state {self.state.value})")
         if kind != OTHER:
             if fields.get("v") != PROTOCOL_VERSION:
                 if direction is S:
