@@ -12,10 +12,11 @@ import httpx
 import trio
 
 from tests.fakes import fake_command
-from tests.test_http import TOKENIZER, wait_until
+from tests.helpers import TOKENIZER, wait_until
 from tests.test_notify import FakeSystemd
 from trio_gpuworker.daemon.config import load_config
 from trio_gpuworker.daemon.main import run_daemon
+from trio_gpuworker.supervisor import LaneState
 
 
 def write_config(tmp_path: Path, *, lanes: list[dict[str, object]], extra: str = "",
@@ -78,7 +79,7 @@ async def test_sighup_reloads_a_changed_lane_without_dropping_requests_in_flight
                 results.append(r.status_code)
 
             nursery.start_soon(in_flight)
-            await trio.sleep(0.2)
+            await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
             write_config(tmp_path, lanes=[lane("lane0", ["m1", "m2"], slow, COLOUR="blue")])
             os.kill(os.getpid(), signal.SIGHUP)
             await wait_until(lambda: sup.lanes["lane0"].generation == 2 and sup.lanes["lane0"].state.value == "ready")
