@@ -50,6 +50,7 @@ async def test_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
     ("wrong_nonce", "nonce"),
     ("v2_hello", "v2"),
     ("frame_before_hello", "before the handshake"),
+    ("frame_behind_hello", "behind HELLO"),
     ("oversize_hello", "max_frame"),
     ("garbage_hello", "CBOR"),
     ("crash_before_hello", "exit code 3"),
