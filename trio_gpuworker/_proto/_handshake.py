@@ -45,20 +45,20 @@ class Direction(Enum):
 
 
 OTHER = "*"  # any message that is not part of the handshake
-S, D = Direction.SEND, Direction.RECEIVE
+S, R = Direction.SEND, Direction.RECEIVE
 H = HandshakeState
 
 # (our role, state, direction, message) -> next state. Worker-protocol-v3: the worker sends HELLO first;
 # the module answers HELLO_ACK or closes; anything else before HELLO_ACK is a protocol violation.
 TRANSITIONS: dict[tuple[str, HandshakeState, Direction, str], HandshakeState] = {
     (WORKER, H.SEND_HELLO, S, "HELLO"): H.AWAIT_ACK,
-    (WORKER, H.AWAIT_ACK, D, "HELLO_ACK"): H.DONE,
-    (DAEMON, H.AWAIT_HELLO, D, "HELLO"): H.SEND_ACK,
+    (WORKER, H.AWAIT_ACK, R, "HELLO_ACK"): H.DONE,
+    (DAEMON, H.AWAIT_HELLO, R, "HELLO"): H.SEND_ACK,
     (DAEMON, H.SEND_ACK, S, "HELLO_ACK"): H.DONE,
     (WORKER, H.DONE, S, OTHER): H.DONE,
-    (WORKER, H.DONE, D, OTHER): H.DONE,
+    (WORKER, H.DONE, R, OTHER): H.DONE,
     (DAEMON, H.DONE, S, OTHER): H.DONE,
-    (DAEMON, H.DONE, D, OTHER): H.DONE,
+    (DAEMON, H.DONE, R, OTHER): H.DONE,
 }
 INITIAL = {WORKER: H.SEND_HELLO, DAEMON: H.AWAIT_HELLO}
 
@@ -87,7 +87,7 @@ class Handshake:
 
     def receive(self, t: str, fields: dict[str, Any]) -> None:
         """Check an incoming message against the table (and a handshake message's fields); advance."""
-        self._advance(D, t, fields, UnexpectedFrame, MalformedMessage)
+        self._advance(R, t, fields, UnexpectedFrame, MalformedMessage)
         if t == "HELLO_ACK":
             if fields["accept"] is not True:
                 raise HandshakeError("the daemon refused our HELLO")
