@@ -16,7 +16,7 @@ from tests.helpers import TOKENIZER, wait_until
 from tests.test_notify import FakeSystemd
 from trio_gpuworker.daemon.config import load_config
 from trio_gpuworker.daemon.main import run_daemon
-from trio_gpuworker.supervisor import LaneState
+from trio_gpuworker.supervisor import LaneState, Supervisor
 
 
 def write_config(tmp_path: Path, *, lanes: list[dict[str, object]], extra: str = "",
@@ -56,6 +56,11 @@ def toml(value: object) -> str:
 
 def lane(lane_id: str, models: list[str], command: tuple[str, ...] | None = None, **env: str) -> dict[str, object]:
     return {"id": lane_id, "models": models, "worker_command": list(command or fake_command()), "env": env}
+
+
+def failed_reloads(sup: Supervisor) -> float:
+    [metric] = sup.daemon.metrics.reloads.collect()  # type: ignore[attr-defined]
+    return sum(s.value for s in metric.samples if s.name.endswith("_total") and s.labels["outcome"] == "error")
 
 
 def unix(tmp_path: Path) -> httpx.AsyncClient:
@@ -131,7 +136,7 @@ async def test_reload_report_bad_file_removed_lane_and_restart_only_keys(tmp_pat
             assert r.status_code == 400 and r.json()["error"]["code"] == "config_invalid"
             assert "windows.inference_s" in r.json()["error"]["message"]
             os.kill(os.getpid(), signal.SIGHUP)  # logged, and the daemon carries on
-            await trio.sleep(0.1)
+            await wait_until(lambda: failed_reloads(sup) == 2)
             assert (await http.post("/v1/embeddings", json={"model": "m1", "input": "x"})).status_code == 200
 
             write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane2", ["m1"])],
