@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from tests.test_http import daemon_config, wait_until
 from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, NoLaneAvailable
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor._admission import AdmissionPolicy, OverCapacity, Scheduler, choose_lane
@@ -84,7 +84,7 @@ async def test_over_budget_is_429_with_retry_after(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command("slow", delay=0.5, on_request=1),
                         daemon={"admission": AdmissionPolicy(queue_bytes=64, retry_after_s=2)})
     async with trio.open_nursery() as nursery:
-        _, binds = await nursery.start(run_daemon, cfg)
+        sup, binds = await nursery.start(run_daemon, cfg)
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             done: list[int] = []
 
@@ -93,7 +93,7 @@ async def test_over_budget_is_429_with_retry_after(tmp_path: Path) -> None:
                 done.append(r.status_code)  # 3 rows x 4 tokens x 4 bytes = 48 bytes
 
             nursery.start_soon(slow)
-            await trio.sleep(0.2)
+            await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
             r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world", "x"]})  # 28 bytes
             assert r.status_code == 429 and r.headers["retry-after"] == "2"
             err = r.json()["error"]

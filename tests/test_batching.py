@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +15,9 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import wait_until
 from tests.supervision_helpers import MODEL, fake_config, rows
-from trio_gpuworker import DeadlineExceeded, Supervisor
+from trio_gpuworker import DeadlineExceeded, LaneState, Supervisor
 from trio_gpuworker.supervisor._batching import Batcher, BatchPolicy
 
 
@@ -85,7 +87,7 @@ async def test_caller_gone_before_send_is_left_out(tmp_path: Path) -> None:
         out: dict[int, np.ndarray] = {}
         async with trio.open_nursery() as nursery:
             nursery.start_soon(embed, sup, rows(3), out, 0)  # occupies the lane's one slot for 0.5 s
-            await trio.sleep(0.1)
+            await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
             with pytest.raises(DeadlineExceeded):
                 await sup.embed_rows(rows(5, 5), model=MODEL, pooling="mean", normalize=False, timeout=0.1)
             nursery.start_soon(embed, sup, rows(4), out, 2)
@@ -109,9 +111,11 @@ async def test_sent_batch_whose_callers_all_left_is_dropped_by_the_lane(tmp_path
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(direct)
-            await trio.sleep(0.1)
-            with trio.move_on_after(0.1):
-                await sup.embed_rows(rows(3), model=MODEL, pooling="mean", normalize=False)
+            await wait_until(lambda: lane.state == LaneState.BUSY)
+            async with trio.open_nursery() as caller:
+                caller.start_soon(partial(sup.embed_rows, rows(3), model=MODEL, pooling="mean", normalize=False))
+                await wait_until(lambda: lane.queued == 1)  # the batch sits on the lane's queue
+                caller.cancel_scope.cancel()  # its only caller leaves
         assert batcher.dropped == 1
         out: dict[int, np.ndarray] = {}
         await embed(sup, rows(3), out, 0)

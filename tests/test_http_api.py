@@ -12,9 +12,10 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from tests.test_http import daemon_config
 from trio_gpuworker.daemon.main import run_daemon
+from trio_gpuworker.supervisor import LaneState
 from trio_gpuworker.supervisor._batching import BatchPolicy
 
 
@@ -162,7 +163,7 @@ async def test_queued_request_of_a_client_that_left_never_reaches_the_worker(tmp
     cfg = daemon_config(tmp_path, fake_command("slow", delay=0.6, on_request=1),
                         daemon={"batching": BatchPolicy(max_delay_s=0)})
     async with trio.open_nursery() as nursery:
-        _, binds = await nursery.start(run_daemon, cfg)
+        sup, binds = await nursery.start(run_daemon, cfg)
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             first: list[float] = []
 
@@ -171,11 +172,11 @@ async def test_queued_request_of_a_client_that_left_never_reaches_the_worker(tmp
                 first.append(r.json()["data"][0]["embedding"][3])
 
             nursery.start_soon(slow)
-            await trio.sleep(0.2)
+            await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
             async with httpx.AsyncClient(base_url=binds[0], timeout=0.2) as impatient:
                 with pytest.raises(httpx.ReadTimeout):
                     await impatient.post("/v1/embeddings", json={"model": MODEL, "input": "left"})
-            await trio.sleep(0.6)
+            await wait_until(lambda: bool(first))
             r = await http.post("/v1/embeddings", json={"model": MODEL, "input": "next"})
             assert first and r.json()["data"][0]["embedding"][3] == first[0] + 1  # "left" never got a req_id
         nursery.cancel_scope.cancel()

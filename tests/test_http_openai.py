@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import daemon_config
 from tests.supervision_helpers import MODEL
-from tests.test_http import daemon_config
 from trio_gpuworker import LaneConfig, ModelConfig
 from trio_gpuworker.daemon.config import DEFAULT_LM, resolve_artifact
 from trio_gpuworker.daemon.main import run_daemon

@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import wait_until
 from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
-from tests.test_http import wait_until
 from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, Supervisor
 from trio_gpuworker._errors import RequestTooLarge
 

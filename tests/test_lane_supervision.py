@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import wait_until
 from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
 from trio_gpuworker import DeadlineExceeded, EngineCrashed, LaneState, Supervisor, Windows
 from trio_gpuworker._proto import Fault
@@ -49,6 +50,7 @@ async def test_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
     ("wrong_nonce", "nonce"),
     ("v2_hello", "v2"),
     ("frame_before_hello", "before the handshake"),
+    ("frame_behind_hello", "behind HELLO"),
     ("oversize_hello", "max_frame"),
     ("garbage_hello", "CBOR"),
     ("crash_before_hello", "exit code 3"),
@@ -173,14 +175,20 @@ async def test_deadline_drains_the_abandoned_reply(tmp_path: Path) -> None:
 async def test_cancelled_queued_request_never_reaches_the_worker(tmp_path: Path) -> None:
     async with Supervisor(fake_config(tmp_path, fake_command("slow", delay=0.5, on_request=1))) as sup:
         lane = sup.lanes["lane0"]
+        first: list[np.ndarray] = []
+
+        async def slow() -> None:
+            first.append(await embed(sup, rows(1)))
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(embed, sup, rows(1))
-            await trio.sleep(0.1)
-            with trio.move_on_after(0.1):
-                await embed(sup, rows(9))  # queued behind the slow one, then abandoned
-        before = lane.requests_sent
-        await embed(sup, rows(2))
-        assert lane.requests_sent == before + 1  # the abandoned request was dropped, not sent
+            nursery.start_soon(slow)
+            await wait_until(lambda: lane.state == LaneState.BUSY)
+            async with trio.open_nursery() as caller:
+                caller.start_soon(embed, sup, rows(9))
+                await wait_until(lambda: lane.queued == 1)  # queued behind the slow one
+                caller.cancel_scope.cancel()  # then abandoned
+        out = await embed(sup, rows(2))
+        assert out[0, 3] == first[0][0, 3] + 1  # the fake's req_id column: the abandoned one was never sent
 
 
 async def test_two_strikes_quarantine_then_cooldown_starts_fresh_worker(tmp_path: Path) -> None:
@@ -196,7 +204,7 @@ async def test_two_strikes_quarantine_then_cooldown_starts_fresh_worker(tmp_path
             await embed(sup, rows(1))
         assert info.value.quarantined and info.value.cooldown_remaining_s <= 1.0
         assert sup.status()[0]["strikes"] == 2
-        await trio.sleep(1.05)
+        await wait_until(lambda: lane.cooldown_remaining() is None)
         with pytest.raises(EngineCrashed) as info:  # fresh worker (generation 3) with zero strikes, crashes again
             await embed(sup, rows(1))
         assert not info.value.quarantined and info.value.generation == 3
@@ -271,9 +279,7 @@ async def test_health_refresher_pings_idle_workers(tmp_path: Path) -> None:
     cfg = dataclasses.replace(fake_config(tmp_path, fake_command()), health_interval_s=0.05)
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
-        with trio.fail_after(5):
-            while lane.rss_mb is None:  # noqa: ASYNC110 - polling the cache is what a health probe does
-                await trio.sleep(0.02)
+        await wait_until(lambda: lane.rss_mb is not None)
         assert lane.rss_mb > 0 and lane.models_loaded == [MODEL]
         assert lane.policy.strikes == 0
 

@@ -9,8 +9,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fakes import fake_command
+from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from tests.test_http import daemon_config, wait_until
 from trio_gpuworker.daemon.main import run_daemon
 
 

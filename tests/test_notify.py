@@ -13,8 +13,8 @@ import httpx
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from tests.test_http import daemon_config, wait_until
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.daemon.notify import Notifier
 

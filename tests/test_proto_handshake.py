@@ -1,4 +1,5 @@
-"""HELLO / HELLO_ACK: ordering on both sides of the Connection, and the daemon's acceptance rules."""
+"""HELLO / HELLO_ACK: the transition table, ordering on both sides of the Connection, the exact field sets,
+the version check, and the daemon's acceptance rules; fed whole, byte by byte, with trailing bytes, fuzzed."""
 
 from __future__ import annotations
 
@@ -10,13 +11,7 @@ import pytest
 from trio_gpuworker._errors import (
     HandshakeError,
     LocalProtocolError,
-    MalformedMessage,
-    NonceMismatch,
-    PidMismatch,
-    RemoteProtocolError,
-    RingAbiMismatch,
     UnexpectedFrame,
-    VersionMismatch,
 )
 from trio_gpuworker._proto import (
     DAEMON,
@@ -24,15 +19,19 @@ from trio_gpuworker._proto import (
     NEED_DATA,
     PROTOCOL_VERSION,
     RING_ABI,
+    TRANSITIONS,
     WORKER,
     Connection,
+    Handshake,
     HandshakeRules,
+    HandshakeState,
     Message,
     encode_frame,
     hello_fields,
 )
+from trio_gpuworker._proto._handshake import Direction
 
-ENGINE = {"engine": "fake", "version": "1", "build_flags": "cpu"}
+ENGINE = {"engine": "fake", "version": "1", "build_flags": ["cpu"]}
 NONCE = "9f" * 16
 PID = 4242
 ACK = {"v": 3, "accept": True, "max_frame": DEFAULT_MAX_FRAME, "generation": 1}
@@ -89,9 +88,9 @@ def test_hello_fields() -> None:
                       "manifest_digest": "sha256:x", "packed": True}
 
 
-def test_hello_with_optional_fields_and_extras() -> None:
+def test_hello_with_optional_fields() -> None:
     daemon = Connection(DAEMON)
-    fields = hello(kernel_revision="k1", manifest_digest="d", packed=False, future_field=[1])
+    fields = hello(kernel_revision="k1", manifest_digest="d", packed=False)
     [got] = receive(daemon, ctrl("HELLO", **fields))
     assert got.fields == {"t": "HELLO", **fields}
 
@@ -134,27 +133,6 @@ def test_daemon_rejects_hello_after_handshake() -> None:
     daemon.send("HELLO_ACK", ACK)
     with pytest.raises(UnexpectedFrame):
         receive(daemon, ctrl("HELLO", **hello()))
-
-
-@pytest.mark.parametrize(
-    "fields",
-    [
-        pytest.param({"v": 2}, id="v2-bare"),
-        pytest.param({"v": 2, "nonce": NONCE}, id="v2-partial"),
-        pytest.param({**hello(), "v": 2}, id="v2-complete"),
-        pytest.param({**hello(), "v": 4}, id="v4"),
-        pytest.param({**hello(), "v": "3"}, id="v-text"),
-        pytest.param({"nonce": NONCE}, id="no-v"),
-    ],
-)
-def test_hello_of_another_version_is_a_version_mismatch(fields: dict[str, Any]) -> None:
-    with pytest.raises(VersionMismatch):
-        receive(Connection(DAEMON), ctrl("HELLO", **fields))
-
-
-def test_v3_hello_missing_fields_is_malformed_not_a_version_mismatch() -> None:
-    with pytest.raises(MalformedMessage):
-        receive(Connection(DAEMON), ctrl("HELLO", v=3, nonce=NONCE))
 
 
 # --- ordering, worker side ----------------------------------------------------------------------
@@ -256,47 +234,69 @@ def test_worker_rejects_a_refusing_ack() -> None:
         receive(worker, ctrl("HELLO_ACK", **{**ACK, "accept": False}))
 
 
-# --- HandshakeRules -----------------------------------------------------------------------------
+# --- the transition table -----------------------------------------------------------------------
 
 
-def test_rules_accept() -> None:
-    assert rules(generation=7).check_hello(hello_message()) == {"v": 3, "accept": True,
-                                                                 "max_frame": DEFAULT_MAX_FRAME, "generation": 7}
+def test_the_table_is_the_whole_handshake() -> None:
+    """Every state is reachable from a role's start and every path ends in DONE."""
+    for role, start in ((WORKER, HandshakeState.SEND_HELLO), (DAEMON, HandshakeState.AWAIT_HELLO)):
+        state, path = start, [start]
+        while state is not HandshakeState.DONE:
+            [state] = [nxt for (r, s, _d, t), nxt in TRANSITIONS.items() if r == role and s is state and t != "*"]
+            path.append(state)
+        assert len(path) == 3
+    assert {s for (_r, s, _d, _t) in TRANSITIONS} | set(TRANSITIONS.values()) == set(HandshakeState)
 
 
-@pytest.mark.parametrize(("ours", "theirs"), [(1 << 20, DEFAULT_MAX_FRAME), (DEFAULT_MAX_FRAME, 1 << 20),
-                                              (4096, 4096)])
-def test_rules_negotiate_the_smaller_max_frame(ours: int, theirs: int) -> None:
-    ack = rules(max_frame=ours).check_hello(hello_message(max_frame=theirs))
-    assert ack["max_frame"] == min(ours, theirs)
+@pytest.mark.parametrize("role", [DAEMON, WORKER])
+@pytest.mark.parametrize("direction", ["send", "receive"])
+@pytest.mark.parametrize("t", ["HELLO", "HELLO_ACK", "PING"])
+@pytest.mark.parametrize("state", list(HandshakeState))
+def test_every_pair_missing_from_the_table_is_a_fault(role: str, direction: str, t: str,
+                                                       state: HandshakeState) -> None:
+    hs = Handshake(role, DEFAULT_MAX_FRAME)
+    hs.state = state
+    fields = {"HELLO": {"t": "HELLO", **hello()}, "HELLO_ACK": {"t": "HELLO_ACK", **ACK}, "PING": {"req_id": 1}}[t]
+    key = (role, state, Direction(direction), t if t in ("HELLO", "HELLO_ACK") else "*")
+    act = hs.send if direction == "send" else hs.receive
+    if key in TRANSITIONS:
+        act(t, fields)
+        assert hs.state is TRANSITIONS[key]
+    else:
+        with pytest.raises(LocalProtocolError if direction == "send" else UnexpectedFrame):
+            act(t, fields)
+        assert hs.state is state
 
 
-@pytest.mark.parametrize(
-    ("overrides", "error"),
-    [
-        ({"v": 2}, VersionMismatch),
-        ({"nonce": "00" * 16}, NonceMismatch),
-        ({"nonce": NONCE.upper()}, NonceMismatch),
-        ({"pid": PID + 1}, PidMismatch),
-        ({"ring_abi": RING_ABI + 1}, RingAbiMismatch),
-        ({"ring_abi": 1}, RingAbiMismatch),
-        # version is checked first, then nonce, then pid, then ring ABI
-        ({"v": 2, "nonce": "x", "pid": 1, "ring_abi": 9}, VersionMismatch),
-        ({"nonce": "x", "pid": 1, "ring_abi": 9}, NonceMismatch),
-        ({"pid": 1, "ring_abi": 9}, PidMismatch),
-    ],
-)
-def test_rules_reject(overrides: dict[str, Any], error: type[HandshakeError]) -> None:
-    with pytest.raises(error):
-        rules().check_hello(hello_message(**overrides))
+# --- a frame right behind HELLO -----------------------------------------------------------------
 
 
-def test_rules_other_supported_ring_abis() -> None:
-    assert rules(ring_abis=frozenset({1, 2})).check_hello(hello_message(ring_abi=1))["accept"] is True
+BEHIND = [ctrl("RING_READABLE", ring_id=1), ctrl("PONG", req_id=0, rss_mb=1.0, models_loaded=[]), b"\x05"]
 
 
-def test_handshake_errors_are_remote_protocol_errors_with_codes() -> None:
-    for error, code in [(VersionMismatch, "version_mismatch"), (NonceMismatch, "nonce_mismatch"),
-                        (PidMismatch, "pid_mismatch"), (RingAbiMismatch, "ring_helper_abi_mismatch")]:
-        assert issubclass(error, HandshakeError) and issubclass(error, RemoteProtocolError)
-        assert error.code == code
+@pytest.mark.parametrize("behind", BEHIND)
+@pytest.mark.parametrize("bytewise", [False, True])
+def test_a_frame_right_behind_hello_is_a_fault_not_the_first_request(behind: bytes, bytewise: bool) -> None:
+    daemon = Connection(DAEMON)
+    got = []
+    with pytest.raises(UnexpectedFrame):  # raised by next_event if it is whole, else by answering HELLO
+        got = receive(daemon, ctrl("HELLO", **hello()) + behind, bytewise)
+        daemon.send("HELLO_ACK", ACK)
+    assert got in ([], [hello_message()]) or got[0] == hello_message()
+    with pytest.raises(UnexpectedFrame):
+        daemon.next_event()  # the connection stays dead
+
+
+def test_a_frame_after_the_ack_is_delivered() -> None:
+    daemon = Connection(DAEMON)
+    receive(daemon, ctrl("HELLO", **hello()))
+    daemon.send("HELLO_ACK", ACK)
+    assert receive(daemon, ctrl("RING_READABLE", ring_id=1)) == [Message("RING_READABLE",
+                                                                         {"t": "RING_READABLE", "ring_id": 1})]
+
+
+def test_a_request_right_behind_the_ack_reaches_the_worker() -> None:
+    worker = Connection(WORKER)
+    worker.send("HELLO", hello())
+    got = receive(worker, ctrl("HELLO_ACK", **ACK) + ctrl("PING", req_id=1), bytewise=True)
+    assert [m.t for m in got] == ["HELLO_ACK", "PING"]

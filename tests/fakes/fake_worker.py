@@ -22,6 +22,7 @@ behaves.
     wrong_nonce                   HELLO with another nonce
     v2_hello                      HELLO with v 2
     frame_before_hello            PONG before HELLO
+    frame_behind_hello            PONG in the same write as HELLO, before HELLO_ACK
     oversize_hello                a u32 length of 0xFFFFFFF0 as the first frame
     ignore_sigterm                SIGTERM ignored from the start; otherwise normal (forces SIGKILL)
     crash_during_load             PROGRESS(setup), then exit 4
@@ -71,7 +72,7 @@ from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message
 DIMS = 4
 SERVING = ("EMBED_BATCH", "RERANK", "GENERATE")
 HANDSHAKE_BEHAVIORS = ("crash_before_hello", "garbage_hello", "wrong_nonce", "v2_hello", "frame_before_hello",
-                       "oversize_hello", "ignore_sigterm")
+                       "frame_behind_hello", "oversize_hello", "ignore_sigterm")
 REQUEST_BEHAVIORS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "hang_sigstop", "garbage",
                      "oversize_length", "regressing_progress", "wrong_req_id", "flood_stderr", "slow",
                      "exit_after_reply", "stop_after_reply")
@@ -160,18 +161,22 @@ class FakeWorker:
             return 3
         self.sock.connect(a.socket)
         print(f"fake worker {os.getpid()} connected", file=sys.stderr, flush=True)  # what a crash's log tail shows
-        hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, {"engine": "fake", "version": "1"})
+        engine = {"engine": "fake", "version": "1", "build_flags": []}
+        hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, engine)
         if self.at_start("garbage_hello"):
             self.write(frame(garbage_bytes()))
         elif self.at_start("oversize_hello"):
             self.write(struct.pack("<I", 0xFFFFFFF0))
         elif self.at_start("frame_before_hello"):
             self.write(frame(cbor2.dumps({"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []})))
+        elif self.at_start("frame_behind_hello"):
+            pong = frame(cbor2.dumps({"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []}))
+            self.write(b"".join(self.conn.send("HELLO", hello)) + pong)  # one write: one recv on the daemon's side
+        elif self.at_start("v2_hello"):
+            self.write(frame(cbor2.dumps({"t": "HELLO", **hello, "v": 2})))  # our own Connection sends only v3
         else:
             if self.at_start("wrong_nonce"):
                 hello["nonce"] = "00" * 16 if a.nonce != "00" * 16 else "11" * 16
-            elif self.at_start("v2_hello"):
-                hello["v"] = 2
             self.send("HELLO", hello)
         while (msg := self.recv()) is not None:
             if msg.t == "HELLO_ACK":

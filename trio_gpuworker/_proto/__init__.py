@@ -3,14 +3,15 @@
 Nothing here imports trio, socket, os or tinygrad; time is passed in, never read.
 """
 
-from ._connection import CLOSED, NEED_DATA, Connection, Message, check_fields, decode_control
+from ._connection import CLOSED, NEED_DATA, Connection, decode_control
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefix
-from ._handshake import PROTOCOL_VERSION, RING_ABI, HandshakeRules, hello_fields
+from ._handshake import PROTOCOL_VERSION, RING_ABI, TRANSITIONS, Handshake, HandshakeRules, HandshakeState, hello_fields
+from ._message import Message
 from ._progress import ProgressValidator
 from ._requests import REQUESTS, RequestTracker, Verdict, is_request
 from ._requests import Kind as ReplyKind
 from ._ring_messages import INTERMEDIATE
-from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, register
+from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, check_fields, register
 from ._strikes import Fault, StrikePolicy
 
 __all__ = [
@@ -25,11 +26,14 @@ __all__ = [
     "RING_ABI",
     "SCHEMAS",
     "TERMINAL",
+    "TRANSITIONS",
     "WORKER",
     "Connection",
     "Fault",
     "FrameDecoder",
+    "Handshake",
     "HandshakeRules",
+    "HandshakeState",
     "Message",
     "ProgressValidator",
     "ReplyKind",

@@ -3,37 +3,24 @@
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 from typing import Any
 
 import cbor2
 
 from .._errors import (
     FrameTooLarge,
-    HandshakeError,
     LocalProtocolError,
     MalformedMessage,
     ProtocolError,
     TruncatedStream,
     UnexpectedFrame,
-    VersionMismatch,
 )
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, frame_prefix
-from ._schema import BOTH, DAEMON, PROTOCOL_VERSION, SCHEMAS, WORKER, Spec, uint
+from ._handshake import HANDSHAKE_MESSAGES, Handshake
+from ._message import Message
+from ._schema import BOTH, DAEMON, SCHEMAS, WORKER, check_fields
 
-
-@dataclass(frozen=True, slots=True)
-class Message:
-    t: str
-    fields: dict[str, Any]
-    raw: bytes | None = None
-    extras: tuple[Message, ...] = ()  # intermediate replies gathered before a terminal one (OBJECT_PRODUCED)
-
-    def __getitem__(self, key: str) -> Any:
-        return self.fields[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.fields.get(key, default)
+__all__ = ["CLOSED", "NEED_DATA", "Connection", "Message", "check_fields", "decode_control"]
 
 
 class _Sentinel:
@@ -46,23 +33,6 @@ class _Sentinel:
 
 NEED_DATA = _Sentinel("NEED_DATA")
 CLOSED = _Sentinel("CLOSED")  # the peer closed its end cleanly between frames
-
-
-def check_fields(t: str, fields: dict[str, Any], error: type[ProtocolError]) -> Spec:
-    spec = SCHEMAS.get(t)
-    if spec is None:
-        raise error(f"unknown message type {t!r}")
-    for name, check in spec.required.items():
-        if name not in fields:
-            raise error(f"{t}: missing field {name!r}")
-        if not check(fields[name]):
-            raise error(f"{t}: field {name!r} has a bad value {fields[name]!r:.80}")
-    for name, check in spec.optional.items():
-        if name in fields and not check(fields[name]):
-            raise error(f"{t}: field {name!r} has a bad value {fields[name]!r:.80}")
-    if spec.raw and not uint(fields.get("raw_len")):
-        raise error(f"{t}: missing or bad raw_len")
-    return spec
 
 
 def decode_control(payload: bytes) -> dict[str, Any]:
@@ -85,9 +55,9 @@ def decode_control(payload: bytes) -> dict[str, Any]:
 class Connection:
     """One side of a worker control connection.
 
-    `our_role` is DAEMON or WORKER. Before the handshake completes only HELLO (to the daemon) and
-    HELLO_ACK (to the worker) may travel; anything else is a protocol fault. After any fault the
-    connection is dead and every call raises the same error.
+    `our_role` is DAEMON or WORKER. Which message may travel when during the handshake is the table in
+    _handshake.py; `handshake` holds the state. After any remote fault the connection is dead and every
+    call raises the same error.
     """
 
     def __init__(self, our_role: str, max_frame: int = DEFAULT_MAX_FRAME) -> None:
@@ -99,9 +69,11 @@ class Connection:
         self._pending: dict[str, Any] | None = None  # control map waiting for its raw frame
         self._eof = False
         self._error: ProtocolError | None = None
-        self.handshake_done = False
-        self._hello_seen = False  # daemon: HELLO received
-        self._hello_sent = False  # worker: HELLO sent
+        self.handshake = Handshake(our_role, max_frame)
+
+    @property
+    def handshake_done(self) -> bool:
+        return self.handshake.done
 
     # --- receiving -------------------------------------------------------------------------
 
@@ -140,39 +112,20 @@ class Connection:
             return Message(fields["t"], fields, payload)
         fields = decode_control(payload)
         t = fields["t"]
-        if t == "HELLO" and fields.get("v") != PROTOCOL_VERSION:
-            # a v2 (or future) worker is rejected by version, whatever else its HELLO holds
-            raise VersionMismatch(f"worker speaks protocol v{fields.get('v')!r}, this daemon only v{PROTOCOL_VERSION}")
+        self.handshake.receive(t, fields)
+        if t in HANDSHAKE_MESSAGES:
+            if t == "HELLO_ACK":
+                self.set_max_frame(fields["max_frame"])
+            return Message(t, fields)
         spec = check_fields(t, fields, MalformedMessage)
         if spec.sender not in (self.peer_role, BOTH):
             raise UnexpectedFrame(f"{t} may not be sent by the {self.peer_role}")
-        self._check_handshake_order(t, fields)
         if spec.raw:
             if fields["raw_len"] > self.max_frame:
                 raise FrameTooLarge(f"{t}: raw_len {fields['raw_len']} exceeds max_frame {self.max_frame}")
             self._pending = fields
             return self._next_event()
         return Message(t, fields)
-
-    def _check_handshake_order(self, t: str, fields: dict[str, Any]) -> None:
-        if self.handshake_done:
-            if t in ("HELLO", "HELLO_ACK"):
-                raise UnexpectedFrame(f"{t} after the handshake")
-            return
-        expected = "HELLO" if self.our_role == DAEMON else "HELLO_ACK"
-        if t != expected or (self.our_role == DAEMON and self._hello_seen):
-            raise UnexpectedFrame(f"{t} before the handshake completed (expected {expected})")
-        if self.our_role == DAEMON:
-            self._hello_seen = True
-            return
-        if not self._hello_sent:
-            raise UnexpectedFrame("HELLO_ACK before our HELLO")
-        if fields["accept"] is not True:
-            raise HandshakeError("the daemon refused our HELLO")
-        if fields["max_frame"] > self.max_frame:
-            raise HandshakeError(f"HELLO_ACK max_frame {fields['max_frame']} exceeds ours {self.max_frame}")
-        self.set_max_frame(fields["max_frame"])
-        self.handshake_done = True  # the worker's side is done once HELLO_ACK is in
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -191,19 +144,11 @@ class Connection:
             msg["raw_len"] = len(raw)
         elif raw is not None:
             raise LocalProtocolError(f"{t} carries no raw frame")
-        check_fields(t, msg, LocalProtocolError)
-        if t in ("HELLO", "HELLO_ACK") and (
-            self.handshake_done or self._hello_sent or (t == "HELLO_ACK" and not self._hello_seen)
-        ):
-            raise LocalProtocolError(f"{t} out of order")
-        if not self.handshake_done:
-            allowed = "HELLO_ACK" if self.our_role == DAEMON else "HELLO"
-            if t != allowed:
-                raise LocalProtocolError(f"cannot send {t} before the handshake completed")
-            self._hello_sent = t == "HELLO"
-            if t == "HELLO_ACK":
-                self.handshake_done = True
-                self.set_max_frame(msg["max_frame"])
+        self._fail_on(self.handshake.send, t, msg, self._decoder.buffered)
+        if t not in HANDSHAKE_MESSAGES:
+            check_fields(t, msg, LocalProtocolError)
+        elif t == "HELLO_ACK":
+            self.set_max_frame(msg["max_frame"])
         payload = cbor2.dumps(msg)
         chunks: list[bytes | memoryview] = [frame_prefix(len(payload), self.max_frame) + payload]
         if raw is not None:

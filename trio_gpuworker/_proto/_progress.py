@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .._errors import ProgressViolation
-from ._connection import Message
+from ._message import Message
 from ._schema import PHASES
 
 _RANK = {p: i for i, p in enumerate(PHASES)}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._errors import ProtocolError
+
 Check = Callable[[Any], bool]
 
 DAEMON, WORKER, BOTH = "daemon", "worker", "both"
@@ -13,6 +15,10 @@ PROTOCOL_VERSION = 3
 
 def uint(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 64)
+
+
+def u32(v: Any) -> bool:
+    return uint(v) and v < (1 << 32)
 
 
 def text(v: Any) -> bool:
@@ -44,11 +50,16 @@ def record(**fields: Check) -> Check:
     return lambda v: mapping(v) and all(k in v and c(v[k]) for k, c in fields.items())
 
 
+def exact_record(**fields: Check) -> Check:
+    """A nested map with exactly these fields and no others."""
+    return lambda v: record(**fields)(v) and v.keys() == fields.keys()
+
+
 def optional(check: Check) -> Check:
     return lambda v: v is None or check(v)
 
 
-ENGINE = record(engine=text, version=text)
+ENGINE = exact_record(engine=text, version=text, build_flags=list_of(text))
 ITEM = record(id=uint, n_tokens=uint)
 CANDIDATE = record(n_tokens=uint)
 PHASES = ("setup", "inference", "control")
@@ -56,24 +67,27 @@ POOLINGS = ("mean", "cls")
 
 
 class Spec:
-    __slots__ = ("optional", "raw", "required", "sender")
+    __slots__ = ("exact", "optional", "raw", "required", "sender")
 
     def __init__(self, sender: str, required: dict[str, Check], opt: dict[str, Check] | None = None,
-                 raw: bool = False) -> None:
+                 raw: bool = False, exact: bool = False) -> None:
         self.sender = sender
         self.required = required
         self.optional = opt or {}
         self.raw = raw  # carries raw_len and is followed by exactly one raw frame
+        self.exact = exact  # no fields beyond `required` and `optional` (the handshake's exact key sets)
 
 
 REQ = {"req_id": uint}
 
 SCHEMAS: dict[str, Spec] = {
     # handshake
-    "HELLO": Spec(WORKER, {"v": uint, "nonce": text, "engine": ENGINE, "pid": uint, "max_frame": uint,
+    # handshake: exact key sets of worker-protocol-v3 (ring_abi and generation are ARCHITECTURE §3's additions);
+    # `v` is checked by _handshake.py alone, before these
+    "HELLO": Spec(WORKER, {"v": uint, "nonce": text, "engine": ENGINE, "pid": uint, "max_frame": u32,
                            "ring_abi": uint},
-                  {"manifest_digest": text, "kernel_revision": text, "packed": flag}),
-    "HELLO_ACK": Spec(DAEMON, {"v": uint, "accept": flag, "max_frame": uint, "generation": uint}),
+                  {"manifest_digest": text, "kernel_revision": text, "packed": flag}, exact=True),
+    "HELLO_ACK": Spec(DAEMON, {"v": uint, "accept": flag, "max_frame": u32, "generation": uint}, exact=True),
     # requests
     "LOAD": Spec(DAEMON, {**REQ, "artifact_path": text, "artifact_digest": text, "format": text,
                           "runtime_config": mapping}, {"model_ref": text}),
@@ -115,6 +129,26 @@ TERMINAL = {
     "PING": {"PONG"},
     "SHUTDOWN": {"WORKER_STOPPED"},
 }
+
+
+def check_fields(t: str, fields: dict[str, Any], error: type[ProtocolError]) -> Spec:
+    """Validate a control map (with its "t") against its schema; raise `error` naming the first bad field."""
+    spec = SCHEMAS.get(t)
+    if spec is None:
+        raise error(f"unknown message type {t!r}")
+    for name, check in spec.required.items():
+        if name not in fields:
+            raise error(f"{t}: missing field {name!r}")
+        if not check(fields[name]):
+            raise error(f"{t}: field {name!r} has a bad value {fields[name]!r:.80}")
+    for name, check in spec.optional.items():
+        if name in fields and not check(fields[name]):
+            raise error(f"{t}: field {name!r} has a bad value {fields[name]!r:.80}")
+    if spec.raw and not uint(fields.get("raw_len")):
+        raise error(f"{t}: missing or bad raw_len")
+    if spec.exact and (extra := fields.keys() - spec.required.keys() - spec.optional.keys() - {"t"}):
+        raise error(f"{t}: unexpected fields {sorted(extra)}")
+    return spec
 
 
 def register(name: str, spec: Spec, terminal_for: dict[str, set[str]] | None = None) -> None:

