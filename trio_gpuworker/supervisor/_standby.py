@@ -4,16 +4,30 @@ active worker faults the lane promotes it at once, and a new standby starts in t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
-from .._errors import BrokenWorkerError, InvalidRequest
+from .._config import SupervisorConfig, Windows
+from .._errors import BrokenWorkerError, EngineCrashed, InvalidRequest
 from ._generation import Generation
 from ._jobs import Job, LaneState
 
-if TYPE_CHECKING:
-    from ._lane import Lane
+
+class Lane(Protocol):
+    """What the keeper needs of its lane."""
+
+    sup: SupervisorConfig
+    windows: Windows
+
+    @property
+    def closing(self) -> bool: ...
+
+    def spawn(self, *, standby: bool = False) -> Generation: ...
+
+    def strike(self, gen: Generation) -> EngineCrashed: ...
+
+    async def wait_state(self, *states: LaneState) -> None: ...
 
 
 class StandbyKeeper:
