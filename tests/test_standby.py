@@ -8,16 +8,20 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import trio
 
 from tests.fakes import fake_command
-from tests.helpers import wait_until
+from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
+from tests.test_metrics import scrape, value
 from trio_gpuworker import EngineCrashed, LaneState, Supervisor, SupervisorConfig
 from trio_gpuworker._errors import ConfigError
 from trio_gpuworker.daemon.config import parse_config
+from trio_gpuworker.daemon.ctl import LANE_COLUMNS, status_rows, table
+from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor import Job, LoadSpec
 
 
@@ -150,3 +154,20 @@ def test_standby_is_a_lane_option() -> None:
     assert parse_config(base, Path.cwd(), {}).supervisor.lanes[0].standby is False
     with pytest.raises(ConfigError, match=r"lanes\[0\]\.standby"):
         parse_config(base + 'standby = "yes"\n', Path.cwd(), {})
+
+
+async def test_standby_shows_in_lanes_metrics_and_ctl(tmp_path: Path) -> None:
+    cfg = daemon_config(tmp_path, fake_command())
+    cfg = dataclasses.replace(cfg, supervisor=with_standby(cfg.supervisor))
+    async with trio.open_nursery() as nursery:
+        sup, binds = await nursery.start(run_daemon, cfg)
+        await standby_ready(sup)
+        async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
+            lane = (await http.get("/v1/lanes/lane0")).json()
+            metrics = scrape((await http.get("/metrics")).text)
+        nursery.cancel_scope.cancel()
+    assert lane["standby"]["state"] == "ready" and lane["standby"]["generation"] == 2
+    assert lane["standby"]["pid"] != lane["pid"] and lane["standby"]["models"] == [MODEL]
+    assert value(metrics, "gpuworker_lane_standby_ready", lane="lane0") == 1.0
+    text = table(status_rows([lane]), LANE_COLUMNS)
+    assert "STANDBY" in text.splitlines()[0] and f"ready g2 pid {lane['standby']['pid']}" in text

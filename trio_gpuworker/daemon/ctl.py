@@ -133,13 +133,15 @@ def status_rows(lanes: list[dict[str, Any]]) -> list[dict[str, Any]]:
         state = ln["state"] + (" (drained)" if ln.get("drained") else "")
         if ln.get("cooldown_remaining_s") is not None:
             state += f" {ln['cooldown_remaining_s']:.0f}s"
-        out.append({**ln, "state": state})
+        sb = ln.get("standby")
+        standby = f"{sb['state']} g{sb['generation']} pid {sb['pid']}" if sb else None
+        out.append({**ln, "state": state, "standby": standby})
     return out
 
 
 LANE_COLUMNS = [("LANE", "lane_id"), ("STATE", "state"), ("GEN", "generation"), ("PID", "pid"),
                 ("STRIKES", "strikes"), ("RSS_MB", "rss_mb"), ("QUEUED", "queued"), ("RESTARTS", "restarts"),
-                ("MODELS", "models")]
+                ("STANDBY", "standby"), ("MODELS", "models")]
 
 
 class Progress:

@@ -113,6 +113,8 @@ class _StateCollector(Collector):
                                          labels=["lane"]),
             "models": GaugeMetricFamily("gpuworker_lane_models_loaded", "models loaded by the lane's worker",
                                         labels=["lane"]),
+            "standby": GaugeMetricFamily("gpuworker_lane_standby_ready",
+                                         "1 while a warm standby worker is loaded and idle", labels=["lane"]),
         }
         restarts = CounterMetricFamily("gpuworker_lane_restarts", "worker restarts after a fault", labels=["lane"])
         drained = sched.drained if sched is not None else set()
@@ -129,6 +131,8 @@ class _StateCollector(Collector):
             g["queued"].add_metric([lane], s["queued"])
             g["drained"].add_metric([lane], 1.0 if lane in drained else 0.0)
             g["models"].add_metric([lane], len(s["models"]))
+            if s.get("standby") is not None or s.get("standby_enabled"):
+                g["standby"].add_metric([lane], 1.0 if (s["standby"] or {}).get("state") == "ready" else 0.0)
             restarts.add_metric([lane], s["restarts"])
         yield from g.values()
         yield restarts

@@ -461,4 +461,5 @@ class Lane:
             "last_error": self.last_error,
             "device": self.cfg.device,
             "standby": self.standby.describe() if self.standby is not None else None,
+            "standby_enabled": self.standby is not None,
         }
