@@ -106,3 +106,16 @@ def test_proto_core_does_no_io() -> None:
             assert not set(roots) & set(banned), f"{name} imports {roots}"
         shell = {"trio_gpuworker.supervisor", "trio_gpuworker.daemon", "trio_gpuworker.worker"}
         assert not {d.rsplit(".", 1)[0] if d.count(".") > 1 else d for d in imports(name, path, known)} & shell
+
+
+def test_no_module_reaches_into_another_packages_private_modules() -> None:
+    """`daemon` uses what `supervisor` re-exports, never `supervisor._admission` and the like."""
+    known = modules()
+    reaching = []
+    for name, path in known.items():
+        for dep in imports(name, path, known):
+            package, _, leaf = dep.rpartition(".")
+            inside = name == package or name.startswith(package + ".")
+            if leaf.startswith("_") and not leaf.startswith("__") and not inside:
+                reaching.append(f"{name} -> {dep}")
+    assert reaching == []

@@ -254,14 +254,6 @@ class Supervisor:
         return {"text": reply["text"], "n_prompt": reply["n_prompt"], "n_gen": reply["n_gen"],
                 "finish_reason": reply["finish_reason"]}
 
-    async def call(self, lane_id: str, t: str, fields: dict[str, Any], raw: bytes | None = None,
-                   timeout: float | None = None) -> Any:
-        """A raw request on one lane (admin and tests)."""
-        lane = self.lanes.get(lane_id)
-        if lane is None:
-            raise NoLaneAvailable(f"no lane {lane_id!r}")
-        return await lane.call(t, fields, raw, timeout=timeout)
-
     async def add_lane(self, cfg: LaneConfig, specs: list[LoadSpec]) -> Lane:
         """Start a lane that was not in the configuration at start-up (SIGHUP)."""
         if self._closed or self._nursery is None:
