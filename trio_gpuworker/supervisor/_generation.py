@@ -80,8 +80,10 @@ async def host(gen: Generation, windows: Windows, loads: Callable[[], Iterable[L
         gen.ready.set()
         gen.rc = await wp.close(patience(wp, windows))
         gen.released.set()
-        on_reaped(gen)
-        gen.reaped.set()
+        try:
+            on_reaped(gen)
+        finally:
+            gen.reaped.set()
 
 
 async def load_all(gen: Generation, windows: Windows, specs: Iterable[LoadSpec]) -> None:
