@@ -23,7 +23,14 @@ from cython_ring._ring import (
     WAKE_WRITABLE,
     Ring,
 )
-from cython_ring._stream import EgressState, IngressState, drain_ingress, write_egress
+from cython_ring._stream import (
+    EgressState,
+    IngressState,
+    buffer_records,
+    drain_ingress,
+    write_egress,
+    write_egress_batch,
+)
 
 __all__ = [
     "FLAG_BEGIN_SEQUENCE",
@@ -44,9 +51,11 @@ __all__ = [
     "ObjectHeader",
     "ObjectSpec",
     "Ring",
+    "buffer_records",
     "decode_header",
     "drain_ingress",
     "encode_header",
     "validate",
     "write_egress",
+    "write_egress_batch",
 ]

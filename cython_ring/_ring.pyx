@@ -204,7 +204,8 @@ cdef class Ring:
         if magic != R_MAGIC:
             raise corrupt(f"ring magic 0x{magic:08x} at offset {offset}, expected 0x{R_MAGIC:08x} (SWRG)")
         if _le16(h + OFF_VERSION) != R_VERSION:
-            raise corrupt(f"ring ABI version {_le16(h + OFF_VERSION)}, expected {R_VERSION}")
+            raise _errors().UnsupportedRingVersion(
+                f"ring ABI version {_le16(h + OFF_VERSION)}, expected {R_VERSION}")
         if _le16(h + OFF_HEADER_LEN) != R_HEADER_LEN:
             raise corrupt(f"ring header_len {_le16(h + OFF_HEADER_LEN)}, expected {R_HEADER_LEN}")
         r.ring_id = _le64(h + OFF_RING_ID)

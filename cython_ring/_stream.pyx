@@ -3,6 +3,7 @@
 """The byte streams over a ring (spec §11): the ingress drain (one native call parses, validates and
 copies every committed object prefix) and the egress writer, with their per-ring parser states."""
 
+from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 
 from cython_ring._mo01 cimport (
@@ -363,3 +364,134 @@ def write_egress(Ring ring not None, EgressState state not None, uint64_t object
         return (0, False)
     cr_store_release_u64(hdr + OFF_COMMIT, commit)
     return (written, not (cr_fetch_or_u32(hdr + OFF_WAKE, W_READABLE) & W_READABLE))
+
+
+def write_egress_batch(Ring ring not None, EgressState state not None, const uint64_t[:, ::1] records not None,
+                       Py_ssize_t start=0) -> tuple[int, int, bool]:
+    """Write records[start:] back to back, one row per object: (object_id, sequence, src_addr, extent,
+    flags). Each header, then its payload as space allows, in one native call with the GIL released;
+    one commit store and at most one wake hint for the whole burst.
+
+    Returns (index of the first row not yet fully written, bytes committed, whether to send
+    RING_READABLE). After RING_WRITABLE, call again from that index; `state.busy` says that row is
+    partly written. A row the spec refuses stops the burst before its header; the next call starting
+    at it raises the typed ObjectHeaderError, so the rows before it are committed either way.
+    """
+    if records.shape[1] != 5:
+        raise ValueError(f"records must have 5 columns, got {records.shape[1]}")
+    if state._phase == EG_FAULTED:
+        raise _errors().RingError(f"ring {ring.ring_id}: a partial egress object was abandoned; "
+                                  f"the ring is faulted")
+    ring._live()
+    cdef Py_ssize_t i = start, n = records.shape[0]
+    if i < 0 or i > n:
+        raise IndexError(f"start {start} is outside the {n} records")
+    if i == n:
+        return (i, 0, False)
+    if state._phase != EG_IDLE and (records[i, 0] != state.object_id or records[i, 1] != state.sequence
+                                    or records[i, 3] != state.extent or records[i, 4] != state.flags):
+        raise ValueError(f"ring {ring.ring_id}: object {state.object_id} seq {state.sequence} is still "
+                         f"being written")
+    cdef bint has_spec = state.spec is not None
+    cdef uint64_t max_extent = state.spec.max_extent if has_spec else 0
+    cdef uint64_t alignment = state.spec.alignment if has_spec else 0
+    cdef bint strict = state.spec.strict if has_spec else False
+    if state._phase == EG_IDLE:
+        # the first row raises at once, so a refused object is typed exactly as write_egress types it
+        if has_spec and mo01_check(records[i, 3], records[i, 1], max_extent, alignment, strict,
+                                   state.expected_sequence) != MO01_OK:
+            raise _failure(ObjectHeader(records[i, 0], records[i, 1], records[i, 3], records[i, 4]).encode(),
+                           state.spec, state.expected_sequence)
+        if records[i, 4] & ~(<uint64_t>MO01_FLAGS_KNOWN):
+            raise ValueError(f"object {records[i, 0]}: flags 0x{records[i, 4]:x} set unknown bits")
+    cdef uint8_t* hdr = ring._hdr
+    cdef uint8_t* data = ring._data
+    cdef uint64_t cap = ring.capacity
+    cdef uint32_t st = cr_load_acquire_u32(hdr + OFF_STATE)
+    if st != S_ACTIVE:
+        if state._phase == EG_PAYLOAD:
+            _fault_shared(hdr)
+            state._phase = EG_FAULTED
+        else:
+            state._phase = EG_IDLE
+        raise _errors().RingError(f"ring {ring.ring_id} is {_STATE_NAMES.get(st, f'in state {st}')}")
+    cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_WRITABLE))
+    cdef uint64_t consume = cr_load_acquire_u64(hdr + OFF_CONSUME)
+    cdef uint64_t commit = cr_load_relaxed_u64(hdr + OFF_COMMIT)
+    if commit < consume or commit - consume > cap:
+        _fault_shared(hdr)
+        state._phase = EG_FAULTED if state._phase == EG_PAYLOAD else EG_IDLE
+        ring._check(commit, consume)
+    cdef uint64_t free = cap - (commit - consume)
+    cdef uint64_t written = 0, k, extent, src
+    cdef uint8_t raw[MO01_HEADER_LEN]
+    ring._busy += 1
+    try:
+        with nogil:
+            while i < n:
+                extent = records[i, 3]
+                src = records[i, 2]
+                if state._phase == EG_IDLE:
+                    if (has_spec and mo01_check(extent, records[i, 1], max_extent, alignment, strict,
+                                                state.expected_sequence) != MO01_OK) \
+                            or (extent and not src) or records[i, 4] & ~(<uint64_t>MO01_FLAGS_KNOWN):
+                        break  # the next call raises it typed, after this burst is committed
+                    state.object_id = records[i, 0]
+                    state.sequence = records[i, 1]
+                    state.extent = extent
+                    state.flags = <uint32_t>records[i, 4]
+                    state.produced = 0
+                    state._phase = EG_HEADER
+                if state._phase == EG_HEADER:
+                    if free < MO01_HEADER_LEN:
+                        break
+                    mo01_pack(raw, state.object_id, state.sequence, extent, state.flags)
+                    ring_write(data, cap, commit, raw, MO01_HEADER_LEN)
+                    commit += MO01_HEADER_LEN
+                    free -= MO01_HEADER_LEN
+                    written += MO01_HEADER_LEN
+                    state._phase = EG_PAYLOAD
+                k = extent - state.produced
+                if k > free:
+                    k = free
+                if k:
+                    ring_write(data, cap, commit, <const uint8_t*><uintptr_t>(src + state.produced), k)
+                    commit += k
+                    free -= k
+                    written += k
+                    state.produced += k
+                if state.produced != extent:
+                    break
+                state._phase = EG_IDLE
+                state.expected_sequence = state.sequence + 1
+                state.objects_produced += 1
+                i += 1
+    finally:
+        ring._busy -= 1
+    if not written:
+        if i < n and state._phase == EG_IDLE and records[i, 3] and not records[i, 2]:
+            raise ValueError("a non-empty object needs a source address")
+        return (i, 0, False)
+    cr_store_release_u64(hdr + OFF_COMMIT, commit)
+    return (i, written, not (cr_fetch_or_u32(hdr + OFF_WAKE, W_READABLE) & W_READABLE))
+
+
+def buffer_records(list objects not None, uint64_t first_object_id, uint64_t first_sequence,
+                   uint64_t flags=0):
+    """The (N, 5) uint64 record table for write_egress_batch: consecutive object ids and sequences, each
+    row's source address and extent taken from one buffer of `objects`. The addresses stay valid only
+    while the caller keeps those objects alive and unresized."""
+    import numpy as np
+    cdef Py_ssize_t n = len(objects), j
+    out = np.empty((n, 5), dtype=np.uint64)
+    cdef uint64_t[:, ::1] rows = out
+    cdef Py_buffer view
+    for j in range(n):
+        PyObject_GetBuffer(objects[j], &view, PyBUF_SIMPLE)
+        rows[j, 0] = first_object_id + <uint64_t>j
+        rows[j, 1] = first_sequence + <uint64_t>j
+        rows[j, 2] = <uint64_t><uintptr_t>view.buf
+        rows[j, 3] = <uint64_t>view.len
+        rows[j, 4] = flags
+        PyBuffer_Release(&view)
+    return out

@@ -12,8 +12,16 @@ import pytest
 import trio
 
 from cython_ring import encode_header
-from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig, Windows
-from trio_gpuworker.supervisor._dataplane import ObjectFailed, RingFault, StaleHandle, StepFailed
+from trio_gpuworker import (
+    LaneConfig,
+    ObjectFailed,
+    RingFault,
+    StaleHandle,
+    StepFailed,
+    Supervisor,
+    SupervisorConfig,
+    Windows,
+)
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}

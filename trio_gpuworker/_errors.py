@@ -191,6 +191,32 @@ class BrokenWorkerError(GpuWorkerError):
 # --- data plane -----------------------------------------------------------------------------
 
 
+class CodedError(GpuWorkerError):
+    """An error whose wire code varies per instance (a reason from one of the reference taxonomies)."""
+
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+class RingFault(CodedError):
+    """A ring is unusable; `code` is the RingFaultReason (worker_process_exited, header_malformed, ...)."""
+
+
+class ObjectFailed(CodedError):
+    """The worker refused an ingress object; `code` is the ObjectFailure name."""
+
+
+class StepFailed(CodedError):
+    """A step, role or release request failed; `code` is the StepFailure / RoleFailure / ReleaseFailure name."""
+
+
+class StaleHandle(GpuWorkerError):
+    """A device handle of another worker generation: it never resolves."""
+
+    code = "invalid_input_handle"
+
+
 class RingError(GpuWorkerError):
     code = "worker_internal"
 
@@ -199,6 +225,18 @@ class RingCorrupt(RingError, ValueError):
     """A ring header or cursor pair violates the ABI (bad magic, version, capacity, cursors)."""
 
     code = "ring_layout_invalid"
+
+
+class UnsupportedRingVersion(RingCorrupt):
+    """The ring header names an ABI version this helper does not speak."""
+
+    code = "unsupported_ring_version"
+
+
+class ArenaMapFailed(GpuWorkerError):
+    """The worker could not map the arena it was handed (WorkerFatalReason)."""
+
+    code = "arena_map_failed"
 
 
 class ObjectHeaderError(GpuWorkerError, ValueError):

@@ -8,7 +8,7 @@ from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefi
 from ._handshake import PROTOCOL_VERSION, RING_ABI, HandshakeRules, hello_fields
 from ._progress import ProgressValidator
 from ._ring_messages import INTERMEDIATE
-from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, register
+from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec
 from ._strikes import Fault, StrikePolicy
 
 __all__ = [
@@ -36,5 +36,4 @@ __all__ = [
     "encode_frame",
     "frame_prefix",
     "hello_fields",
-    "register",
 ]

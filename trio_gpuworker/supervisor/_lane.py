@@ -399,7 +399,7 @@ class Lane:
             if reply.t == "ERR":
                 job.finish(error=WorkerError(reply["code"], reply["msg"]))
                 continue
-            if job.t in SERVING:
+            if job.t in SERVING and reply.t != "STEP_FAILED":  # a failed reply is not drained serving work
                 self.policy.success()
                 served = True
             job.finish(result=reply)

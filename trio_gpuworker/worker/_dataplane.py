@@ -18,7 +18,7 @@ import numpy as np
 
 from cython_ring import EgressState, IngressState, ObjectSpec, Ring, drain_ingress, write_egress
 
-from .._errors import GpuWorkerError, RingError
+from .._errors import ArenaMapFailed, CodedError, GpuWorkerError, ObjectHeaderError, RingError
 from .._proto import Message
 from ._engine import Reply
 
@@ -41,7 +41,9 @@ class RingSlot:
     # allocations handed to the drain, oldest first: one drain call may start and finish several objects
     # before its events are read. Each is (device allocation, host staging or None when copies go direct).
     pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
-    closed: bool = False
+    closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
+    close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
+    faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
 
 
 @dataclass
@@ -53,10 +55,8 @@ class DeviceObject:
     object_id: int
 
 
-class DataPlaneError(GpuWorkerError):
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
+class DataPlaneError(CodedError):
+    """A step failed; `code` is the StepFailure name."""
 
 
 def shape_for(spec: ObjectSpec, extent: int) -> tuple[int, ...]:
@@ -71,8 +71,21 @@ def shape_for(spec: ObjectSpec, extent: int) -> tuple[int, ...]:
     return shape
 
 
+def map_arena() -> mmap.mmap | None:
+    """The arena the daemon handed over (GPUWORKER_ARENA_FD/BYTES), or None when it handed none."""
+    fd, size = os.environ.get("GPUWORKER_ARENA_FD"), os.environ.get("GPUWORKER_ARENA_BYTES", "0")
+    if not fd:
+        return None
+    try:
+        nbytes = int(size)
+        return mmap.mmap(int(fd), nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if nbytes else None
+    except (OSError, ValueError, OverflowError) as exc:
+        raise ArenaMapFailed(f"cannot map arena fd {fd!r} of {size!r} bytes: {exc}") from exc
+
+
 class WorkerDataPlane:
-    def __init__(self, generation: int, emit: Emit, models: dict[str, Any]) -> None:
+    def __init__(self, generation: int, emit: Emit, models: dict[str, Any], arena: Any = None,
+                 bridge: Any = None) -> None:
         self.generation = generation
         self.emit = emit  # thread-safe: sends a message on the control socket
         self.models = models
@@ -80,10 +93,8 @@ class WorkerDataPlane:
         self.roles: dict[str, Any] = {}
         self.objects: dict[int, DeviceObject] = {}
         self._next_handle = 1
-        self._bridge: Any = None
-        fd, size = os.environ.get("GPUWORKER_ARENA_FD"), int(os.environ.get("GPUWORKER_ARENA_BYTES", "0"))
-        prot = mmap.PROT_READ | mmap.PROT_WRITE
-        self.arena = mmap.mmap(int(fd), size, mmap.MAP_SHARED, prot) if fd and size else None
+        self._bridge: Any = bridge
+        self.arena = arena if arena is not None else map_arena()
 
     @property
     def bridge(self) -> Any:
@@ -116,18 +127,47 @@ class WorkerDataPlane:
         self.rings[ring_id] = RingSlot(ring_id, msg["edge_id"], msg["port_id"], msg["direction"], spec, ring, state)
         return Reply("RING_INSTALLED", {"ring_id": ring_id})
 
+    def abort_ring(self, ring_id: int, reason: str = "invalid_output_ring") -> None:
+        """Event loop, ahead of the queued uninstall: a step blocked on this ring's space gives up now."""
+        slot = self.rings.get(ring_id)
+        if slot is not None and not slot.closed:
+            slot.closed, slot.close_reason = True, reason
+            slot.writable.set()
+
+    def abort_all(self) -> None:
+        """SHUTDOWN abort_in_flight (event loop): every step blocked on ring space fails worker_shutting_down."""
+        for ring_id in list(self.rings):
+            self.abort_ring(ring_id, "worker_shutting_down")
+
     def uninstall_ring(self, msg: Message) -> Reply:
-        slot = self.rings.pop(msg["ring_id"], None)
+        self.quiesce(msg["ring_id"])
+        return Reply("RING_QUIESCED", {"ring_id": msg["ring_id"]})
+
+    def quiesce(self, ring_id: int) -> None:
+        slot = self.rings.pop(ring_id, None)
         if slot is not None:
             slot.closed = True
-            slot.writable.set()  # a step blocked on this ring's space gives up
+            slot.writable.set()
             self._drop_pending(slot)
             slot.ring.release()
-        return Reply("RING_QUIESCED", {"ring_id": msg["ring_id"]})
+
+    def stop(self) -> list[int]:
+        """SHUTDOWN: quiesce every ring and free every device object (compute thread). Returns the ring ids."""
+        ring_ids = list(self.rings)
+        for ring_id in ring_ids:
+            self.quiesce(ring_id)
+        objects, self.objects = self.objects, {}
+        for obj in objects.values():
+            self.bridge.free_device(obj.alloc)
+        return ring_ids
 
     def configure_role(self, msg: Message) -> Reply:
         from ._roles import RoleError, make_role
 
+        if msg["role_id"] in self.roles:
+            return Reply("ROLE_FAILED", {"role_id": msg["role_id"], "reason": "worker_rejected_role",
+                                         "msg": f"role {msg['role_id']!r} is already configured; role ids are "
+                                                "immutable"})
         try:
             self.roles[msg["role_id"]] = make_role(msg["config"], self.models)
         except RoleError as exc:
@@ -156,6 +196,13 @@ class WorkerDataPlane:
             self._execute(msg, progress)
         except DataPlaneError as exc:
             return Reply("STEP_FAILED", {"step_id": step_id, "reason": exc.code, "msg": str(exc)})
+        finally:
+            if msg["release_inputs_after"]:  # a failed step frees its inputs too: they are consumed either way
+                for binding in msg["inputs"]:
+                    obj = self._lookup(binding["device_handle"])
+                    if obj is not None:
+                        del self.objects[binding["device_handle"]["id"]]
+                        self.bridge.free_device(obj.alloc)
         return Reply("STEP_COMPLETED", {"step_id": step_id})
 
     def _execute(self, msg: Message, progress: Callable[[int, str], None]) -> None:
@@ -207,11 +254,6 @@ class WorkerDataPlane:
             self.emit("OBJECT_PRODUCED", {"req_id": msg["req_id"], "ring_id": slot.ring_id,
                                           "port_id": binding["port_id"], "object_id": binding["object_id"],
                                           "sequence": binding["sequence"], "extent": binding["extent"]})
-        if msg["release_inputs_after"]:
-            for binding in msg["inputs"]:
-                obj = self.objects.pop(binding["device_handle"]["id"], None)
-                if obj is not None:
-                    self.bridge.free_device(obj.alloc)
 
     def _write_object(self, slot: RingSlot, binding: dict[str, Any], alloc: Any, written: int,
                       progress: Callable[[int, str], None]) -> int:
@@ -226,10 +268,15 @@ class WorkerDataPlane:
         state: EgressState = slot.state
         while True:
             slot.writable.clear()
+            if slot.closed:
+                raise DataPlaneError(slot.close_reason, f"ring {slot.ring_id} was closed while a step wrote to it")
             try:
                 n, hint = write_egress(slot.ring, state, binding["object_id"], binding["sequence"], src, extent,
                                        binding["flags"])
-            except RingError as exc:
+            except ObjectHeaderError as exc:  # the binding breaks the ring's spec: nothing was written
+                code = "invalid_output_ring" if exc.code == "sequence_violation" else "output_extent_invalid"
+                raise DataPlaneError(code, str(exc)) from exc
+            except (RingError, ValueError) as exc:
                 raise DataPlaneError("output_copy_failed", str(exc)) from exc
             if hint:
                 self.emit("RING_READABLE", {"ring_id": slot.ring_id})
@@ -239,8 +286,6 @@ class WorkerDataPlane:
             if not state.busy:
                 return written
             slot.writable.wait()
-            if slot.closed:
-                raise DataPlaneError("invalid_output_ring", f"ring {slot.ring_id} was uninstalled mid-object")
 
     # --- wake hints (run on the event loop) ----------------------------------------------------
 
@@ -255,31 +300,67 @@ class WorkerDataPlane:
         slot = self.rings.get(ring_id)
         if slot is None:
             return None
-        return self._drain(slot) if slot.direction == "ingress" else []
+        return self._drain(slot) if slot.direction == "ingress" and not slot.faulted else []
 
     def _drain(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
+        """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
+        from ._bridge import DeviceError
+
         out: list[tuple[str, dict[str, Any]]] = []
+        loaded: list[list[int]] = []
         rid = slot.ring_id
-        for ev in drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n)):
-            kind = ev[0]
-            if kind == "loaded":
-                _, object_id, sequence, extent, _flags = ev
-                out.append(("OBJECT_LOADED", self._loaded(slot, object_id, sequence, extent)))
-            elif kind == "failed":
-                _, code, text, object_id, sequence = ev
-                self._drop_pending(slot)
-                fields = {"ring_id": rid, "reason": code, "msg": text}
-                fields.update({k: v for k, v in (("object_id", object_id), ("sequence", sequence)) if v is not None})
-                out.append(("OBJECT_FAILED", fields))
-                if code != "eof_mid_object":
-                    out.append(("RING_FAULT", {"ring_id": rid, "reason": _RING_REASON.get(code, "header_malformed"),
-                                               "msg": text}))
-            elif kind == "ring_fault":
-                self._drop_pending(slot)
-                out.append(("RING_FAULT", {"ring_id": rid, "reason": ev[1], "msg": ev[2]}))
-            elif kind == "writable":
-                out.append(("RING_WRITABLE", {"ring_id": rid}))
+        events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n))
+        try:
+            for ev in events:
+                kind = ev[0]
+                if kind == "loaded":
+                    loaded.append(self._loaded(slot, ev[1], ev[2], ev[3]))
+                elif kind == "failed":
+                    _, code, text, object_id, sequence = ev
+                    self._drop_pending(slot)
+                    self._flush(slot, loaded, out)
+                    fields = {"ring_id": rid, "reason": code, "msg": text}
+                    fields.update({k: v for k, v in (("object_id", object_id), ("sequence", sequence))
+                                   if v is not None})
+                    out.append(("OBJECT_FAILED", fields))
+                    if code != "eof_mid_object":
+                        out.append(("RING_FAULT", {"ring_id": rid, "msg": text,
+                                                   "reason": _RING_REASON.get(code, "header_malformed")}))
+                elif kind == "ring_fault":
+                    self._drop_pending(slot)
+                    self._flush(slot, loaded, out)
+                    out.append(("RING_FAULT", {"ring_id": rid, "reason": ev[1], "msg": ev[2]}))
+                elif kind == "writable":
+                    self._flush(slot, loaded, out)
+                    out.append(("RING_WRITABLE", {"ring_id": rid}))
+            if loaded:
+                self.bridge.synchronize()  # nothing is compute-visible before every copy completed
+        except DeviceError as exc:
+            # the failed object's bytes left the ring but never reached the device: the stream cannot go on
+            self._drop_pending(slot)
+            if ev[0] == "loaded" and (not loaded or loaded[-1][0] != ev[1]):
+                failed = {"object_id": ev[1], "sequence": ev[2]}  # its own copy failed
+            else:  # the burst's synchronize failed: no object of it is known to be complete
+                failed = {"object_id": loaded[0][0], "sequence": loaded[0][1]} if loaded else {}
+                for row in loaded:
+                    self.bridge.free_device(self.objects.pop(row[3]).alloc)
+                loaded.clear()
+            slot.ring.fault()
+            slot.faulted = True
+            self._flush(slot, loaded, out)
+            out = [m for m in out if m[0] != "RING_WRITABLE"]
+            text = str(exc)
+            out.append(("OBJECT_FAILED", {"ring_id": rid, "reason": "device_copy_failed", "msg": text, **failed}))
+            out.append(("RING_FAULT", {"ring_id": rid, "reason": "device_copy_failed", "msg": text}))
+            return out
+        self._flush(slot, loaded, out)
         return out
+
+    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[str, dict[str, Any]]]) -> None:
+        if loaded:
+            out.append(("OBJECTS_LOADED", {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id,
+                                           "worker_generation": self.generation, "objects": loaded[:]}))
+            loaded.clear()
 
     def _resolve(self, slot: RingSlot, extent: int) -> tuple[int, int]:
         alloc = self.bridge.alloc_device(extent)  # zero bytes allocate nothing; its host address is 0
@@ -290,20 +371,19 @@ class WorkerDataPlane:
         slot.pending.append((alloc, staging))
         return staging.ctypes.data, extent
 
-    def _loaded(self, slot: RingSlot, object_id: int, sequence: int, extent: int) -> dict[str, Any]:
-        alloc, staging = slot.pending.popleft()
+    def _loaded(self, slot: RingSlot, object_id: int, sequence: int, extent: int) -> list[int]:
+        """[object_id, sequence, extent, handle id] of an object whose every byte is on the device."""
+        alloc, staging = slot.pending[0]
         if staging is not None:
             self.bridge.host_to_device(alloc, 0, memoryview(staging), extent)
-        self.bridge.synchronize()  # nothing is compute-visible before every copy completed
+        slot.pending.popleft()
         handle_id, self._next_handle = self._next_handle, self._next_handle + 1
         try:
             shape = shape_for(slot.spec, extent)
         except DataPlaneError:
             shape = (extent // np.dtype(slot.spec.dtype).itemsize,)
         self.objects[handle_id] = DeviceObject(alloc, slot.spec.dtype, shape, slot.ring_id, object_id)
-        return {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id, "object_id": object_id,
-                "sequence": sequence, "extent": extent,
-                "device_handle": {"worker_generation": self.generation, "id": handle_id}}
+        return [object_id, sequence, extent, handle_id]
 
     def _drop_pending(self, slot: RingSlot) -> None:
         while slot.pending:

@@ -15,7 +15,7 @@ from typing import Any
 import trio
 
 from .._channel import encode_messages, receive_message
-from .._errors import GpuWorkerError, RemoteProtocolError
+from .._errors import ArenaMapFailed, GpuWorkerError, RemoteProtocolError
 from .._proto import DEFAULT_MAX_FRAME, TERMINAL, WORKER, Connection, Message, hello_fields
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
@@ -58,7 +58,11 @@ class WorkerServer:
             raise SystemExit(2)
         self.token = trio.lowlevel.current_trio_token()
         emit = lambda t, fields: trio.from_thread.run(self.send, t, fields, trio_token=self.token)  # noqa: E731
-        self.engine.dataplane = WorkerDataPlane(ack["generation"], emit, self.engine.models)
+        try:
+            self.engine.dataplane = WorkerDataPlane(ack["generation"], emit, self.engine.models)
+        except ArenaMapFailed as exc:
+            await self.send("WORKER_FATAL", {"reason": exc.code, "msg": str(exc)})
+            raise
 
     async def run(self) -> None:
         await self.handshake()
@@ -72,12 +76,27 @@ class WorkerServer:
     async def _read_loop(self, send_req: trio.MemorySendChannel[Message]) -> None:
         async with send_req:
             while (msg := await self.receive()) is not None:
+                if msg.t == "UNINSTALL_RING":
+                    # a step blocked on this ring's space must not hold the uninstall queued behind it
+                    self.engine.dataplane.abort_ring(msg["ring_id"])
+                    if "req_id" not in msg.fields:
+                        assert self._nursery is not None
+                        self._nursery.start_soon(self._quiesce, msg)
+                        continue
+                if msg.t == "SHUTDOWN" and msg.get("mode") == "abort_in_flight":
+                    self.stopping = "abort_in_flight"
+                    self.engine.dataplane.abort_all()  # in-flight steps fail now instead of finishing
                 if msg.t in TERMINAL:
                     await send_req.send(msg)
                 elif msg.t == "RING_WRITABLE":
                     self.engine.dataplane.on_writable(msg["ring_id"])  # wakes a step blocked on egress space
                 elif msg.t == "RING_READABLE":
                     self._kick_drain(msg["ring_id"])
+
+    async def _quiesce(self, msg: Message) -> None:
+        """The out-of-band UNINSTALL_RING: quiesce once the compute thread is free of the step, then tell."""
+        await self.compute.run(self.engine.dataplane.quiesce, msg["ring_id"])
+        await self.send("RING_QUIESCED", {"ring_id": msg["ring_id"]})
 
     def _kick_drain(self, ring_id: int) -> None:
         """Hints are coalesced per ring: one drainer task per ring, woken, drains until no progress."""
@@ -105,9 +124,17 @@ class WorkerServer:
         async with recv_req:
             async for msg in recv_req:
                 if msg.t == "SHUTDOWN":
+                    # both modes end the same way once nothing runs: rings quiesced, device objects freed
                     self.stopping = msg.get("mode", "graceful")
-                    await self.send("WORKER_STOPPED", {"reason": self.stopping, "req_id": msg["req_id"]})
+                    try:
+                        await self.compute.run(self.engine.dataplane.stop)
+                    finally:
+                        await self.send("WORKER_STOPPED", {"reason": self.stopping, "req_id": msg["req_id"]})
                     return
+                if self.stopping is not None:
+                    await self.send("ERR", {"req_id": msg["req_id"], "code": "worker_shutting_down",
+                                            "msg": "the worker is shutting down"})
+                    continue
                 await self._serve_one(msg)
 
     async def _serve_one(self, msg: Message) -> None:
