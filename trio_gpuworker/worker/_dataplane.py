@@ -212,15 +212,16 @@ class WorkerDataPlane:
         role = self.roles.get(msg["role_id"])
         if role is None:
             raise DataPlaneError("role_unavailable", f"role {msg['role_id']!r} is not configured")
-        inputs = {}
+        inputs, allocs = {}, {}
         for binding in msg["inputs"]:
             obj = self._lookup(binding["device_handle"])
             if obj is None:
                 raise DataPlaneError("invalid_input_handle", f"no live device object {binding['device_handle']}")
             try:
-                inputs[binding["port_id"]] = self.bridge.as_tensor(obj.alloc, obj.dtype, obj.shape)
+                tensor = inputs[binding["port_id"]] = self.bridge.as_tensor(obj.alloc, obj.dtype, obj.shape)
             except DeviceError as exc:
                 raise DataPlaneError(exc.code, str(exc)) from exc
+            allocs[id(tensor)] = obj.alloc
         outs = []
         for binding in msg["outputs"]:
             slot = self.rings.get(binding["ring_id"])
@@ -239,8 +240,12 @@ class WorkerDataPlane:
             tensor = produced.get(binding["port_id"])
             if tensor is None:
                 raise DataPlaneError("output_extent_invalid", f"role produced no output {binding['port_id']!r}")
+            # an input handed back unchanged (echo) is written from its own allocation: no device copy, which
+            # costs a tinygrad schedule (milliseconds) per step; the input stays the caller's to release
+            alloc = allocs.get(id(tensor))
+            owned = alloc is None
             try:
-                alloc = self.bridge.from_tensor(tensor)
+                alloc = self.bridge.from_tensor(tensor) if owned else alloc
             except DeviceError as exc:
                 raise DataPlaneError("output_copy_failed", str(exc)) from exc
             try:
@@ -250,7 +255,8 @@ class WorkerDataPlane:
                                          f"{binding['extent']}")
                 written = self._write_object(slot, binding, alloc, written, progress)
             finally:
-                self.bridge.free_device(alloc)
+                if owned:
+                    self.bridge.free_device(alloc)
             self.emit("OBJECT_PRODUCED", {"req_id": msg["req_id"], "ring_id": slot.ring_id,
                                           "port_id": binding["port_id"], "object_id": binding["object_id"],
                                           "sequence": binding["sequence"], "extent": binding["extent"]})

@@ -6,6 +6,7 @@ time); blocking tinygrad work runs in a thread so the event loop stays responsiv
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import sys
@@ -34,19 +35,43 @@ class WorkerServer:
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._drain_wakeups: dict[int, trio.Event] = {}
+        self._outbox: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+        self._kicked = False
         self.stopping: str | None = None
+
+    def post(self, t: str, fields: dict[str, Any]) -> None:
+        """From the compute thread: queue a message without waiting for the event loop (a thread round trip
+        per wake hint, PROGRESS and OBJECT_PRODUCED cost a step milliseconds). Every send flushes the queue
+        first, so a step's messages still precede its terminal reply."""
+        self._outbox.append((t, fields))
+        if not self._kicked:  # cleared before each flush empties the queue, so no message is left behind
+            self._kicked = True
+            self.token.run_sync_soon(self._kick_outbox)
+
+    def _kick_outbox(self) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self.send_many, [])
 
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
         async with self._send_lock:
+            await self._flush_outbox()
             for chunk in self.conn.send(t, fields, raw):
                 await self.stream.send_all(chunk)
 
+    async def _flush_outbox(self) -> None:
+        self._kicked = False
+        queued = []
+        while self._outbox:
+            queued.append(self._outbox.popleft())
+        if queued:
+            await self.stream.send_all(encode_messages(self.conn, queued))
+
     async def send_many(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         """Several small messages in one write: a drain that finished many objects costs one syscall."""
-        if not messages:
-            return
         async with self._send_lock:
-            await self.stream.send_all(encode_messages(self.conn, messages))
+            await self._flush_outbox()
+            if messages:
+                await self.stream.send_all(encode_messages(self.conn, messages))
 
     async def receive(self) -> Message | None:
         return await receive_message(self.conn, self.stream)
@@ -57,9 +82,8 @@ class WorkerServer:
         if ack is None:
             raise SystemExit(2)
         self.token = trio.lowlevel.current_trio_token()
-        emit = lambda t, fields: trio.from_thread.run(self.send, t, fields, trio_token=self.token)  # noqa: E731
         try:
-            self.engine.dataplane = WorkerDataPlane(ack["generation"], emit, self.engine.models)
+            self.engine.dataplane = WorkerDataPlane(ack["generation"], self.post, self.engine.models)
         except ArenaMapFailed as exc:
             await self.send("WORKER_FATAL", {"reason": exc.code, "msg": str(exc)})
             raise
@@ -141,8 +165,7 @@ class WorkerServer:
         req_id = msg["req_id"]
 
         def progress(completed: int, phase: str) -> None:
-            trio.from_thread.run(self.send, "PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase},
-                                 trio_token=self.token)
+            self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
 
         try:
             reply: Reply = await self.compute.run(self.engine.handle, msg, progress)
