@@ -41,12 +41,13 @@ class RingSlot:
     # allocations handed to the drain, oldest first: one drain call may start and finish several objects
     # before its events are read. Each is (device allocation, host staging or None when copies go direct).
     pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # extent -> shape, a bounded cache
     closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
     close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
     faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
 
 
-@dataclass
+@dataclass(slots=True)
 class DeviceObject:
     alloc: Any
     dtype: str
@@ -384,10 +385,14 @@ class WorkerDataPlane:
             self.bridge.host_to_device(alloc, 0, memoryview(staging), extent)
         slot.pending.popleft()
         handle_id, self._next_handle = self._next_handle, self._next_handle + 1
-        try:
-            shape = shape_for(slot.spec, extent)
-        except DataPlaneError:
-            shape = (extent // np.dtype(slot.spec.dtype).itemsize,)
+        shape = slot.shapes.get(extent)
+        if shape is None:  # objects of a ring mostly share one extent: work the shape out once per extent
+            try:
+                shape = shape_for(slot.spec, extent)
+            except DataPlaneError:
+                shape = (extent // np.dtype(slot.spec.dtype).itemsize,)
+            if len(slot.shapes) < 64:
+                slot.shapes[extent] = shape
         self.objects[handle_id] = DeviceObject(alloc, slot.spec.dtype, shape, slot.ring_id, object_id)
         return [object_id, sequence, extent, handle_id]
 
