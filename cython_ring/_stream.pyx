@@ -101,12 +101,18 @@ cdef int _ring_faulted(list events, uint8_t* hdr, IngressState state, str messag
 
 
 def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec spec not None,
-                  dst_resolver: object) -> list[tuple[object, ...]]:
+                  dst_resolver: object, flush: object = None) -> list[tuple[object, ...]]:
     """Parse, validate and copy everything committed; advance consume behind the copies.
 
     `dst_resolver(object_id, sequence, extent) -> (address, size)` is called once per valid
     header, after validation and before any payload byte moves; it names the destination's host
     address (size >= extent). Its exceptions become a device_allocation_failed event.
+
+    With `flush`, a size below the extent names a window instead: payload streams through it,
+    and `flush(offset, n)` is called each time the window is full or the object ends, to move
+    window bytes [0, n) to object bytes [offset, offset + n) (a device copy) before the window is
+    reused. So an object never needs host memory of its own size. Exceptions from flush become a
+    device_copy_failed event.
 
     Clears the READABLE bit first and drains until no progress, so a commit it misses sets the
     bit again and triggers a fresh hint. Events, in stream order:
@@ -189,7 +195,7 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
                     addr, size_obj = dst_resolver(h.object_id, h.sequence, h.extent)
                     dst = _u64_arg(addr, "destination address")
                     size = _u64_arg(size_obj, "destination size")
-                    if size < h.extent or (dst == 0 and h.extent):
+                    if (size < h.extent and (flush is None or size == 0)) or (dst == 0 and h.extent):
                         raise ValueError(f"destination ({dst:#x}, {size}) cannot hold extent {h.extent}")
                 except Exception as exc:
                     state.last_exception = exc
@@ -199,6 +205,8 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
                     break
                 consume += MO01_HEADER_LEN
                 state._dst = dst
+                state._window = size if size < h.extent else 0
+                state._filled = 0
                 state.object_id = h.object_id
                 state.sequence = h.sequence
                 state.extent = h.extent
@@ -213,12 +221,28 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
             if n:
                 if n > avail:
                     n = avail
-                ring_read_big(data, cap, consume, <uint8_t*><uintptr_t>(state._dst + state.copied), n)
+                if state._window:
+                    if n > state._window - state._filled:
+                        n = state._window - state._filled
+                    ring_read_big(data, cap, consume, <uint8_t*><uintptr_t>(state._dst + state._filled), n)
+                    state._filled += n
+                else:
+                    ring_read_big(data, cap, consume, <uint8_t*><uintptr_t>(state._dst + state.copied), n)
                 consume += n
                 state.copied += n
                 # Release ring space as soon as it is copied: large objects need it to stream.
                 cr_store_release_u64(hdr + OFF_CONSUME, consume)
                 published = consume
+                if state._window and (state._filled == state._window or state.copied == state.extent):
+                    try:
+                        flush(state.copied - state._filled, state._filled)
+                    except Exception as exc:
+                        state.last_exception = exc
+                        _object_failed(events, hdr, state, "device_copy_failed",
+                                       f"object {state.object_id} seq {state.sequence}: {type(exc).__name__}: "
+                                       f"{exc}", state.object_id, state.sequence)
+                        break
+                    state._filled = 0
             if state.copied == state.extent:
                 if published != consume:
                     cr_store_release_u64(hdr + OFF_CONSUME, consume)

@@ -205,19 +205,21 @@ async def _installed(arena: ArenaManager, plane: Any, capacity: int = 4096) -> t
     return lease, ring
 
 
-async def test_a_device_copy_failure_during_ingress_is_typed_not_fatal() -> None:
+@pytest.mark.parametrize("window", [1 << 20, 4], ids=["staged", "streamed"])
+async def test_a_device_copy_failure_during_ingress_is_typed_not_fatal(window: int) -> None:
     from trio_gpuworker.worker._bridge import DeviceBridge, DeviceError
 
     class FailingCopies(DeviceBridge):
         """The generic (non-CPU) path with the device refusing the copy of object 2 (a fault injection)."""
 
         def host_to_device(self, alloc: Any, offset: int, src: Any, n: int) -> None:
-            if n == 8:
+            if alloc.nbytes == 8:
                 raise DeviceError("device_copy_failed", "the device refused the copy")
             super().host_to_device(alloc, offset, src, n)
 
     with ArenaManager(1 << 20) as arena:
         plane = _worker_plane(arena, FailingCopies(generic=True))
+        plane.stream_window = window
         lease, ring = await _installed(arena, plane)
         state = EgressState(ObjectSpec.from_wire(SPEC))
         for object_id, data in ((1, np.ones(4, np.float32)), (2, np.ones(2, np.float32))):
@@ -230,6 +232,49 @@ async def test_a_device_copy_failure_during_ingress_is_typed_not_fatal() -> None
         assert ring.state == 3 and plane.drain(lease.ring_id) == []  # faulted once, reported once
         plane.stop()
         assert plane.rings == {} and plane.objects == {}  # SHUTDOWN: rings quiesced, device objects freed
+        ring.release()
+        arena.release(lease, _quiesced(lease))
+
+
+def _gpu() -> str | None:
+    from tinygrad import Device
+
+    for name in ("NV", "CUDA", "AMD"):
+        try:
+            Device[name]
+        except Exception:
+            continue
+        return name
+    return None
+
+
+@pytest.mark.parametrize("where", ["generic-cpu", "gpu"])
+async def test_a_large_object_streams_into_device_memory_through_a_small_window(where: str) -> None:
+    from trio_gpuworker.worker._bridge import DeviceBridge
+
+    if where == "gpu" and (device := _gpu()) is None:
+        pytest.skip("no NV/CUDA/AMD device in this tinygrad install")
+    bridge = DeviceBridge(device, generic=True) if where == "gpu" else DeviceBridge(generic=True)
+    assert not bridge.direct
+    data = np.random.default_rng(3).standard_normal(10_240).astype(np.float32)  # 40 KiB: 10x the ring
+    with ArenaManager(1 << 20) as arena:
+        plane = _worker_plane(arena, bridge)
+        plane.stream_window = 1024  # the only host memory the object may pass through
+        lease, ring = await _installed(arena, plane)
+        state, out = EgressState(ObjectSpec.from_wire(SPEC)), []
+        while True:
+            write_egress(ring, state, 1, 0, data.ctypes.data, data.nbytes)
+            out += plane.drain(lease.ring_id)
+            if not state.busy:
+                break
+        out += plane.drain(lease.ring_id)
+        (row,) = [r for t, f in out if t == "OBJECTS_LOADED" for r in f["objects"]]
+        assert row[:3] == [1, 0, data.nbytes]
+        got = np.empty_like(data)
+        bridge.device_to_host(plane.objects[row[3]].alloc, 0, memoryview(got).cast("B"), data.nbytes)
+        np.testing.assert_array_equal(got, data)
+        assert plane.rings[lease.ring_id].window.nbytes == 1024
+        plane.stop()
         ring.release()
         arena.release(lease, _quiesced(lease))
 

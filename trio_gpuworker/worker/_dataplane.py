@@ -5,73 +5,21 @@ reached only through the DeviceBridge and the roles.
 
 from __future__ import annotations
 
-import collections
-import math
 import mmap
 import os
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from cython_ring import EgressState, IngressState, ObjectSpec, Ring, drain_ingress, write_egress
+from cython_ring import EgressState, IngressState, ObjectSpec, Ring, write_egress
 
-from .._errors import ArenaMapFailed, CodedError, GpuWorkerError, ObjectHeaderError, RingError
+from .._errors import ArenaMapFailed, GpuWorkerError, ObjectHeaderError, RingError
 from .._proto import Message
 from ._engine import Reply
+from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
 
 Emit = Callable[[str, dict[str, Any]], None]
-# ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
-_RING_REASON = {"sequence_violation": "sequence_violation", "device_allocation_failed": "device_out_of_memory",
-                "device_copy_failed": "device_copy_failed"}
-
-
-@dataclass
-class RingSlot:
-    ring_id: int
-    edge_id: str
-    port_id: str
-    direction: str
-    spec: ObjectSpec
-    ring: Ring
-    state: Any  # IngressState | EgressState
-    writable: threading.Event = field(default_factory=threading.Event)
-    # allocations handed to the drain, oldest first: one drain call may start and finish several objects
-    # before its events are read. Each is (device allocation, host staging or None when copies go direct).
-    pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
-    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # extent -> shape, a bounded cache
-    closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
-    close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
-    faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
-
-
-@dataclass(slots=True)
-class DeviceObject:
-    alloc: Any
-    dtype: str
-    shape: tuple[int, ...]
-    ring_id: int
-    object_id: int
-
-
-class DataPlaneError(CodedError):
-    """A step failed; `code` is the StepFailure name."""
-
-
-def shape_for(spec: ObjectSpec, extent: int) -> tuple[int, ...]:
-    """The spec's shape; an empty shape means 1-D of whatever length the extent implies."""
-    item = np.dtype(spec.dtype).itemsize
-    shape = tuple(int(d) for d in spec.shape) or (-1,)
-    known = math.prod(d for d in shape if d != -1)
-    if shape.count(-1) == 1 and known and extent % (known * item) == 0:
-        shape = tuple(extent // (known * item) if d == -1 else d for d in shape)
-    if math.prod(shape) * item != extent:
-        raise DataPlaneError("header_malformed", f"extent {extent} does not fit shape {spec.shape} of {spec.dtype}")
-    return shape
-
-
 def map_arena() -> mmap.mmap | None:
     """The arena the daemon handed over (GPUWORKER_ARENA_FD/BYTES), or None when it handed none."""
     fd, size = os.environ.get("GPUWORKER_ARENA_FD"), os.environ.get("GPUWORKER_ARENA_BYTES", "0")
@@ -84,7 +32,7 @@ def map_arena() -> mmap.mmap | None:
         raise ArenaMapFailed(f"cannot map arena fd {fd!r} of {size!r} bytes: {exc}") from exc
 
 
-class WorkerDataPlane:
+class WorkerDataPlane(IngressPlane):
     def __init__(self, generation: int, emit: Emit, models: dict[str, Any], arena: Any = None,
                  bridge: Any = None) -> None:
         self.generation = generation
@@ -96,6 +44,7 @@ class WorkerDataPlane:
         self._next_handle = 1
         self._bridge: Any = bridge
         self.arena = arena if arena is not None else map_arena()
+        self.stream_window = STREAM_WINDOW
 
     @property
     def bridge(self) -> Any:
@@ -302,100 +251,5 @@ class WorkerDataPlane:
         if slot is not None:
             slot.writable.set()
 
-    def drain(self, ring_id: int) -> list[tuple[str, dict[str, Any]]] | None:
-        """RING_READABLE: one native drain of an ingress ring (compute thread). None once the ring is gone."""
-        slot = self.rings.get(ring_id)
-        if slot is None:
-            return None
-        return self._drain(slot) if slot.direction == "ingress" and not slot.faulted else []
 
-    def _drain(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
-        """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
-        from ._bridge import DeviceError
-
-        out: list[tuple[str, dict[str, Any]]] = []
-        loaded: list[list[int]] = []
-        rid = slot.ring_id
-        events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n))
-        try:
-            for ev in events:
-                kind = ev[0]
-                if kind == "loaded":
-                    loaded.append(self._loaded(slot, ev[1], ev[2], ev[3]))
-                elif kind == "failed":
-                    _, code, text, object_id, sequence = ev
-                    self._drop_pending(slot)
-                    self._flush(slot, loaded, out)
-                    fields = {"ring_id": rid, "reason": code, "msg": text}
-                    fields.update({k: v for k, v in (("object_id", object_id), ("sequence", sequence))
-                                   if v is not None})
-                    out.append(("OBJECT_FAILED", fields))
-                    if code != "eof_mid_object":
-                        out.append(("RING_FAULT", {"ring_id": rid, "msg": text,
-                                                   "reason": _RING_REASON.get(code, "header_malformed")}))
-                elif kind == "ring_fault":
-                    self._drop_pending(slot)
-                    self._flush(slot, loaded, out)
-                    out.append(("RING_FAULT", {"ring_id": rid, "reason": ev[1], "msg": ev[2]}))
-                elif kind == "writable":
-                    self._flush(slot, loaded, out)
-                    out.append(("RING_WRITABLE", {"ring_id": rid}))
-            if loaded:
-                self.bridge.synchronize()  # nothing is compute-visible before every copy completed
-        except DeviceError as exc:
-            # the failed object's bytes left the ring but never reached the device: the stream cannot go on
-            self._drop_pending(slot)
-            if ev[0] == "loaded" and (not loaded or loaded[-1][0] != ev[1]):
-                failed = {"object_id": ev[1], "sequence": ev[2]}  # its own copy failed
-            else:  # the burst's synchronize failed: no object of it is known to be complete
-                failed = {"object_id": loaded[0][0], "sequence": loaded[0][1]} if loaded else {}
-                for row in loaded:
-                    self.bridge.free_device(self.objects.pop(row[3]).alloc)
-                loaded.clear()
-            slot.ring.fault()
-            slot.faulted = True
-            self._flush(slot, loaded, out)
-            out = [m for m in out if m[0] != "RING_WRITABLE"]
-            text = str(exc)
-            out.append(("OBJECT_FAILED", {"ring_id": rid, "reason": "device_copy_failed", "msg": text, **failed}))
-            out.append(("RING_FAULT", {"ring_id": rid, "reason": "device_copy_failed", "msg": text}))
-            return out
-        self._flush(slot, loaded, out)
-        return out
-
-    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[str, dict[str, Any]]]) -> None:
-        if loaded:
-            out.append(("OBJECTS_LOADED", {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id,
-                                           "worker_generation": self.generation, "objects": loaded[:]}))
-            loaded.clear()
-
-    def _resolve(self, slot: RingSlot, extent: int) -> tuple[int, int]:
-        alloc = self.bridge.alloc_device(extent)  # zero bytes allocate nothing; its host address is 0
-        if self.bridge.direct:
-            slot.pending.append((alloc, None))
-            return self.bridge.host_address(alloc), extent
-        staging = np.empty(max(extent, 1), dtype=np.uint8)
-        slot.pending.append((alloc, staging))
-        return staging.ctypes.data, extent
-
-    def _loaded(self, slot: RingSlot, object_id: int, sequence: int, extent: int) -> list[int]:
-        """[object_id, sequence, extent, handle id] of an object whose every byte is on the device."""
-        alloc, staging = slot.pending[0]
-        if staging is not None:
-            self.bridge.host_to_device(alloc, 0, memoryview(staging), extent)
-        slot.pending.popleft()
-        handle_id, self._next_handle = self._next_handle, self._next_handle + 1
-        shape = slot.shapes.get(extent)
-        if shape is None:  # objects of a ring mostly share one extent: work the shape out once per extent
-            try:
-                shape = shape_for(slot.spec, extent)
-            except DataPlaneError:
-                shape = (extent // np.dtype(slot.spec.dtype).itemsize,)
-            if len(slot.shapes) < 64:
-                slot.shapes[extent] = shape
-        self.objects[handle_id] = DeviceObject(alloc, slot.spec.dtype, shape, slot.ring_id, object_id)
-        return [object_id, sequence, extent, handle_id]
-
-    def _drop_pending(self, slot: RingSlot) -> None:
-        while slot.pending:
-            self.bridge.free_device(slot.pending.popleft()[0])
+__all__ = ["DataPlaneError", "DeviceObject", "RingSlot", "WorkerDataPlane", "map_arena", "shape_for"]
