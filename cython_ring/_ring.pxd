@@ -2,8 +2,6 @@ from cpython.buffer cimport Py_buffer
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from cython_ring._mo01 cimport ObjectSpec
-
 cdef extern from "atomics.h" nogil:
     uint64_t cr_load_acquire_u64(void* p)
     uint64_t cr_load_relaxed_u64(void* p)

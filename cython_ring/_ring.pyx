@@ -11,21 +11,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyOb
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
 
-from cython_ring._mo01 cimport (
-    MO01_EXTENT_EXCEEDS_MAX,
-    MO01_FLAGS_KNOWN,
-    MO01_HEADER_LEN,
-    MO01_OK,
-    Mo01Header,
-    Mo01Status,
-    ObjectSpec,
-    _errors,
-    mo01_check,
-    mo01_pack,
-    mo01_parse,
-)
-
-from cython_ring._mo01 import ObjectHeader, _failure
+from cython_ring._mo01 cimport _errors
 
 RING_MAGIC = R_MAGIC
 RING_VERSION = R_VERSION

@@ -44,7 +44,7 @@ from cython_ring._ring cimport (
 )
 
 from cython_ring._mo01 import ObjectHeader, _failure
-from cython_ring._ring import _STATE_NAMES, _corrupt, _u64_arg
+from cython_ring._ring import _STATE_NAMES, _u64_arg
 
 
 # --- ingress: one native call per drain (spec §11.1) ----------------------------------------

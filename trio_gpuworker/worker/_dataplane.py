@@ -225,6 +225,7 @@ class WorkerDataPlane(IngressPlane):
         while True:
             slot.writable.clear()
             if slot.closed:
+                state.abandon(slot.ring)  # a header already committed: the reader sees a fault, not a short object
                 raise DataPlaneError(slot.close_reason, f"ring {slot.ring_id} was closed while a step wrote to it")
             try:
                 n, hint = write_egress(slot.ring, state, binding["object_id"], binding["sequence"], src, extent,
