@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -218,6 +220,8 @@ class StaleHandle(GpuWorkerError):
 
 
 class RingError(GpuWorkerError):
+    """A ring cannot be used as asked (the shell's form of cython_ring.RingError)."""
+
     code = "worker_internal"
 
 
@@ -263,3 +267,40 @@ class ExtentAlignmentInvalid(ObjectHeaderError):
 
 class SequenceViolation(ObjectHeaderError):
     code = "sequence_violation"
+
+
+# The native helper (cython_ring) raises its own ValueError subclasses; the shell meets them here, by class
+# name, so this module imports nothing native.
+_NATIVE: dict[str, type[GpuWorkerError]] = {
+    "RingError": RingError,
+    "RingCorrupt": RingCorrupt,
+    "UnsupportedRingVersion": UnsupportedRingVersion,
+    "ObjectHeaderError": ObjectHeaderError,
+    "HeaderMalformed": HeaderMalformed,
+    "UnsupportedObjectVersion": UnsupportedObjectVersion,
+    "ExtentExceedsMax": ExtentExceedsMax,
+    "ExtentAlignmentInvalid": ExtentAlignmentInvalid,
+    "SequenceViolation": SequenceViolation,
+    "SpecInvalid": ConfigError,
+    "WireSpecInvalid": MalformedMessage,
+}
+
+
+def from_native(exc: BaseException) -> GpuWorkerError:
+    """The _errors type for an exception of cython_ring (by its class, nearest base first)."""
+    for cls in type(exc).__mro__:
+        mapped = _NATIVE.get(cls.__name__)
+        if mapped is not None and cls.__module__.startswith("cython_ring"):
+            return mapped(str(exc))
+    return RingError(f"{type(exc).__name__}: {exc}")
+
+
+@contextmanager
+def native_errors() -> Iterator[None]:
+    """Around a cython_ring call: its exceptions leave as this hierarchy's (chained to the native one)."""
+    try:
+        yield
+    except ValueError as exc:
+        if not type(exc).__module__.startswith("cython_ring"):
+            raise
+        raise from_native(exc) from exc

@@ -20,6 +20,7 @@ from types import TracebackType
 import trio
 
 from cython_ring import Ring
+from trio_gpuworker._errors import native_errors
 from trio_gpuworker._proto._leases import (
     ALIGN,
     RING_HEADER_LEN,
@@ -154,7 +155,8 @@ class ArenaManager:
     def init_ring(self, lease: Lease) -> Ring:
         """Write a fresh ring header (ABI v2) at the lease and return the daemon's Ring over it."""
         self._table.check_live(lease)
-        return Ring.init(self.mmap, lease.offset, lease.ring_id, lease.capacity)
+        with native_errors():
+            return Ring.init(self.mmap, lease.offset, lease.ring_id, lease.capacity)
 
     def mark_installed(self, lease: Lease, pid: int) -> None:
         """Record the worker the ring goes to; call before INSTALL_RING is written."""

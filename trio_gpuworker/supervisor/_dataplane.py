@@ -29,7 +29,16 @@ from cython_ring import (
     write_egress_batch,
 )
 
-from .._errors import DeadlineExceeded, GpuWorkerError, ObjectFailed, RingFault, StaleHandle, StepFailed, WorkerError
+from .._errors import (
+    DeadlineExceeded,
+    GpuWorkerError,
+    ObjectFailed,
+    RingFault,
+    StaleHandle,
+    StepFailed,
+    WorkerError,
+    native_errors,
+)
 from .._proto import Message
 from ._arena import ArenaManager, Lease, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
@@ -92,7 +101,8 @@ class DataPlane:
     async def install_ring(self, lane_id: str, *, direction: str, capacity: int, object_spec: dict[str, Any],
                            edge_id: str = "edge", port_id: str = "port", timeout: float | None = None) -> RingEnd:
         lane = self._lane(lane_id)
-        spec = ObjectSpec.from_wire(object_spec)
+        with native_errors():
+            spec = ObjectSpec.from_wire(object_spec)
         lease = await self.arena.lease(capacity)
         ring = self.arena.init_ring(lease)
         generation, pid = lane.generation, lane.pid
@@ -156,7 +166,8 @@ class DataPlane:
         while True:
             end.raise_if_faulted()
             end.hint = trio.Event()
-            n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
+            with native_errors():
+                n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
             self._moved(end, "ingress", n)
             if notify:
                 await self._notify(end, "RING_READABLE")
@@ -170,12 +181,14 @@ class DataPlane:
         that writes every record that fits, with one wake hint; ring space is the only backpressure. The
         buffers must stay alive and unchanged until this returns (it holds `objects`)."""
         assert end.direction == "ingress", "the daemon produces only into ingress rings"
-        records = buffer_records(objects, first_object_id, first_sequence, flags)
+        with native_errors():
+            records = buffer_records(objects, first_object_id, first_sequence, flags)
         i = 0
         while i < len(objects):
             end.raise_if_faulted()
             end.hint = trio.Event()
-            i, n, notify = write_egress_batch(end.ring, end.state, records, i)
+            with native_errors():
+                i, n, notify = write_egress_batch(end.ring, end.state, records, i)
             self._moved(end, "ingress", n)
             if notify:
                 await self._notify(end, "RING_READABLE")
@@ -275,7 +288,9 @@ class DataPlane:
             return buf.ctypes.data, extent
 
         got = len(end.received)
-        for ev in drain_ingress(end.ring, end.state, end.spec, resolve):
+        with native_errors():
+            events = drain_ingress(end.ring, end.state, end.spec, resolve)
+        for ev in events:
             if ev[0] == "loaded":
                 end.received.append((ev[1], ev[2], landing.popleft()[: ev[3]]))
                 self._moved(end, "egress", ev[3])

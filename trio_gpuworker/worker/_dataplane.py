@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from cython_ring import EgressState, IngressState, ObjectSpec, Ring, write_egress
+from cython_ring import EgressState, IngressState, ObjectHeaderError, ObjectSpec, Ring, write_egress
 
-from .._errors import ArenaMapFailed, GpuWorkerError, ObjectHeaderError, RingError
+from .._errors import ArenaMapFailed, GpuWorkerError, RingError
 from .._proto import Message
 from ._engine import Reply
 from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
@@ -69,10 +69,8 @@ class WorkerDataPlane(IngressPlane):
             spec = ObjectSpec.from_wire(msg["object_spec"])
             ring = Ring.attach(self.arena, layout["offset"], expected_ring_id=ring_id,
                                expected_capacity=layout["capacity"])
-        except GpuWorkerError as exc:
+        except (GpuWorkerError, ValueError) as exc:  # cython_ring's errors carry their wire code
             return fail(getattr(exc, "code", "ring_layout_invalid"), str(exc))
-        except ValueError as exc:
-            return fail("ring_layout_invalid", str(exc))
         state = IngressState() if msg["direction"] == "ingress" else EgressState(spec)
         self.rings[ring_id] = RingSlot(ring_id, msg["edge_id"], msg["port_id"], msg["direction"], spec, ring, state)
         return Reply("RING_INSTALLED", {"ring_id": ring_id})
