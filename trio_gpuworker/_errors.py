@@ -269,6 +269,50 @@ class SequenceViolation(ObjectHeaderError):
     code = "sequence_violation"
 
 
+# --- arena leases -----------------------------------------------------------------------------
+
+
+class ArenaError(GpuWorkerError):
+    """Root of the arena's errors."""
+
+    code = "arena_error"
+
+
+class InvalidLeaseRequest(ArenaError, ValueError):
+    """Capacity not a positive multiple of 64, or an ill-typed argument."""
+
+    code = "invalid_lease_request"
+
+
+class LeaseRejected(ArenaError):
+    """The ring could never fit this arena, however many leases are released."""
+
+    code = "lease_rejected"
+
+
+class QuiescenceUnproven(ArenaError):
+    """A release came without a valid quiescence proof; the lease is kept."""
+
+    code = "quiescence_unproven"
+
+
+class LeaseStateError(ArenaError):
+    """The lease is released already, was installed already, or belongs to another arena."""
+
+    code = "lease_state_invalid"
+
+
+class ArenaBusy(ArenaError):
+    """The arena cannot close while leases are live (or its mapping is still exported)."""
+
+    code = "arena_busy"
+
+
+class ClosedArenaError(ArenaError):
+    """We closed the arena; it mints no more leases."""
+
+    code = "shutting_down"
+
 # The native helper (cython_ring) raises its own ValueError subclasses; the shell meets them here, by class
 # name, so this module imports nothing native.
 _NATIVE: dict[str, type[GpuWorkerError]] = {

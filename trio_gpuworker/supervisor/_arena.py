@@ -20,24 +20,27 @@ from types import TracebackType
 import trio
 
 from cython_ring import Ring
-from trio_gpuworker._errors import native_errors
-from trio_gpuworker._proto._leases import (
-    ALIGN,
-    RING_HEADER_LEN,
+
+from .._errors import (
     ArenaBusy,
     ArenaError,
     ClosedArenaError,
     InvalidLeaseRequest,
-    Lease,
     LeaseRejected,
-    LeaseState,
     LeaseStateError,
+    QuiescenceUnproven,
+    native_errors,
+)
+from .._proto import (
+    ALIGN,
+    RING_HEADER_LEN,
+    Lease,
+    LeaseState,
     LeaseStats,
     LeaseTable,
     NeverInstalled,
     Proof,
     Quiesced,
-    QuiescenceUnproven,
     Reaped,
     Ticket,
 )
