@@ -44,7 +44,7 @@ SPEC = {"kind": "bytes", "max_extent": 1 << 30, "alignment": 1, "dtype": "uint8"
 FRAME_READER = """
 import os, socket, sys
 sys.path.insert(0, sys.argv[1])
-from trio_gpuworker._proto._framing import FrameDecoder
+from trio_gpuworker._proto import FrameDecoder
 s = socket.socket(fileno=int(sys.argv[2])); dec = FrameDecoder(1 << 30); n = int(sys.argv[3]); seen = 0
 while True:
     data = s.recv(1 << 20)

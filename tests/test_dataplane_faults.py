@@ -24,7 +24,7 @@ from trio_gpuworker import (
     Windows,
 )
 from trio_gpuworker._proto import Message
-from trio_gpuworker.supervisor._arena import ArenaManager
+from trio_gpuworker.supervisor import ArenaManager
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
@@ -294,7 +294,7 @@ async def test_an_unknown_ring_version_is_named_as_such() -> None:
 
 
 def _quiesced(lease: Any) -> Any:
-    from trio_gpuworker.supervisor._arena import NeverInstalled
+    from trio_gpuworker._proto import NeverInstalled
 
     return NeverInstalled(lease.ring_id)  # no worker process: the in-process plane never held the lease
 
