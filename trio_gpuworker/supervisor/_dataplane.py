@@ -7,11 +7,10 @@ buffers. Wake hints are coalesced through the ring's wake bits (cython_ring does
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import math
 import mmap
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from cython_ring import (
     EgressState,
     IngressState,
     ObjectSpec,
-    Ring,
     buffer_records,
     drain_ingress,
     write_egress,
@@ -30,6 +28,7 @@ from cython_ring import (
 )
 
 from .._errors import (
+    ArenaError,
     DeadlineExceeded,
     GpuWorkerError,
     ObjectFailed,
@@ -40,44 +39,9 @@ from .._errors import (
     native_errors,
 )
 from .._proto import Message
-from ._arena import ArenaManager, Lease, NeverInstalled, Quiesced, Reaped
+from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
-
-
-@dataclass(eq=False)
-class RingEnd:
-    """The daemon's end of one ring installed on one worker generation."""
-
-    lane: Lane
-    generation: int
-    lease: Lease
-    ring: Ring
-    direction: str  # the worker's view: on an "ingress" ring the daemon produces
-    spec: ObjectSpec
-    edge_id: str
-    port_id: str
-    state: Any  # EgressState when the daemon produces, IngressState when it consumes
-    hint: trio.Event = field(default_factory=trio.Event)
-    fault: RingFault | None = None
-    # ingress completions in stream order: ("loaded", object_id, sequence, extent, handle id) rows, or a
-    # Message (OBJECT_FAILED / RING_FAULT); a whole OBJECTS_LOADED batch lands with one extend
-    events: collections.deque[Any] = field(default_factory=collections.deque)
-    event_ready: trio.Event = field(default_factory=trio.Event)
-    steps: int = 0  # steps in flight that write to this egress ring: uninstalling it must not wait for them
-    quiesced: trio.Event = field(default_factory=trio.Event)
-    received: collections.deque[tuple[int, int, np.ndarray]] = field(default_factory=collections.deque)
-    # egress destinations handed to the drain, oldest first; an object larger than the ring spans drains
-    landing: collections.deque[np.ndarray] = field(default_factory=collections.deque)
-    released: bool = False
-    bytes_moved: int = 0
-
-    @property
-    def ring_id(self) -> int:
-        return self.lease.ring_id
-
-    def raise_if_faulted(self) -> None:
-        if self.fault is not None:
-            raise self.fault
+from ._ringend import RingEnd
 
 
 class DataPlane:
@@ -374,7 +338,8 @@ class DataPlane:
             end.event_ready.set()
             return
         if msg.t == "RING_QUIESCED":  # the answer to an out-of-band UNINSTALL_RING
-            self._release(end, Quiesced(end.ring_id, pump_stopped=True))
+            with contextlib.suppress(ArenaError):  # a refused proof keeps the lease until the worker is reaped
+                self._release(end, Quiesced(end.ring_id, pump_stopped=True))
             return
         if msg.t == "RING_FAULT":
             end.fault = RingFault(msg["reason"], msg.get("msg", ""))
