@@ -200,6 +200,11 @@ class DeviceBridge:
             self.synchronize()
         return DeviceAlloc(nbytes, self.device, buf)
 
+    def alloc_mapped(self, nbytes: int) -> tuple[DeviceAlloc, int]:
+        """alloc_device plus host_address in one call (direct only): the ingress drain's per-object path."""
+        alloc = self.alloc_device(nbytes)
+        return alloc, 0 if alloc.buffer is None else int(alloc.buffer._buf.va_addr)
+
     def free_device(self, alloc: DeviceAlloc) -> None:
         """Release an allocation. Memory still named by a live tensor (as_tensor, from_tensor) is freed when that
         tensor dies instead; either way the handle is dead at once. A second free raises invalid_device_handle."""

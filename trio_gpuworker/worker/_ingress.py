@@ -91,8 +91,11 @@ class IngressPlane:
         out: list[tuple[str, dict[str, Any]]] = []
         loaded: list[list[int]] = []
         rid = slot.ring_id
-        events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n),
-                               None if self.bridge.direct else lambda off, n: self._flush_window(slot, off, n))
+        if self.bridge.direct:
+            events = drain_ingress(slot.ring, slot.state, slot.spec, self._direct_resolver(slot))
+        else:
+            events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n),
+                                   lambda off, n: self._flush_window(slot, off, n))
         try:
             for ev in events:
                 kind = ev[0]
@@ -145,11 +148,20 @@ class IngressPlane:
                                            "worker_generation": self.generation, "objects": loaded[:]}))
             loaded.clear()
 
+    def _direct_resolver(self, slot: RingSlot) -> Any:
+        """Host-addressable device memory (CPU): the drain copies straight into the allocation. Called once per
+        object, so it binds what it needs up front."""
+        alloc_mapped, pending = self.bridge.alloc_mapped, slot.pending
+
+        def resolve(object_id: int, sequence: int, extent: int) -> tuple[int, int]:
+            alloc, address = alloc_mapped(extent)  # zero bytes allocate nothing; the address is then 0
+            pending.append((alloc, None))
+            return address, extent
+
+        return resolve
+
     def _resolve(self, slot: RingSlot, extent: int) -> tuple[int, int]:
-        alloc = self.bridge.alloc_device(extent)  # zero bytes allocate nothing; its host address is 0
-        if self.bridge.direct:
-            slot.pending.append((alloc, None))
-            return self.bridge.host_address(alloc), extent
+        alloc = self.bridge.alloc_device(extent)
         if extent > self.stream_window:
             # a device without host-addressable memory: the object streams through one bounded host window,
             # copied into the device buffer as it fills (_flush_window), so it never needs its own size in RAM
