@@ -7,8 +7,10 @@
 - echo round trip: load, EXECUTE_STEP(echo), pull from the egress ring, one object at a time;
 - the native drain alone (bench/ring_native.py's 4 KiB case), for the end-to-end / native ratio;
 - baselines measured in the same run: a single-process two-copy memcpy (source -> staging ->
-  destination, buffers reused, page-aligned) and the same bytes sent as raw frames on a Unix
-  socket to a child process that decodes them with our FrameDecoder.
+  destination, buffers reused, page-aligned, so in cache up to a few MiB), the same two copies with
+  the ingress path's footprint ("cold": staging walks a ring-sized region, each object gets its own
+  destination), and the same bytes sent as raw frames on a Unix socket to a child process that
+  decodes them with our FrameDecoder.
 
     .venv/bin/python bench/ring.py [--quick]
 """
@@ -74,6 +76,22 @@ def memcpy_two_copy(size: int, n: int) -> float:
     for _ in range(n):
         np.copyto(staging, src)
         np.copyto(dst, staging)
+    return size * n / (time.perf_counter() - t0)
+
+
+def memcpy_two_copy_cold(size: int, n: int) -> float:
+    """The same two copies with the ingress path's memory footprint: staging walks a ring-sized region and
+    every object lands in its own destination (the lap's device buffers), so neither fits in cache."""
+    src = page_aligned(size)
+    src[:] = 7
+    staging, dst = page_aligned(max(RING_CAPACITY, size)), page_aligned(size * n)
+    dst[:] = 0
+    slots = max(1, staging.nbytes // size)
+    t0 = time.perf_counter()
+    for i in range(n):
+        k = (i % slots) * size
+        np.copyto(staging[k:k + size], src)
+        np.copyto(dst[i * size:(i + 1) * size], staging[k:k + size])
     return size * n / (time.perf_counter() - t0)
 
 
@@ -182,15 +200,16 @@ def main() -> None:
     rings = trio.run(ring_paths, SIZES, args.quick)
     native = native_drain_objects_per_s(0.5 if args.quick else 2.0)
     print(f"{os.cpu_count()} CPUs; ring capacity {human(RING_CAPACITY)}; GB/s = 1e9 bytes/s")
-    print(f"{'object':>8} {'memcpy x2':>10} {'socket':>8} {'ingress':>8} {'obj/s':>9} {'us cpu/obj':>10} "
-          f"{'echo rt':>8} {'ingress/memcpy':>15} {'ingress/socket':>15} {'echo/memcpy':>12}")
+    print(f"{'object':>8} {'memcpy x2':>10} {'x2 cold':>8} {'socket':>8} {'ingress':>8} {'obj/s':>9} "
+          f"{'us cpu/obj':>10} {'echo rt':>8} {'ingress/memcpy':>15} {'ingress/cold':>13} {'ingress/socket':>15} "
+          f"{'echo/memcpy':>12} {'echo/cold':>10}")
     for size in SIZES:
         n = count_for(size, args.quick)
-        mem, sock = memcpy_two_copy(size, n), socket_frames(size, n)
+        mem, cold, sock = memcpy_two_copy(size, n), memcpy_two_copy_cold(size, n), socket_frames(size, n)
         ing, objs, echo, cpu = rings[size]
-        print(f"{human(size):>8} {mem / 1e9:>10.2f} {sock / 1e9:>8.2f} {ing / 1e9:>8.2f} {objs:>9.0f} "
-              f"{cpu * 1e6:>10.2f} {echo / 1e9:>8.2f} {ing / mem:>14.2f}x {ing / sock:>14.2f}x "
-              f"{echo / mem:>11.2f}x")
+        print(f"{human(size):>8} {mem / 1e9:>10.2f} {cold / 1e9:>8.2f} {sock / 1e9:>8.2f} {ing / 1e9:>8.2f} "
+              f"{objs:>9.0f} {cpu * 1e6:>10.2f} {echo / 1e9:>8.2f} {ing / mem:>14.2f}x {ing / cold:>12.2f}x "
+              f"{ing / sock:>14.2f}x {echo / mem:>11.2f}x {echo / cold:>9.2f}x")
     objs4k = rings[4 * KiB][1]
     print(f"native drain, 4 KiB: {native:.0f} objects/s; end to end {objs4k:.0f} objects/s = "
           f"{objs4k / native:.2f}x native")
