@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,14 @@ def map_arena() -> mmap.mmap | None:
         return mmap.mmap(int(fd), nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if nbytes else None
     except (OSError, ValueError, OverflowError) as exc:
         raise ArenaMapFailed(f"cannot map arena fd {fd!r} of {size!r} bytes: {exc}") from exc
+
+
+def _quietly(release: Callable[[Any], None], what: Any) -> None:
+    """On shutdown one failed release must not keep the rest: log it and go on (the process exits next)."""
+    try:
+        release(what)
+    except GpuWorkerError as exc:
+        print(f"worker: releasing {what!r} on shutdown: {exc}", file=sys.stderr)
 
 
 class WorkerDataPlane(IngressPlane):
@@ -109,11 +118,11 @@ class WorkerDataPlane(IngressPlane):
     def stop(self) -> list[int]:
         """SHUTDOWN: quiesce every ring and free every device object (compute thread). Returns the ring ids."""
         ring_ids = list(self.rings)
-        for ring_id in ring_ids:
-            self.quiesce(ring_id)
         objects, self.objects = self.objects, {}
+        for ring_id in ring_ids:
+            _quietly(self.quiesce, ring_id)
         for obj in objects.values():
-            self.bridge.free_device(obj.alloc)
+            _quietly(self.bridge.free_device, obj.alloc)
         return ring_ids
 
     def configure_role(self, msg: Message) -> Reply:
