@@ -164,9 +164,11 @@ async def test_abort_in_flight_fails_a_blocked_step_at_once(tmp_path: Path) -> N
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(step)
                 await wait_until(lambda: egress.ring.readable == egress.ring.capacity)
-                # what the daemon writes past a request in flight: the worker must not wait for the step
-                await lane.notify(lane.generation, "SHUTDOWN", {"req_id": 1 << 40, "mode": "abort_in_flight"})
+                await lane.abort_in_flight()  # out of band: the worker must not wait for the step
         assert [f.code for f in failures] == ["worker_shutting_down"]
+        await wait_until(lambda: lane.generation == 2)
+        await sup.wait_ready(PROMPT_S)
+        assert lane.policy.strikes == 0  # an ordered stop, not a fault
 
 
 async def test_a_batch_with_a_bad_header_loads_the_good_objects_first(tmp_path: Path) -> None:

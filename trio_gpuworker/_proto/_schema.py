@@ -50,7 +50,8 @@ SCHEMAS: dict[str, Spec] = {
                      raw=True),
     "UNLOAD": Spec(DAEMON, {**REQ, "model_ref": text}),
     "PING": Spec(DAEMON, REQ),
-    "SHUTDOWN": Spec(DAEMON, REQ, {"mode": one_of("graceful", "abort_in_flight")}),
+    # without req_id: out of band, past a request in flight (abort_in_flight); WORKER_STOPPED then has none
+    "SHUTDOWN": Spec(DAEMON, {}, {"req_id": uint, "mode": one_of("graceful", "abort_in_flight")}),
     # replies
     "LOADED": Spec(WORKER, {**REQ, "model_ref": text, "dims": uint, "cold_load_ms": number}),
     "VECTORS": Spec(WORKER, {**REQ, "dims": uint, "n": uint}, raw=True),

@@ -153,7 +153,8 @@ class WorkerServer:
                     try:
                         await self.compute.run(self.engine.dataplane.stop)
                     finally:
-                        await self.send("WORKER_STOPPED", {"reason": self.stopping, "req_id": msg["req_id"]})
+                        req = {"req_id": msg["req_id"]} if "req_id" in msg.fields else {}
+                        await self.send("WORKER_STOPPED", {"reason": self.stopping, **req})
                     return
                 if self.stopping is not None:
                     await self.send("ERR", {"req_id": msg["req_id"], "code": "worker_shutting_down",
