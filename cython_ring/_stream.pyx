@@ -101,7 +101,8 @@ cdef int _ring_faulted(list events, uint8_t* hdr, IngressState state, str messag
 
 
 def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec spec not None,
-                  dst_resolver: object, flush: object = None) -> list[tuple[object, ...]]:
+                  dst_resolver: object, flush: object = None,
+                  Py_ssize_t max_objects=0) -> list[tuple[object, ...]]:
     """Parse, validate and copy everything committed; advance consume behind the copies.
 
     `dst_resolver(object_id, sequence, extent) -> (address, size)` is called once per valid
@@ -113,6 +114,10 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
     window bytes [0, n) to object bytes [offset, offset + n) (a device copy) before the window is
     reused. So an object never needs host memory of its own size. Exceptions from flush become a
     device_copy_failed event.
+
+    `max_objects` > 0 stops the drain after that many loaded objects, so a consumer can hand a
+    first part of a long burst on while the rest waits; the caller drains again itself (no new
+    hint comes for bytes already committed).
 
     Clears the READABLE bit first and drains until no progress, so a commit it misses sets the
     bit again and triggers a fresh hint. Events, in stream order:
@@ -136,6 +141,7 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
     cdef Mo01Header h
     cdef Mo01Status status
     cdef bint short
+    cdef Py_ssize_t loaded_now = 0
     ring._busy += 1
     try:
         cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_READABLE))
@@ -250,6 +256,9 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
                 state._phase = IN_NEED_HEADER
                 state.objects_loaded += 1
                 events.append(("loaded", state.object_id, state.sequence, state.extent, state.flags))
+                loaded_now += 1
+                if loaded_now == max_objects:
+                    break
     finally:
         if published != consume:
             cr_store_release_u64(hdr + OFF_CONSUME, consume)

@@ -343,3 +343,15 @@ async def test_random_batches_echo_back_byte_for_byte(tmp_path: Path, seed: int)
 async def _pull_n(dp: Any, end: Any, count: int, out: list) -> None:
     while len(out) < count:
         out.extend(await dp.pull_many(end))
+
+
+async def test_a_burst_longer_than_one_drain_chunk_is_drained_without_more_hints(tmp_path: Path) -> None:
+    from trio_gpuworker.worker._ingress import DRAIN_CHUNK
+
+    async with Supervisor(config(tmp_path)) as sup:
+        dp = sup.dataplane
+        end = await dp.install_ring("dp", direction="ingress", capacity=1 << 20, object_spec=BYTES)
+        objects = [np.full(8, k % 251, np.uint8) for k in range(3 * DRAIN_CHUNK + 5)]  # one burst, one hint
+        with trio.fail_after(PROMPT_S):
+            handles = await dp.load_many(end, objects, first_object_id=0, first_sequence=0)
+        assert len({h["id"] for h in handles}) == len(objects)

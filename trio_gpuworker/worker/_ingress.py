@@ -16,6 +16,9 @@ from cython_ring import ObjectSpec, Ring, drain_ingress
 from .._errors import CodedError
 
 # ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
+# objects per native drain call: a long burst goes back in parts, so the daemon resolves (and refills the
+# ring) while the rest is drained
+DRAIN_CHUNK = 256
 STREAM_WINDOW = 4 << 20  # bytes of host memory a large ingress object streams through off CPU
 _RING_REASON = {"sequence_violation": "sequence_violation", "device_allocation_failed": "device_out_of_memory",
                 "device_copy_failed": "device_copy_failed"}
@@ -35,6 +38,7 @@ class RingSlot:
     # before its events are read. Each is (device allocation, host staging or None when copies go direct).
     pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # extent -> shape, a bounded cache
+    more: bool = False  # the last drain stopped at DRAIN_CHUNK objects: drain again without a hint
     window: np.ndarray | None = None  # the host window large objects stream through on non-CPU devices
     closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
     close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
@@ -77,6 +81,11 @@ class IngressPlane:
     _next_handle: int
     bridge: Any
 
+    def more(self, ring_id: int) -> bool:
+        """Whether the last drain of this ring stopped early with objects possibly left to drain."""
+        slot = self.rings.get(ring_id)
+        return slot is not None and slot.more
+
     def drain(self, ring_id: int) -> list[tuple[str, dict[str, Any]]] | None:
         """RING_READABLE: one native drain of an ingress ring (compute thread). None once the ring is gone."""
         slot = self.rings.get(ring_id)
@@ -92,10 +101,13 @@ class IngressPlane:
         loaded: list[list[int]] = []
         rid = slot.ring_id
         if self.bridge.direct:
-            events = drain_ingress(slot.ring, slot.state, slot.spec, self._direct_resolver(slot))
+            events = drain_ingress(slot.ring, slot.state, slot.spec, self._direct_resolver(slot), None,
+                                   DRAIN_CHUNK)
         else:
             events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n),
-                                   lambda off, n: self._flush_window(slot, off, n))
+                                   lambda off, n: self._flush_window(slot, off, n), DRAIN_CHUNK)
+        # a full chunk may have left committed objects behind, and no hint will come for them
+        slot.more = sum(1 for ev in events if ev[0] == "loaded") == DRAIN_CHUNK
         try:
             for ev in events:
                 kind = ev[0]

@@ -141,6 +141,8 @@ class WorkerServer:
                 if notices is None:
                     return  # the ring is gone
                 await self.send_many(notices)
+                if dataplane.more(ring_id):  # the drain stopped at its chunk size: go on without a hint
+                    self._drain_wakeups[ring_id].set()
         finally:
             self._drain_wakeups.pop(ring_id, None)
 
