@@ -355,3 +355,23 @@ async def test_a_burst_longer_than_one_drain_chunk_is_drained_without_more_hints
         with trio.fail_after(PROMPT_S):
             handles = await dp.load_many(end, objects, first_object_id=0, first_sequence=0)
         assert len({h["id"] for h in handles}) == len(objects)
+
+
+async def test_graceful_shutdown_quiesces_rings_before_worker_stopped(tmp_path: Path) -> None:
+    async with Supervisor(config(tmp_path)) as sup:
+        dp, lane = sup.dataplane, sup.lanes["dp"]
+        events = sup.subscribe()
+        end = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC)
+        await dp.load(end, np.ones(4, np.float32), object_id=1, sequence=0)
+        with trio.fail_after(PROMPT_S):
+            await lane.reload()  # an ordered restart: SHUTDOWN graceful
+        seen = []
+        while True:
+            try:
+                seen.append(events.receive_nowait())
+            except trio.WouldBlock:
+                break
+        assert {"t": "RING_QUIESCED", "ring_id": end.ring_id} in [{k: e.get(k) for k in ("t", "ring_id")}
+                                                                    for e in seen]
+        assert not any(e["t"] == "RING_FAULT" for e in seen)  # released on its quiescence, not on the reap
+        assert end.released and sup.arena.live() == []

@@ -153,7 +153,8 @@ class WorkerServer:
                     # both modes end the same way once nothing runs: rings quiesced, device objects freed
                     self.stopping = msg.get("mode", "graceful")
                     try:
-                        await self.compute.run(self.engine.dataplane.stop)
+                        quiesced = await self.compute.run(self.engine.dataplane.stop)
+                        await self.send_many([("RING_QUIESCED", {"ring_id": r}) for r in quiesced])
                     finally:
                         req = {"req_id": msg["req_id"]} if "req_id" in msg.fields else {}
                         await self.send("WORKER_STOPPED", {"reason": self.stopping, **req})
