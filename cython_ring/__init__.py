@@ -1,5 +1,6 @@
 """Native ring helper: MO01 header codec, ring header ABI v2, ingress drain and egress write."""
 
+from cython_ring._egress import EgressState, buffer_records, write_egress, write_egress_batch
 from cython_ring._mo01 import (
     FLAG_BEGIN_SEQUENCE,
     FLAG_END_OF_SEQUENCE,
@@ -23,14 +24,7 @@ from cython_ring._ring import (
     WAKE_WRITABLE,
     Ring,
 )
-from cython_ring._stream import (
-    EgressState,
-    IngressState,
-    buffer_records,
-    drain_ingress,
-    write_egress,
-    write_egress_batch,
-)
+from cython_ring._stream import IngressState, drain_ingress
 from cython_ring.errors import (
     ExtentAlignmentInvalid,
     ExtentExceedsMax,
