@@ -108,11 +108,14 @@ class IngressPlane:
                                    lambda off, n: self._flush_window(slot, off, n), DRAIN_CHUNK)
         # a full chunk may have left committed objects behind, and no hint will come for them
         slot.more = sum(1 for ev in events if ev[0] == "loaded") == DRAIN_CHUNK
+        copying: tuple[int, int] | None = None  # the object whose device copy is running
         try:
             for ev in events:
                 kind = ev[0]
                 if kind == "loaded":
+                    copying = (ev[1], ev[2])
                     loaded.append(self._loaded(slot, ev[1], ev[2], ev[3]))
+                    copying = None
                 elif kind == "failed":
                     _, code, text, object_id, sequence = ev
                     self._drop_pending(slot)
@@ -131,31 +134,31 @@ class IngressPlane:
                 elif kind == "writable":
                     self._flush(slot, loaded, out)
                     out.append(("RING_WRITABLE", {"ring_id": rid}))
-            if loaded:
-                self.bridge.synchronize()  # nothing is compute-visible before every copy completed
+            self._flush(slot, loaded, out)
         except DeviceError as exc:
             # the failed object's bytes left the ring but never reached the device: the stream cannot go on
             self._drop_pending(slot)
-            if ev[0] == "loaded" and (not loaded or loaded[-1][0] != ev[1]):
-                failed = {"object_id": ev[1], "sequence": ev[2]}  # its own copy failed
-            else:  # the burst's synchronize failed: no object of it is known to be complete
+            if copying is not None:  # its own copy failed; the objects before it were copied synchronously
+                failed = {"object_id": copying[0], "sequence": copying[1]}
+            else:  # the synchronize before reporting failed: none of these objects is known to be complete
                 failed = {"object_id": loaded[0][0], "sequence": loaded[0][1]} if loaded else {}
                 for row in loaded:
                     self.bridge.free_device(self.objects.pop(row[3]).alloc)
                 loaded.clear()
             slot.ring.fault()
             slot.faulted = True
-            self._flush(slot, loaded, out)
+            self._flush(slot, loaded, out, synchronize=False)
             out = [m for m in out if m[0] != "RING_WRITABLE"]
             text = str(exc)
             out.append(("OBJECT_FAILED", {"ring_id": rid, "reason": "device_copy_failed", "msg": text, **failed}))
             out.append(("RING_FAULT", {"ring_id": rid, "reason": "device_copy_failed", "msg": text}))
-            return out
-        self._flush(slot, loaded, out)
         return out
 
-    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[str, dict[str, Any]]]) -> None:
+    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[str, dict[str, Any]]],
+               synchronize: bool = True) -> None:
         if loaded:
+            if synchronize:
+                self.bridge.synchronize()  # nothing is compute-visible before every copy completed
             out.append(("OBJECTS_LOADED", {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id,
                                            "worker_generation": self.generation, "objects": loaded[:]}))
             loaded.clear()
