@@ -1,5 +1,6 @@
 """Native ring helper: MO01 header codec, ring header ABI v2, ingress drain and egress write."""
 
+from cython_ring._egress import EgressState, buffer_records, write_egress, write_egress_batch
 from cython_ring._mo01 import (
     FLAG_BEGIN_SEQUENCE,
     FLAG_END_OF_SEQUENCE,
@@ -23,7 +24,20 @@ from cython_ring._ring import (
     WAKE_WRITABLE,
     Ring,
 )
-from cython_ring._stream import EgressState, IngressState, drain_ingress, write_egress
+from cython_ring._stream import IngressState, drain_ingress
+from cython_ring.errors import (
+    ExtentAlignmentInvalid,
+    ExtentExceedsMax,
+    HeaderMalformed,
+    ObjectHeaderError,
+    RingCorrupt,
+    RingError,
+    SequenceViolation,
+    SpecInvalid,
+    UnsupportedObjectVersion,
+    UnsupportedRingVersion,
+    WireSpecInvalid,
+)
 
 __all__ = [
     "FLAG_BEGIN_SEQUENCE",
@@ -40,13 +54,26 @@ __all__ = [
     "WAKE_READABLE",
     "WAKE_WRITABLE",
     "EgressState",
+    "ExtentAlignmentInvalid",
+    "ExtentExceedsMax",
+    "HeaderMalformed",
     "IngressState",
     "ObjectHeader",
+    "ObjectHeaderError",
     "ObjectSpec",
     "Ring",
+    "RingCorrupt",
+    "RingError",
+    "SequenceViolation",
+    "SpecInvalid",
+    "UnsupportedObjectVersion",
+    "UnsupportedRingVersion",
+    "WireSpecInvalid",
+    "buffer_records",
     "decode_header",
     "drain_ingress",
     "encode_header",
     "validate",
     "write_egress",
+    "write_egress_batch",
 ]

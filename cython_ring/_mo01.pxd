@@ -124,5 +124,5 @@ cdef class ObjectSpec:
     cdef readonly bint strict
 
 
-# The error hierarchy, imported on first failure (trio_gpuworker/__init__ pulls in trio).
+# The package's own exception classes (cython_ring.errors); the trio shell maps them to its hierarchy.
 cdef object _errors()

@@ -21,15 +21,11 @@ SEQUENCE_POLICIES = ("strict", "none")
 _U64_MAX = 2**64 - 1
 _WIRE_FIELDS = ("kind", "max_extent", "alignment", "dtype", "shape", "sequence_policy")
 
-cdef object _errors_module = None
+from cython_ring import errors as _errors_module
 
 
 cdef object _errors():
-    # trio_gpuworker/__init__ may grow heavy imports; the error classes are only needed on failure.
-    global _errors_module
-    if _errors_module is None:
-        from trio_gpuworker import _errors
-        _errors_module = _errors
+    # the package's own exceptions (cython_ring.errors); the trio shell maps them to its hierarchy
     return _errors_module
 
 
@@ -188,7 +184,7 @@ cdef class ObjectSpec:
                  sequence_policy: str = "strict") -> None:
         problem = _spec_problem(kind, max_extent, alignment, dtype, shape, sequence_policy)
         if problem:
-            raise _err("ConfigError", problem)
+            raise _err("SpecInvalid", problem)
         self.kind = kind
         self.max_extent = max_extent
         self.alignment = alignment
@@ -201,18 +197,18 @@ cdef class ObjectSpec:
     def from_wire(wire: object) -> ObjectSpec:
         """Build from a control-message map; a missing, unknown or ill-typed field is MalformedMessage."""
         if not isinstance(wire, dict):
-            raise _err("MalformedMessage", f"object_spec must be a map, got {type(wire).__name__}")
+            raise _err("WireSpecInvalid", f"object_spec must be a map, got {type(wire).__name__}")
         missing = [k for k in _WIRE_FIELDS[:5] if k not in wire]
         if missing:
-            raise _err("MalformedMessage", f"object_spec is missing {', '.join(missing)}")
+            raise _err("WireSpecInvalid", f"object_spec is missing {', '.join(missing)}")
         unknown = sorted(str(k) for k in wire if k not in _WIRE_FIELDS)
         if unknown:
-            raise _err("MalformedMessage", f"object_spec has unknown fields {', '.join(unknown)}")
+            raise _err("WireSpecInvalid", f"object_spec has unknown fields {', '.join(unknown)}")
         args = (wire["kind"], wire["max_extent"], wire["alignment"], wire["dtype"], wire["shape"],
                 wire.get("sequence_policy", "strict"))
         problem = _spec_problem(*args)
         if problem:
-            raise _err("MalformedMessage", problem)
+            raise _err("WireSpecInvalid", problem)
         return ObjectSpec(*args)
 
     def to_wire(self) -> dict[str, object]:

@@ -2,8 +2,6 @@ from cpython.buffer cimport Py_buffer
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from cython_ring._mo01 cimport ObjectSpec
-
 cdef extern from "atomics.h" nogil:
     uint64_t cr_load_acquire_u64(void* p)
     uint64_t cr_load_relaxed_u64(void* p)
@@ -39,6 +37,15 @@ cdef enum:
 
 
 # Copies between the ring's data region and flat memory, splitting at the wrap point.
+# Faults the shared state (from any state); the peer sees it on its next look.
+cdef inline void _fault_shared(uint8_t* hdr) noexcept nogil:
+    cdef uint32_t st
+    while True:
+        st = cr_load_acquire_u32(hdr + OFF_STATE)
+        if st == S_FAULTED or cr_cas_u32(hdr + OFF_STATE, st, S_FAULTED):
+            return
+
+
 cdef inline void ring_read(const uint8_t* data, uint64_t cap, uint64_t pos, uint8_t* dst,
                            uint64_t n) noexcept nogil:
     cdef uint64_t phys = pos % cap

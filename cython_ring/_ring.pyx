@@ -11,21 +11,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyOb
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
 
-from cython_ring._mo01 cimport (
-    MO01_EXTENT_EXCEEDS_MAX,
-    MO01_FLAGS_KNOWN,
-    MO01_HEADER_LEN,
-    MO01_OK,
-    Mo01Header,
-    Mo01Status,
-    ObjectSpec,
-    _errors,
-    mo01_check,
-    mo01_pack,
-    mo01_parse,
-)
-
-from cython_ring._mo01 import ObjectHeader, _failure
+from cython_ring._mo01 cimport _errors
 
 RING_MAGIC = R_MAGIC
 RING_VERSION = R_VERSION
@@ -204,7 +190,8 @@ cdef class Ring:
         if magic != R_MAGIC:
             raise corrupt(f"ring magic 0x{magic:08x} at offset {offset}, expected 0x{R_MAGIC:08x} (SWRG)")
         if _le16(h + OFF_VERSION) != R_VERSION:
-            raise corrupt(f"ring ABI version {_le16(h + OFF_VERSION)}, expected {R_VERSION}")
+            raise _errors().UnsupportedRingVersion(
+                f"ring ABI version {_le16(h + OFF_VERSION)}, expected {R_VERSION}")
         if _le16(h + OFF_HEADER_LEN) != R_HEADER_LEN:
             raise corrupt(f"ring header_len {_le16(h + OFF_HEADER_LEN)}, expected {R_HEADER_LEN}")
         r.ring_id = _le64(h + OFF_RING_ID)

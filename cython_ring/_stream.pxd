@@ -12,18 +12,8 @@ cdef class IngressState:
     cdef readonly uint32_t flags
     cdef readonly uint64_t copied
     cdef uint64_t _dst
+    cdef uint64_t _window  # 0: the destination holds the whole object; else a window flushed as it fills
+    cdef uint64_t _filled
     cdef readonly uint64_t objects_loaded
     cdef readonly uint64_t bytes_consumed
     cdef readonly object last_exception
-
-
-cdef class EgressState:
-    cdef int _phase
-    cdef readonly ObjectSpec spec
-    cdef readonly uint64_t expected_sequence
-    cdef readonly uint64_t object_id
-    cdef readonly uint64_t sequence
-    cdef readonly uint64_t extent
-    cdef readonly uint32_t flags
-    cdef readonly uint64_t produced
-    cdef readonly uint64_t objects_produced

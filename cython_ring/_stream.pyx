@@ -1,21 +1,18 @@
 # cython: annotation_typing=False
 # Annotations document the Python API; arguments are checked below so errors stay typed.
-"""The byte streams over a ring (spec §11): the ingress drain (one native call parses, validates and
-copies every committed object prefix) and the egress writer, with their per-ring parser states."""
+"""The ingress byte stream over a ring (spec §11.1): one native call parses, validates and copies every
+committed object prefix, with the per-ring parser state. The egress writers are in _egress.pyx."""
 
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, uintptr_t
 
 from cython_ring._mo01 cimport (
     MO01_EXTENT_EXCEEDS_MAX,
-    MO01_FLAGS_KNOWN,
     MO01_HEADER_LEN,
     MO01_OK,
     Mo01Header,
     Mo01Status,
     ObjectSpec,
-    _errors,
     mo01_check,
-    mo01_pack,
     mo01_parse,
 )
 from cython_ring._ring cimport (
@@ -29,7 +26,7 @@ from cython_ring._ring cimport (
     W_READABLE,
     W_WRITABLE,
     Ring,
-    cr_cas_u32,
+    _fault_shared,
     cr_fetch_and_u32,
     cr_fetch_or_u32,
     cr_load_acquire_u32,
@@ -38,12 +35,10 @@ from cython_ring._ring cimport (
     cr_store_release_u64,
     ring_read,
     ring_read_big,
-    ring_write,
-    ring_write_big,
 )
 
-from cython_ring._mo01 import ObjectHeader, _failure
-from cython_ring._ring import _STATE_NAMES, _corrupt, _u64_arg
+from cython_ring._mo01 import _failure
+from cython_ring._ring import _u64_arg
 
 
 # --- ingress: one native call per drain (spec §11.1) ----------------------------------------
@@ -55,14 +50,6 @@ cdef enum:
     IN_CLOSED = 3
 
 _INGRESS_PHASES = ("need_header", "need_payload", "faulted", "closed")
-
-
-cdef inline void _fault_shared(uint8_t* hdr) noexcept nogil:
-    cdef uint32_t st
-    while True:
-        st = cr_load_acquire_u32(hdr + OFF_STATE)
-        if st == S_FAULTED or cr_cas_u32(hdr + OFF_STATE, st, S_FAULTED):
-            return
 
 
 cdef class IngressState:
@@ -100,12 +87,23 @@ cdef int _ring_faulted(list events, uint8_t* hdr, IngressState state, str messag
 
 
 def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec spec not None,
-                  dst_resolver: object) -> list[tuple[object, ...]]:
+                  dst_resolver: object, flush: object = None,
+                  Py_ssize_t max_objects=0) -> list[tuple[object, ...]]:
     """Parse, validate and copy everything committed; advance consume behind the copies.
 
     `dst_resolver(object_id, sequence, extent) -> (address, size)` is called once per valid
     header, after validation and before any payload byte moves; it names the destination's host
     address (size >= extent). Its exceptions become a device_allocation_failed event.
+
+    With `flush`, a size below the extent names a window instead: payload streams through it,
+    and `flush(offset, n)` is called each time the window is full or the object ends, to move
+    window bytes [0, n) to object bytes [offset, offset + n) (a device copy) before the window is
+    reused. So an object never needs host memory of its own size. Exceptions from flush become a
+    device_copy_failed event.
+
+    `max_objects` > 0 stops the drain after that many loaded objects, so a consumer can hand a
+    first part of a long burst on while the rest waits; the caller drains again itself (no new
+    hint comes for bytes already committed).
 
     Clears the READABLE bit first and drains until no progress, so a commit it misses sets the
     bit again and triggers a fresh hint. Events, in stream order:
@@ -129,6 +127,7 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
     cdef Mo01Header h
     cdef Mo01Status status
     cdef bint short
+    cdef Py_ssize_t loaded_now = 0
     ring._busy += 1
     try:
         cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_READABLE))
@@ -188,7 +187,7 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
                     addr, size_obj = dst_resolver(h.object_id, h.sequence, h.extent)
                     dst = _u64_arg(addr, "destination address")
                     size = _u64_arg(size_obj, "destination size")
-                    if size < h.extent or (dst == 0 and h.extent):
+                    if (size < h.extent and (flush is None or size == 0)) or (dst == 0 and h.extent):
                         raise ValueError(f"destination ({dst:#x}, {size}) cannot hold extent {h.extent}")
                 except Exception as exc:
                     state.last_exception = exc
@@ -198,6 +197,8 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
                     break
                 consume += MO01_HEADER_LEN
                 state._dst = dst
+                state._window = size if size < h.extent else 0
+                state._filled = 0
                 state.object_id = h.object_id
                 state.sequence = h.sequence
                 state.extent = h.extent
@@ -212,12 +213,28 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
             if n:
                 if n > avail:
                     n = avail
-                ring_read_big(data, cap, consume, <uint8_t*><uintptr_t>(state._dst + state.copied), n)
+                if state._window:
+                    if n > state._window - state._filled:
+                        n = state._window - state._filled
+                    ring_read_big(data, cap, consume, <uint8_t*><uintptr_t>(state._dst + state._filled), n)
+                    state._filled += n
+                else:
+                    ring_read_big(data, cap, consume, <uint8_t*><uintptr_t>(state._dst + state.copied), n)
                 consume += n
                 state.copied += n
                 # Release ring space as soon as it is copied: large objects need it to stream.
                 cr_store_release_u64(hdr + OFF_CONSUME, consume)
                 published = consume
+                if state._window and (state._filled == state._window or state.copied == state.extent):
+                    try:
+                        flush(state.copied - state._filled, state._filled)
+                    except Exception as exc:
+                        state.last_exception = exc
+                        _object_failed(events, hdr, state, "device_copy_failed",
+                                       f"object {state.object_id} seq {state.sequence}: {type(exc).__name__}: "
+                                       f"{exc}", state.object_id, state.sequence)
+                        break
+                    state._filled = 0
             if state.copied == state.extent:
                 if published != consume:
                     cr_store_release_u64(hdr + OFF_CONSUME, consume)
@@ -225,6 +242,9 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
                 state._phase = IN_NEED_HEADER
                 state.objects_loaded += 1
                 events.append(("loaded", state.object_id, state.sequence, state.extent, state.flags))
+                loaded_now += 1
+                if loaded_now == max_objects:
+                    break
     finally:
         if published != consume:
             cr_store_release_u64(hdr + OFF_CONSUME, consume)
@@ -234,132 +254,3 @@ def drain_ingress(Ring ring not None, IngressState state not None, ObjectSpec sp
         if not (cr_fetch_or_u32(hdr + OFF_WAKE, W_WRITABLE) & W_WRITABLE):
             events.append(("writable",))
     return events
-
-
-# --- egress: header, then payload prefixes as space allows (spec §11.2, §16.3) -------------
-
-cdef enum:
-    EG_IDLE = 0
-    EG_HEADER = 1
-    EG_PAYLOAD = 2
-    EG_FAULTED = 3
-
-_EGRESS_PHASES = ("idle", "header", "payload", "faulted")
-
-
-cdef class EgressState:
-    """Producer state of one egress ring. With a spec, each object is checked (extent, alignment,
-    strict sequence) before its header is written, so a rejected object leaves no bytes behind."""
-
-    def __init__(self, ObjectSpec spec=None) -> None:
-        self.spec = spec
-        self._phase = EG_IDLE
-
-    @property
-    def phase(self) -> str:
-        return _EGRESS_PHASES[self._phase]
-
-    @property
-    def busy(self) -> bool:
-        """An object was started and not yet fully committed."""
-        return self._phase == EG_HEADER or self._phase == EG_PAYLOAD
-
-    def abandon(self, Ring ring not None) -> bool:
-        """Give up the current object. Once its header is committed the ring must fault (True)."""
-        if self._phase == EG_PAYLOAD:
-            ring._live()
-            _fault_shared(ring._hdr)
-            self._phase = EG_FAULTED
-            return True
-        if self._phase == EG_HEADER:
-            self._phase = EG_IDLE
-        return False
-
-    def __repr__(self) -> str:
-        return (f"<EgressState {self.phase} expected_sequence={self.expected_sequence} "
-                f"object_id={self.object_id} produced={self.produced}/{self.extent}>")
-
-
-def write_egress(Ring ring not None, EgressState state not None, uint64_t object_id, uint64_t sequence,
-                 uint64_t src_addr, uint64_t extent, uint32_t flags=0) -> tuple[int, bool]:
-    """Write the object's header, then as much payload from src_addr as fits; returns
-    (bytes committed by this call, whether to send RING_READABLE).
-
-    Call again with the same arguments after RING_WRITABLE until `state.busy` is False (the
-    object is produced). Clears WRITABLE before looking for space, so no hint is lost.
-    """
-    if state._phase == EG_FAULTED:
-        raise _errors().RingError(f"ring {ring.ring_id}: a partial egress object was abandoned; "
-                                  f"the ring is faulted")
-    ring._live()
-    cdef uint8_t* hdr = ring._hdr
-    cdef uint64_t cap = ring.capacity
-    cdef uint8_t raw[MO01_HEADER_LEN]
-    cdef Mo01Status status
-    if state._phase == EG_IDLE:
-        header = ObjectHeader(object_id, sequence, extent, flags)
-        if state.spec is not None:
-            status = mo01_check(extent, sequence, state.spec.max_extent, state.spec.alignment,
-                                state.spec.strict, state.expected_sequence)
-            if status != MO01_OK:
-                raise _failure(header.encode(), state.spec, state.expected_sequence)
-        if extent and not src_addr:
-            raise ValueError("a non-empty object needs a source address")
-        state.object_id = object_id
-        state.sequence = sequence
-        state.extent = extent
-        state.flags = flags
-        state.produced = 0
-        state._phase = EG_HEADER
-    elif (object_id != state.object_id or sequence != state.sequence or extent != state.extent
-          or flags != state.flags):
-        raise ValueError(f"ring {ring.ring_id}: object {state.object_id} seq {state.sequence} is still "
-                         f"being written")
-
-    cdef uint32_t st = cr_load_acquire_u32(hdr + OFF_STATE)
-    if st != S_ACTIVE:
-        if state._phase == EG_PAYLOAD:
-            _fault_shared(hdr)
-            state._phase = EG_FAULTED
-        else:
-            state._phase = EG_IDLE
-        raise _errors().RingError(f"ring {ring.ring_id} is {_STATE_NAMES.get(st, f'in state {st}')}")
-    cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_WRITABLE))
-    cdef uint64_t consume = cr_load_acquire_u64(hdr + OFF_CONSUME)
-    cdef uint64_t commit = cr_load_relaxed_u64(hdr + OFF_COMMIT)
-    if commit < consume or commit - consume > cap:
-        _fault_shared(hdr)
-        state._phase = EG_FAULTED if state._phase == EG_PAYLOAD else EG_IDLE
-        ring._check(commit, consume)
-    cdef uint64_t free = cap - (commit - consume)
-    cdef uint64_t written = 0, n
-    if state._phase == EG_HEADER:
-        # The header goes in whole; capacity >= 64 guarantees it eventually fits.
-        if free < MO01_HEADER_LEN:
-            return (0, False)
-        mo01_pack(raw, object_id, sequence, extent, flags)
-        ring_write(ring._data, cap, commit, raw, MO01_HEADER_LEN)
-        commit += MO01_HEADER_LEN
-        free -= MO01_HEADER_LEN
-        written = MO01_HEADER_LEN
-        state._phase = EG_PAYLOAD
-    n = extent - state.produced
-    if n > free:
-        n = free
-    if n:
-        ring._busy += 1
-        try:
-            ring_write_big(ring._data, cap, commit, <const uint8_t*><uintptr_t>(src_addr + state.produced), n)
-        finally:
-            ring._busy -= 1
-        commit += n
-        state.produced += n
-        written += n
-    if state.produced == extent:
-        state._phase = EG_IDLE
-        state.expected_sequence = sequence + 1
-        state.objects_produced += 1
-    if not written:
-        return (0, False)
-    cr_store_release_u64(hdr + OFF_COMMIT, commit)
-    return (written, not (cr_fetch_or_u32(hdr + OFF_WAKE, W_READABLE) & W_READABLE))

@@ -12,8 +12,16 @@ import pytest
 import trio
 
 from cython_ring import encode_header
-from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig, Windows
-from trio_gpuworker.supervisor._dataplane import ObjectFailed, RingFault, StaleHandle, StepFailed
+from trio_gpuworker import (
+    LaneConfig,
+    ObjectFailed,
+    RingFault,
+    StaleHandle,
+    StepFailed,
+    Supervisor,
+    SupervisorConfig,
+    Windows,
+)
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
@@ -136,6 +144,9 @@ async def test_crash_mid_object_faults_rings_and_rejects_stale_handles(tmp_path:
             await trio.sleep(0.2)
             os.kill(lane.pid, signal.SIGKILL)
         assert [f.code for f in failures] == ["worker_process_exited"]
+        with trio.fail_after(30):  # the rings fault as the worker is reaped, before the lane leaves READY
+            while lane.generation < 2:  # noqa: ASYNC110
+                await trio.sleep(0.01)
         await sup.wait_ready(30)
         assert lane.generation == 2 and sup.arena.live() == []  # leases released once the worker was reaped
         seen = []

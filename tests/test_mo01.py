@@ -21,16 +21,17 @@ from cython_ring import (
     encode_header,
     validate,
 )
-from trio_gpuworker._errors import (
-    ConfigError,
+from cython_ring.errors import (
     ExtentAlignmentInvalid,
     ExtentExceedsMax,
     HeaderMalformed,
-    MalformedMessage,
     ObjectHeaderError,
     SequenceViolation,
+    SpecInvalid,
     UnsupportedObjectVersion,
+    WireSpecInvalid,
 )
+from trio_gpuworker._errors import ConfigError, MalformedMessage, from_native
 
 VECTOR_HEX = "4d4f3031 0100 2800 2823000000000000 0000000000000000 0800000000000000 00000000 00000000"
 VECTOR = bytes.fromhex(VECTOR_HEX.replace(" ", ""))
@@ -258,10 +259,12 @@ GOOD = spec().to_wire()
     ],
 )
 def test_spec_from_bad_wire(wire: object, match: str) -> None:
-    with pytest.raises(MalformedMessage, match=match):
+    with pytest.raises(WireSpecInvalid, match=match) as info:
         ObjectSpec.from_wire(wire)
+    assert isinstance(from_native(info.value), MalformedMessage)  # what the trio shell raises for it
 
 
 def test_spec_constructor_errors_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="alignment"):
+    with pytest.raises(SpecInvalid, match="alignment") as info:
         ObjectSpec("tensor", 8, 0, "u8", ())
+    assert isinstance(from_native(info.value), ConfigError)

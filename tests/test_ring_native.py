@@ -28,7 +28,7 @@ from cython_ring import (
     encode_header,
     write_egress,
 )
-from trio_gpuworker._errors import (
+from cython_ring.errors import (
     ExtentAlignmentInvalid,
     ExtentExceedsMax,
     HeaderMalformed,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -203,7 +205,35 @@ class BrokenWorkerError(GpuWorkerError):
 # --- data plane -----------------------------------------------------------------------------
 
 
+class CodedError(GpuWorkerError):
+    """An error whose wire code varies per instance (a reason from one of the reference taxonomies)."""
+
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+class RingFault(CodedError):
+    """A ring is unusable; `code` is the RingFaultReason (worker_process_exited, header_malformed, ...)."""
+
+
+class ObjectFailed(CodedError):
+    """The worker refused an ingress object; `code` is the ObjectFailure name."""
+
+
+class StepFailed(CodedError):
+    """A step, role or release request failed; `code` is the StepFailure / RoleFailure / ReleaseFailure name."""
+
+
+class StaleHandle(GpuWorkerError):
+    """A device handle of another worker generation: it never resolves."""
+
+    code = "invalid_input_handle"
+
+
 class RingError(GpuWorkerError):
+    """A ring cannot be used as asked (the shell's form of cython_ring.RingError)."""
+
     code = "worker_internal"
 
 
@@ -211,6 +241,18 @@ class RingCorrupt(RingError, ValueError):
     """A ring header or cursor pair violates the ABI (bad magic, version, capacity, cursors)."""
 
     code = "ring_layout_invalid"
+
+
+class UnsupportedRingVersion(RingCorrupt):
+    """The ring header names an ABI version this helper does not speak."""
+
+    code = "unsupported_ring_version"
+
+
+class ArenaMapFailed(GpuWorkerError):
+    """The worker could not map the arena it was handed (WorkerFatalReason)."""
+
+    code = "arena_map_failed"
 
 
 class ObjectHeaderError(GpuWorkerError, ValueError):
@@ -237,3 +279,84 @@ class ExtentAlignmentInvalid(ObjectHeaderError):
 
 class SequenceViolation(ObjectHeaderError):
     code = "sequence_violation"
+
+
+# --- arena leases -----------------------------------------------------------------------------
+
+
+class ArenaError(GpuWorkerError):
+    """Root of the arena's errors."""
+
+    code = "arena_error"
+
+
+class InvalidLeaseRequest(ArenaError, ValueError):
+    """Capacity not a positive multiple of 64, or an ill-typed argument."""
+
+    code = "invalid_lease_request"
+
+
+class LeaseRejected(ArenaError):
+    """The ring could never fit this arena, however many leases are released."""
+
+    code = "lease_rejected"
+
+
+class QuiescenceUnproven(ArenaError):
+    """A release came without a valid quiescence proof; the lease is kept."""
+
+    code = "quiescence_unproven"
+
+
+class LeaseStateError(ArenaError):
+    """The lease is released already, was installed already, or belongs to another arena."""
+
+    code = "lease_state_invalid"
+
+
+class ArenaBusy(ArenaError):
+    """The arena cannot close while leases are live (or its mapping is still exported)."""
+
+    code = "arena_busy"
+
+
+class ClosedArenaError(ArenaError):
+    """We closed the arena; it mints no more leases."""
+
+    code = "shutting_down"
+
+# The native helper (cython_ring) raises its own ValueError subclasses; the shell meets them here, by class
+# name, so this module imports nothing native.
+_NATIVE: dict[str, type[GpuWorkerError]] = {
+    "RingError": RingError,
+    "RingCorrupt": RingCorrupt,
+    "UnsupportedRingVersion": UnsupportedRingVersion,
+    "ObjectHeaderError": ObjectHeaderError,
+    "HeaderMalformed": HeaderMalformed,
+    "UnsupportedObjectVersion": UnsupportedObjectVersion,
+    "ExtentExceedsMax": ExtentExceedsMax,
+    "ExtentAlignmentInvalid": ExtentAlignmentInvalid,
+    "SequenceViolation": SequenceViolation,
+    "SpecInvalid": ConfigError,
+    "WireSpecInvalid": MalformedMessage,
+}
+
+
+def from_native(exc: BaseException) -> GpuWorkerError:
+    """The _errors type for an exception of cython_ring (by its class, nearest base first)."""
+    for cls in type(exc).__mro__:
+        mapped = _NATIVE.get(cls.__name__)
+        if mapped is not None and cls.__module__.startswith("cython_ring"):
+            return mapped(str(exc))
+    return RingError(f"{type(exc).__name__}: {exc}")
+
+
+@contextmanager
+def native_errors() -> Iterator[None]:
+    """Around a cython_ring call: its exceptions leave as this hierarchy's (chained to the native one)."""
+    try:
+        yield
+    except ValueError as exc:
+        if not type(exc).__module__.startswith("cython_ring"):
+            raise
+        raise from_native(exc) from exc

@@ -1,4 +1,4 @@
-"""Sans-I/O core: framing, messages, handshake, progress rules, strike/quarantine policy.
+"""Sans-I/O core: framing, messages, handshake, requests and progress rules, strike/quarantine policy, leases.
 
 Nothing here imports trio, socket, os or tinygrad; time is passed in, never read.
 """
@@ -6,15 +6,29 @@ Nothing here imports trio, socket, os or tinygrad; time is passed in, never read
 from ._connection import CLOSED, NEED_DATA, Connection, decode_control
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefix
 from ._handshake import PROTOCOL_VERSION, RING_ABI, TRANSITIONS, Handshake, HandshakeRules, HandshakeState, hello_fields
+from ._leases import (
+    ALIGN,
+    RING_HEADER_LEN,
+    Lease,
+    LeaseState,
+    LeaseStats,
+    LeaseTable,
+    NeverInstalled,
+    Proof,
+    Quiesced,
+    Reaped,
+    Ticket,
+)
 from ._message import Message
 from ._progress import ProgressValidator
 from ._requests import REQUESTS, RequestTracker, Verdict, is_request
 from ._requests import Kind as ReplyKind
 from ._ring_messages import INTERMEDIATE
-from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, check_fields, register
+from ._schema import BOTH, DAEMON, SCHEMAS, TERMINAL, WORKER, Spec, check_fields
 from ._strikes import Fault, StrikePolicy
 
 __all__ = [
+    "ALIGN",
     "BOTH",
     "CLOSED",
     "DAEMON",
@@ -24,6 +38,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "REQUESTS",
     "RING_ABI",
+    "RING_HEADER_LEN",
     "SCHEMAS",
     "TERMINAL",
     "TRANSITIONS",
@@ -34,12 +49,21 @@ __all__ = [
     "Handshake",
     "HandshakeRules",
     "HandshakeState",
+    "Lease",
+    "LeaseState",
+    "LeaseStats",
+    "LeaseTable",
     "Message",
+    "NeverInstalled",
     "ProgressValidator",
+    "Proof",
+    "Quiesced",
+    "Reaped",
     "ReplyKind",
     "RequestTracker",
     "Spec",
     "StrikePolicy",
+    "Ticket",
     "Verdict",
     "check_fields",
     "decode_control",
@@ -47,5 +71,4 @@ __all__ = [
     "frame_prefix",
     "hello_fields",
     "is_request",
-    "register",
 ]

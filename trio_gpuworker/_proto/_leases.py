@@ -23,55 +23,17 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from trio_gpuworker._errors import GpuWorkerError
+from .._errors import (
+    ArenaBusy,
+    ClosedArenaError,
+    InvalidLeaseRequest,
+    LeaseRejected,
+    LeaseStateError,
+    QuiescenceUnproven,
+)
 
 ALIGN = 64
 RING_HEADER_LEN = 128  # cython_ring.RING_HEADER_LEN; _proto imports no native code
-
-
-# --- errors ---------------------------------------------------------------------------------
-
-
-class ArenaError(GpuWorkerError):
-    """Root of the arena's errors."""
-
-    code = "arena_error"
-
-
-class InvalidLeaseRequest(ArenaError, ValueError):
-    """Capacity not a positive multiple of 64, or an ill-typed argument."""
-
-    code = "invalid_lease_request"
-
-
-class LeaseRejected(ArenaError):
-    """The ring could never fit this arena, however many leases are released."""
-
-    code = "lease_rejected"
-
-
-class QuiescenceUnproven(ArenaError):
-    """A release came without a valid quiescence proof; the lease is kept."""
-
-    code = "quiescence_unproven"
-
-
-class LeaseStateError(ArenaError):
-    """The lease is released already, was installed already, or belongs to another arena."""
-
-    code = "lease_state_invalid"
-
-
-class ArenaBusy(ArenaError):
-    """The arena cannot close while leases are live (or its mapping is still exported)."""
-
-    code = "arena_busy"
-
-
-class ClosedArenaError(ArenaError):
-    """We closed the arena; it mints no more leases."""
-
-    code = "shutting_down"
 
 
 # --- proofs ---------------------------------------------------------------------------------

@@ -2,11 +2,16 @@
 
 Requests carry req_id and end in one terminal reply; OBJECT_PRODUCED is an intermediate reply of
 EXECUTE_STEP. Worker events without req_id are notifications, like the wake hints.
+
+Two out-of-band forms exist because the worker runs one request at a time: UNINSTALL_RING without
+req_id stops a step blocked on that ring's space now (answered by RING_QUIESCED without req_id), and
+OBJECTS_LOADED reports every object one ingress drain finished as rows [object_id, sequence, extent,
+handle id], in stream order; it means exactly what the same rows sent as OBJECT_LOADED would.
 """
 
 from __future__ import annotations
 
-from ._schema import DAEMON, REQ, WORKER, Spec, flag, list_of, mapping, one_of, record, register, text, uint
+from ._fields import DAEMON, REQ, WORKER, Spec, flag, list_of, mapping, one_of, record, text, uint
 
 DIRECTIONS = ("ingress", "egress")
 UNINSTALL_REASONS = ("edge_stopped", "ring_faulted", "worker_shutdown")
@@ -15,6 +20,11 @@ LAYOUT = record(offset=uint, header_len=uint, capacity=uint)
 STEP_INPUT = record(port_id=text, object_id=uint, sequence=uint, device_handle=HANDLE)
 STEP_OUTPUT = record(port_id=text, ring_id=uint, object_id=uint, sequence=uint, extent=uint, flags=uint)
 INTERMEDIATE = {"EXECUTE_STEP": {"OBJECT_PRODUCED"}}
+
+
+def _row(v: object) -> bool:
+    return isinstance(v, list) and len(v) == 4 and all(uint(x) for x in v)
+
 
 _MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
     "CONFIGURE_ROLE": (Spec(DAEMON, {**REQ, "role_id": text, "config": mapping}), {}),
@@ -25,7 +35,8 @@ _MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
     "RING_INSTALLED": (Spec(WORKER, {**REQ, "ring_id": uint}), {"INSTALL_RING": {"RING_INSTALLED", "RING_FAULT"}}),
     # a terminal reply to INSTALL_RING (with req_id) or a notification at any time (without)
     "RING_FAULT": (Spec(WORKER, {"ring_id": uint, "reason": text}, {"req_id": uint, "msg": text}), {}),
-    "UNINSTALL_RING": (Spec(DAEMON, {**REQ, "ring_id": uint, "reason": one_of(*UNINSTALL_REASONS)}), {}),
+    # a request (with req_id) or, while a step may be blocked on the ring, a notification (without)
+    "UNINSTALL_RING": (Spec(DAEMON, {"ring_id": uint, "reason": one_of(*UNINSTALL_REASONS)}, {"req_id": uint}), {}),
     "RING_QUIESCED": (Spec(WORKER, {"ring_id": uint}, {"req_id": uint}), {"UNINSTALL_RING": {"RING_QUIESCED"}}),
     "EXECUTE_STEP": (Spec(DAEMON, {**REQ, "role_id": text, "step_id": uint, "inputs": list_of(STEP_INPUT),
                                    "outputs": list_of(STEP_OUTPUT), "runtime": mapping,
@@ -40,9 +51,12 @@ _MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
     "RELEASE_FAILED": (Spec(WORKER, {**REQ, "reason": text}, {"device_handle": HANDLE, "msg": text}), {}),
     "OBJECT_LOADED": (Spec(WORKER, {"ring_id": uint, "edge_id": text, "port_id": text, "object_id": uint,
                                     "sequence": uint, "extent": uint, "device_handle": HANDLE}), {}),
+    "OBJECTS_LOADED": (Spec(WORKER, {"ring_id": uint, "edge_id": text, "port_id": text, "worker_generation": uint,
+                                     "objects": list_of(_row)}), {}),
     "OBJECT_FAILED": (Spec(WORKER, {"ring_id": uint, "reason": text},
                            {"msg": text, "object_id": uint, "sequence": uint}), {}),
 }
 
-for _name, (_spec, _terminal) in _MESSAGES.items():
-    register(_name, _spec, _terminal)
+RING_SCHEMAS: dict[str, Spec] = {name: spec for name, (spec, _) in _MESSAGES.items()}
+RING_TERMINAL: dict[str, set[str]] = {req: replies for _, terminal in _MESSAGES.values()
+                                      for req, replies in terminal.items()}

@@ -1,63 +1,35 @@
-"""Per-message schemas: which side may send each message and the type of every field."""
+"""Per-message schemas: which side may send each message and the type of every field.
+
+The whole protocol is declared here once; the data-plane messages come from _ring_messages as plain
+tables, merged below, so importing a module never changes another module's tables.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .._errors import ProtocolError
-
-Check = Callable[[Any], bool]
-
-DAEMON, WORKER, BOTH = "daemon", "worker", "both"
-PROTOCOL_VERSION = 3
-
-
-def uint(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 64)
-
-
-def u32(v: Any) -> bool:
-    return uint(v) and v < (1 << 32)
-
-
-def text(v: Any) -> bool:
-    return isinstance(v, str)
-
-
-def flag(v: Any) -> bool:
-    return isinstance(v, bool)
-
-
-def number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
-
-
-def mapping(v: Any) -> bool:
-    return isinstance(v, dict) and all(isinstance(k, str) for k in v)
-
-
-def one_of(*choices: str) -> Check:
-    return lambda v: v in choices
-
-
-def list_of(check: Check) -> Check:
-    return lambda v: isinstance(v, list) and all(check(x) for x in v)
-
-
-def record(**fields: Check) -> Check:
-    """A nested map with exactly these required fields (extra keys tolerated for forward compatibility)."""
-    return lambda v: mapping(v) and all(k in v and c(v[k]) for k, c in fields.items())
-
-
-def exact_record(**fields: Check) -> Check:
-    """A nested map with exactly these fields and no others."""
-    return lambda v: record(**fields)(v) and v.keys() == fields.keys()
-
-
-def optional(check: Check) -> Check:
-    return lambda v: v is None or check(v)
-
+from ._fields import (
+    BOTH,
+    DAEMON,
+    PROTOCOL_VERSION,
+    REQ,
+    WORKER,
+    Check,
+    Spec,
+    exact_record,
+    flag,
+    list_of,
+    mapping,
+    number,
+    one_of,
+    optional,
+    record,
+    text,
+    u32,
+    uint,
+)
+from ._ring_messages import RING_SCHEMAS, RING_TERMINAL
 
 ENGINE = exact_record(engine=text, version=text, build_flags=list_of(text))
 ITEM = record(id=uint, n_tokens=uint)
@@ -65,20 +37,6 @@ CANDIDATE = record(n_tokens=uint)
 PHASES = ("setup", "inference", "control")
 POOLINGS = ("mean", "cls")
 
-
-class Spec:
-    __slots__ = ("exact", "optional", "raw", "required", "sender")
-
-    def __init__(self, sender: str, required: dict[str, Check], opt: dict[str, Check] | None = None,
-                 raw: bool = False, exact: bool = False) -> None:
-        self.sender = sender
-        self.required = required
-        self.optional = opt or {}
-        self.raw = raw  # carries raw_len and is followed by exactly one raw frame
-        self.exact = exact  # no fields beyond `required` and `optional` (the handshake's exact key sets)
-
-
-REQ = {"req_id": uint}
 
 SCHEMAS: dict[str, Spec] = {
     # handshake
@@ -99,7 +57,8 @@ SCHEMAS: dict[str, Spec] = {
                      raw=True),
     "UNLOAD": Spec(DAEMON, {**REQ, "model_ref": text}),
     "PING": Spec(DAEMON, REQ),
-    "SHUTDOWN": Spec(DAEMON, REQ, {"mode": one_of("graceful", "abort_in_flight")}),
+    # without req_id: out of band, past a request in flight (abort_in_flight); WORKER_STOPPED then has none
+    "SHUTDOWN": Spec(DAEMON, {}, {"req_id": uint, "mode": one_of("graceful", "abort_in_flight")}),
     # replies
     "LOADED": Spec(WORKER, {**REQ, "model_ref": text, "dims": uint, "cold_load_ms": number}),
     "VECTORS": Spec(WORKER, {**REQ, "dims": uint, "n": uint}, raw=True),
@@ -117,6 +76,7 @@ SCHEMAS: dict[str, Spec] = {
     # wake hints, either way
     "RING_READABLE": Spec(BOTH, {"ring_id": uint}),
     "RING_WRITABLE": Spec(BOTH, {"ring_id": uint}),
+    **RING_SCHEMAS,
 }
 
 # Terminal replies that end a request (ERR ends any request).
@@ -128,6 +88,7 @@ TERMINAL = {
     "UNLOAD": {"UNLOADED"},
     "PING": {"PONG"},
     "SHUTDOWN": {"WORKER_STOPPED"},
+    **RING_TERMINAL,
 }
 
 
@@ -151,8 +112,6 @@ def check_fields(t: str, fields: dict[str, Any], error: type[ProtocolError]) -> 
     return spec
 
 
-def register(name: str, spec: Spec, terminal_for: dict[str, set[str]] | None = None) -> None:
-    """Extensions (the ring control surface) add their messages here at import time."""
-    SCHEMAS[name] = spec
-    for req, replies in (terminal_for or {}).items():
-        TERMINAL.setdefault(req, set()).update(replies)
+__all__ = ["BOTH", "DAEMON", "PROTOCOL_VERSION", "REQ", "SCHEMAS", "TERMINAL", "WORKER", "Check", "Spec",
+           "check_fields", "exact_record", "flag", "list_of", "mapping", "number", "one_of", "optional", "record",
+           "text", "u32", "uint"]

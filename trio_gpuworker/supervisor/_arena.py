@@ -20,23 +20,27 @@ from types import TracebackType
 import trio
 
 from cython_ring import Ring
-from trio_gpuworker._proto._leases import (
-    ALIGN,
-    RING_HEADER_LEN,
+
+from .._errors import (
     ArenaBusy,
     ArenaError,
     ClosedArenaError,
     InvalidLeaseRequest,
-    Lease,
     LeaseRejected,
-    LeaseState,
     LeaseStateError,
+    QuiescenceUnproven,
+    native_errors,
+)
+from .._proto import (
+    ALIGN,
+    RING_HEADER_LEN,
+    Lease,
+    LeaseState,
     LeaseStats,
     LeaseTable,
     NeverInstalled,
     Proof,
     Quiesced,
-    QuiescenceUnproven,
     Reaped,
     Ticket,
 )
@@ -154,7 +158,8 @@ class ArenaManager:
     def init_ring(self, lease: Lease) -> Ring:
         """Write a fresh ring header (ABI v2) at the lease and return the daemon's Ring over it."""
         self._table.check_live(lease)
-        return Ring.init(self.mmap, lease.offset, lease.ring_id, lease.capacity)
+        with native_errors():
+            return Ring.init(self.mmap, lease.offset, lease.ring_id, lease.capacity)
 
     def mark_installed(self, lease: Lease, pid: int) -> None:
         """Record the worker the ring goes to; call before INSTALL_RING is written."""

@@ -376,6 +376,15 @@ class Lane:
         if msg.t not in ("RING_READABLE", "RING_WRITABLE"):
             self.bus.publish({**msg.fields, "lane_id": self.id, "generation": wp.generation})
 
+    async def abort_in_flight(self) -> None:
+        """Stop the worker now, faulting the request in flight: SHUTDOWN abort_in_flight goes out of band (no
+        req_id), so it passes that request. An ordered stop: no strike; the lane then starts a fresh worker."""
+        wp = self._wp
+        if wp is None or wp.fault is not None or wp.stream is None:
+            return
+        wp.ordered_stop = True
+        await wp.send("SHUTDOWN", {"mode": "abort_in_flight"})
+
     async def notify(self, generation: int, t: str, fields: dict[str, Any]) -> None:
         """Send a notification (a wake hint) to the worker of `generation`, alongside any running request."""
         wp = self.active.wp if self.active is not None else None
@@ -421,7 +430,7 @@ class Lane:
             if reply.t == "ERR":
                 job.finish(error=WorkerError(reply["code"], reply["msg"]))
                 continue
-            if job.t in SERVING:
+            if job.t in SERVING and reply.t != "STEP_FAILED":  # a failed reply is not drained serving work
                 self.policy.success()
                 served = True
             job.finish(result=reply)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._errors import GpuWorkerError
+from .._errors import CodedError
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -62,13 +62,9 @@ def _prefault(buf: Any) -> None:
             pass
 
 
-class DeviceError(GpuWorkerError):
+class DeviceError(CodedError):
     """A device bridge failure; `code` is the snake_case wire reason (device_out_of_memory, device_copy_failed,
     device_allocation_failed, invalid_device_handle, invalid_input_handle, backend_free_failed)."""
-
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
 
 
 class DeviceRangeError(DeviceError, ValueError):
@@ -199,6 +195,11 @@ class DeviceBridge:
         if self.direct:
             self.synchronize()
         return DeviceAlloc(nbytes, self.device, buf)
+
+    def alloc_mapped(self, nbytes: int) -> tuple[DeviceAlloc, int]:
+        """alloc_device plus host_address in one call (direct only): the ingress drain's per-object path."""
+        alloc = self.alloc_device(nbytes)
+        return alloc, 0 if alloc.buffer is None else int(alloc.buffer._buf.va_addr)
 
     def free_device(self, alloc: DeviceAlloc) -> None:
         """Release an allocation. Memory still named by a live tensor (as_tensor, from_tensor) is freed when that

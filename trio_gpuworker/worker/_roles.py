@@ -22,19 +22,15 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from .._errors import GpuWorkerError
+from .._errors import CodedError
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
 
 
-class RoleError(GpuWorkerError):
+class RoleError(CodedError):
     """A role could not be configured (invalid_role_config, backend_unsupported) or a step failed
     (invalid_input_handle, tinygrad_error, device_out_of_memory, output_extent_invalid)."""
-
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
 
 
 class Role(Protocol):

@@ -6,6 +6,7 @@ time); blocking tinygrad work runs in a thread so the event loop stays responsiv
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import trio
 
 from .._channel import encode_messages, receive_message
-from .._errors import GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError
+from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError
 from .._proto import DEFAULT_MAX_FRAME, WORKER, Connection, Message, hello_fields, is_request
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
@@ -34,19 +35,43 @@ class WorkerServer:
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._drain_wakeups: dict[int, trio.Event] = {}
+        self._outbox: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+        self._kicked = False
         self.stopping: str | None = None
+
+    def post(self, t: str, fields: dict[str, Any]) -> None:
+        """From the compute thread: queue a message without waiting for the event loop (a thread round trip
+        per wake hint, PROGRESS and OBJECT_PRODUCED cost a step milliseconds). Every send flushes the queue
+        first, so a step's messages still precede its terminal reply."""
+        self._outbox.append((t, fields))
+        if not self._kicked:  # cleared before each flush empties the queue, so no message is left behind
+            self._kicked = True
+            self.token.run_sync_soon(self._kick_outbox)
+
+    def _kick_outbox(self) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(self.send_many, [])
 
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
         async with self._send_lock:
+            await self._flush_outbox()
             for chunk in self.conn.send(t, fields, raw):
                 await self.stream.send_all(chunk)
 
+    async def _flush_outbox(self) -> None:
+        self._kicked = False
+        queued = []
+        while self._outbox:
+            queued.append(self._outbox.popleft())
+        if queued:
+            await self.stream.send_all(encode_messages(self.conn, queued))
+
     async def send_many(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         """Several small messages in one write: a drain that finished many objects costs one syscall."""
-        if not messages:
-            return
         async with self._send_lock:
-            await self.stream.send_all(encode_messages(self.conn, messages))
+            await self._flush_outbox()
+            if messages:
+                await self.stream.send_all(encode_messages(self.conn, messages))
 
     async def receive(self) -> Message | None:
         return await receive_message(self.conn, self.stream)
@@ -57,8 +82,11 @@ class WorkerServer:
         if ack is None:
             raise SystemExit(2)
         self.token = trio.lowlevel.current_trio_token()
-        emit = lambda t, fields: trio.from_thread.run(self.send, t, fields, trio_token=self.token)  # noqa: E731
-        self.engine.dataplane = WorkerDataPlane(ack["generation"], emit, self.engine.models)
+        try:
+            self.engine.dataplane = WorkerDataPlane(ack["generation"], self.post, self.engine.models)
+        except ArenaMapFailed as exc:
+            await self.send("WORKER_FATAL", {"reason": exc.code, "msg": str(exc)})
+            raise
 
     async def run(self) -> None:
         await self.handshake()
@@ -72,12 +100,27 @@ class WorkerServer:
     async def _read_loop(self, send_req: trio.MemorySendChannel[Message]) -> None:
         async with send_req:
             while (msg := await self.receive()) is not None:
+                if msg.t == "UNINSTALL_RING":
+                    # a step blocked on this ring's space must not hold the uninstall queued behind it
+                    self.engine.dataplane.abort_ring(msg["ring_id"])
+                    if "req_id" not in msg.fields:
+                        assert self._nursery is not None
+                        self._nursery.start_soon(self._quiesce, msg)
+                        continue
+                if msg.t == "SHUTDOWN" and msg.get("mode") == "abort_in_flight":
+                    self.stopping = "abort_in_flight"
+                    self.engine.dataplane.abort_all()  # in-flight steps fail now instead of finishing
                 if is_request(msg.t):
                     await send_req.send(msg)
                 elif msg.t == "RING_WRITABLE":
                     self.engine.dataplane.on_writable(msg["ring_id"])  # wakes a step blocked on egress space
                 elif msg.t == "RING_READABLE":
                     self._kick_drain(msg["ring_id"])
+
+    async def _quiesce(self, msg: Message) -> None:
+        """The out-of-band UNINSTALL_RING: quiesce once the compute thread is free of the step, then tell."""
+        await self.compute.run(self.engine.dataplane.quiesce, msg["ring_id"])
+        await self.send("RING_QUIESCED", {"ring_id": msg["ring_id"]})
 
     def _kick_drain(self, ring_id: int) -> None:
         """Hints are coalesced per ring: one drainer task per ring, woken, drains until no progress."""
@@ -98,6 +141,8 @@ class WorkerServer:
                 if notices is None:
                     return  # the ring is gone
                 await self.send_many(notices)
+                if dataplane.more(ring_id):  # the drain stopped at its chunk size: go on without a hint
+                    self._drain_wakeups[ring_id].set()
         finally:
             self._drain_wakeups.pop(ring_id, None)
 
@@ -105,17 +150,26 @@ class WorkerServer:
         async with recv_req:
             async for msg in recv_req:
                 if msg.t == "SHUTDOWN":
+                    # both modes end the same way once nothing runs: rings quiesced, device objects freed
                     self.stopping = msg.get("mode", "graceful")
-                    await self.send("WORKER_STOPPED", {"reason": self.stopping, "req_id": msg["req_id"]})
+                    try:
+                        quiesced = await self.compute.run(self.engine.dataplane.stop)
+                        await self.send_many([("RING_QUIESCED", {"ring_id": r}) for r in quiesced])
+                    finally:
+                        req = {"req_id": msg["req_id"]} if "req_id" in msg.fields else {}
+                        await self.send("WORKER_STOPPED", {"reason": self.stopping, **req})
                     return
+                if self.stopping is not None:
+                    await self.send("ERR", {"req_id": msg["req_id"], "code": "worker_shutting_down",
+                                            "msg": "the worker is shutting down"})
+                    continue
                 await self._serve_one(msg)
 
     async def _serve_one(self, msg: Message) -> None:
         req_id = msg["req_id"]
 
         def progress(completed: int, phase: str) -> None:
-            trio.from_thread.run(self.send, "PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase},
-                                 trio_token=self.token)
+            self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
 
         try:
             reply: Reply = await self.compute.run(self.engine.handle, msg, progress)

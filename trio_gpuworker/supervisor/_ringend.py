@@ -1,0 +1,52 @@
+"""The daemon's end of one ring: its lease, native state, pending completions and wake-up events."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from cython_ring import ObjectSpec, Ring
+
+from .._errors import RingFault
+from ._arena import Lease
+from ._lane import Lane
+
+
+@dataclass(eq=False)
+class RingEnd:
+    """The daemon's end of one ring installed on one worker generation."""
+
+    lane: Lane
+    generation: int
+    lease: Lease
+    ring: Ring
+    direction: str  # the worker's view: on an "ingress" ring the daemon produces
+    spec: ObjectSpec
+    edge_id: str
+    port_id: str
+    state: Any  # EgressState when the daemon produces, IngressState when it consumes
+    hint: trio.Event = field(default_factory=trio.Event)
+    fault: RingFault | None = None
+    # ingress completions in stream order: ("loaded", object_id, sequence, extent, handle id) rows, or a
+    # Message (OBJECT_FAILED / RING_FAULT); a whole OBJECTS_LOADED batch lands with one extend
+    events: collections.deque[Any] = field(default_factory=collections.deque)
+    event_ready: trio.Event = field(default_factory=trio.Event)
+    steps: int = 0  # steps in flight that write to this egress ring: uninstalling it must not wait for them
+    quiesced: trio.Event = field(default_factory=trio.Event)
+    received: collections.deque[tuple[int, int, np.ndarray]] = field(default_factory=collections.deque)
+    # egress destinations handed to the drain, oldest first; an object larger than the ring spans drains
+    landing: collections.deque[np.ndarray] = field(default_factory=collections.deque)
+    released: bool = False
+    bytes_moved: int = 0
+
+    @property
+    def ring_id(self) -> int:
+        return self.lease.ring_id
+
+    def raise_if_faulted(self) -> None:
+        if self.fault is not None:
+            raise self.fault

@@ -1,0 +1,215 @@
+"""Worker ingress: one native drain per wake hint, device allocations per object, and completions
+batched per drain (OBJECTS_LOADED). Also the per-ring slot and device-object records."""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cython_ring import ObjectSpec, Ring, drain_ingress
+
+from .._errors import CodedError
+
+# ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
+# objects per native drain call: a long burst goes back in parts, so the daemon resolves (and refills the
+# ring) while the rest is drained
+DRAIN_CHUNK = 256
+STREAM_WINDOW = 4 << 20  # bytes of host memory a large ingress object streams through off CPU
+_RING_REASON = {"sequence_violation": "sequence_violation", "device_allocation_failed": "device_out_of_memory",
+                "device_copy_failed": "device_copy_failed"}
+
+
+@dataclass
+class RingSlot:
+    ring_id: int
+    edge_id: str
+    port_id: str
+    direction: str
+    spec: ObjectSpec
+    ring: Ring
+    state: Any  # IngressState | EgressState
+    writable: threading.Event = field(default_factory=threading.Event)
+    # allocations handed to the drain, oldest first: one drain call may start and finish several objects
+    # before its events are read. Each is (device allocation, host staging or None when copies go direct).
+    pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # extent -> shape, a bounded cache
+    more: bool = False  # the last drain stopped at DRAIN_CHUNK objects: drain again without a hint
+    window: np.ndarray | None = None  # the host window large objects stream through on non-CPU devices
+    closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
+    close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
+    faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
+
+
+@dataclass(slots=True)
+class DeviceObject:
+    alloc: Any
+    dtype: str
+    shape: tuple[int, ...]
+    ring_id: int
+    object_id: int
+
+
+class DataPlaneError(CodedError):
+    """A step failed; `code` is the StepFailure name."""
+
+
+def shape_for(spec: ObjectSpec, extent: int) -> tuple[int, ...]:
+    """The spec's shape; an empty shape means 1-D of whatever length the extent implies."""
+    item = np.dtype(spec.dtype).itemsize
+    shape = tuple(int(d) for d in spec.shape) or (-1,)
+    known = math.prod(d for d in shape if d != -1)
+    if shape.count(-1) == 1 and known and extent % (known * item) == 0:
+        shape = tuple(extent // (known * item) if d == -1 else d for d in shape)
+    if math.prod(shape) * item != extent:
+        raise DataPlaneError("header_malformed", f"extent {extent} does not fit shape {spec.shape} of {spec.dtype}")
+    return shape
+
+
+
+class IngressPlane:
+    """The ingress half of WorkerDataPlane (a mixin: the plane holds the rings, objects and bridge)."""
+
+    generation: int
+    rings: dict[int, RingSlot]
+    objects: dict[int, DeviceObject]
+    stream_window: int
+    _next_handle: int
+    bridge: Any
+
+    def more(self, ring_id: int) -> bool:
+        """Whether the last drain of this ring stopped early with objects possibly left to drain."""
+        slot = self.rings.get(ring_id)
+        return slot is not None and slot.more
+
+    def drain(self, ring_id: int) -> list[tuple[str, dict[str, Any]]] | None:
+        """RING_READABLE: one native drain of an ingress ring (compute thread). None once the ring is gone."""
+        slot = self.rings.get(ring_id)
+        if slot is None:
+            return None
+        return self._drain(slot) if slot.direction == "ingress" and not slot.faulted else []
+
+    def _drain(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
+        """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
+        from ._bridge import DeviceError
+
+        out: list[tuple[str, dict[str, Any]]] = []
+        loaded: list[list[int]] = []
+        rid = slot.ring_id
+        if self.bridge.direct:
+            events = drain_ingress(slot.ring, slot.state, slot.spec, self._direct_resolver(slot), None,
+                                   DRAIN_CHUNK)
+        else:
+            events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n),
+                                   lambda off, n: self._flush_window(slot, off, n), DRAIN_CHUNK)
+        # a full chunk may have left committed objects behind, and no hint will come for them
+        slot.more = sum(1 for ev in events if ev[0] == "loaded") == DRAIN_CHUNK
+        copying: tuple[int, int] | None = None  # the object whose device copy is running
+        try:
+            for ev in events:
+                kind = ev[0]
+                if kind == "loaded":
+                    copying = (ev[1], ev[2])
+                    loaded.append(self._loaded(slot, ev[1], ev[2], ev[3]))
+                    copying = None
+                elif kind == "failed":
+                    _, code, text, object_id, sequence = ev
+                    self._drop_pending(slot)
+                    self._flush(slot, loaded, out)
+                    fields = {"ring_id": rid, "reason": code, "msg": text}
+                    fields.update({k: v for k, v in (("object_id", object_id), ("sequence", sequence))
+                                   if v is not None})
+                    out.append(("OBJECT_FAILED", fields))
+                    if code != "eof_mid_object":
+                        out.append(("RING_FAULT", {"ring_id": rid, "msg": text,
+                                                   "reason": _RING_REASON.get(code, "header_malformed")}))
+                elif kind == "ring_fault":
+                    self._drop_pending(slot)
+                    self._flush(slot, loaded, out)
+                    out.append(("RING_FAULT", {"ring_id": rid, "reason": ev[1], "msg": ev[2]}))
+                elif kind == "writable":
+                    self._flush(slot, loaded, out)
+                    out.append(("RING_WRITABLE", {"ring_id": rid}))
+            self._flush(slot, loaded, out)
+        except DeviceError as exc:
+            # the failed object's bytes left the ring but never reached the device: the stream cannot go on
+            self._drop_pending(slot)
+            if copying is not None:  # its own copy failed; the objects before it were copied synchronously
+                failed = {"object_id": copying[0], "sequence": copying[1]}
+            else:  # the synchronize before reporting failed: none of these objects is known to be complete
+                failed = {"object_id": loaded[0][0], "sequence": loaded[0][1]} if loaded else {}
+                for row in loaded:
+                    self.bridge.free_device(self.objects.pop(row[3]).alloc)
+                loaded.clear()
+            slot.ring.fault()
+            slot.faulted = True
+            self._flush(slot, loaded, out, synchronize=False)
+            out = [m for m in out if m[0] != "RING_WRITABLE"]
+            text = str(exc)
+            out.append(("OBJECT_FAILED", {"ring_id": rid, "reason": "device_copy_failed", "msg": text, **failed}))
+            out.append(("RING_FAULT", {"ring_id": rid, "reason": "device_copy_failed", "msg": text}))
+        return out
+
+    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[str, dict[str, Any]]],
+               synchronize: bool = True) -> None:
+        if loaded:
+            if synchronize:
+                self.bridge.synchronize()  # nothing is compute-visible before every copy completed
+            out.append(("OBJECTS_LOADED", {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id,
+                                           "worker_generation": self.generation, "objects": loaded[:]}))
+            loaded.clear()
+
+    def _direct_resolver(self, slot: RingSlot) -> Any:
+        """Host-addressable device memory (CPU): the drain copies straight into the allocation. Called once per
+        object, so it binds what it needs up front."""
+        alloc_mapped, pending = self.bridge.alloc_mapped, slot.pending
+
+        def resolve(object_id: int, sequence: int, extent: int) -> tuple[int, int]:
+            alloc, address = alloc_mapped(extent)  # zero bytes allocate nothing; the address is then 0
+            pending.append((alloc, None))
+            return address, extent
+
+        return resolve
+
+    def _resolve(self, slot: RingSlot, extent: int) -> tuple[int, int]:
+        alloc = self.bridge.alloc_device(extent)
+        if extent > self.stream_window:
+            # a device without host-addressable memory: the object streams through one bounded host window,
+            # copied into the device buffer as it fills (_flush_window), so it never needs its own size in RAM
+            if slot.window is None:
+                slot.window = np.empty(self.stream_window, dtype=np.uint8)
+            slot.pending.append((alloc, None))
+            return slot.window.ctypes.data, slot.window.nbytes
+        staging = np.empty(max(extent, 1), dtype=np.uint8)
+        slot.pending.append((alloc, staging))
+        return staging.ctypes.data, extent
+
+    def _flush_window(self, slot: RingSlot, offset: int, n: int) -> None:
+        assert slot.window is not None
+        self.bridge.host_to_device(slot.pending[-1][0], offset, memoryview(slot.window)[:n], n)
+
+    def _loaded(self, slot: RingSlot, object_id: int, sequence: int, extent: int) -> list[int]:
+        """[object_id, sequence, extent, handle id] of an object whose every byte is on the device."""
+        alloc, staging = slot.pending[0]
+        if staging is not None:
+            self.bridge.host_to_device(alloc, 0, memoryview(staging), extent)
+        slot.pending.popleft()
+        handle_id, self._next_handle = self._next_handle, self._next_handle + 1
+        shape = slot.shapes.get(extent)
+        if shape is None:  # objects of a ring mostly share one extent: work the shape out once per extent
+            try:
+                shape = shape_for(slot.spec, extent)
+            except DataPlaneError:
+                shape = (extent // np.dtype(slot.spec.dtype).itemsize,)
+            if len(slot.shapes) < 64:
+                slot.shapes[extent] = shape
+        self.objects[handle_id] = DeviceObject(alloc, slot.spec.dtype, shape, slot.ring_id, object_id)
+        return [object_id, sequence, extent, handle_id]
+
+    def _drop_pending(self, slot: RingSlot) -> None:
+        while slot.pending:
+            self.bridge.free_device(slot.pending.popleft()[0])
