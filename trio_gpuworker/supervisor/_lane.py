@@ -379,7 +379,7 @@ class Lane:
     async def abort_in_flight(self) -> None:
         """Stop the worker now, faulting the request in flight: SHUTDOWN abort_in_flight goes out of band (no
         req_id), so it passes that request. An ordered stop: no strike; the lane then starts a fresh worker."""
-        wp = self._wp
+        wp = self.active.wp if self.active is not None else None
         if wp is None or wp.fault is not None or wp.stream is None:
             return
         wp.ordered_stop = True

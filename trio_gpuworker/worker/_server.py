@@ -191,6 +191,7 @@ class WorkerServer:
                                     "msg": f"{reply.t} does not fit the negotiated max_frame: {exc}"})
             return
         async with self._send_lock:
+            await self._flush_outbox()  # PROGRESS and notices queued by the step precede its reply
             for chunk in chunks:
                 await self.stream.send_all(chunk)
 
