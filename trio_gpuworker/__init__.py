@@ -15,6 +15,7 @@ from ._errors import (
     OverCapacity,
     ProtocolError,
     RemoteProtocolError,
+    RequestTooLarge,
     WorkerError,
 )
 from .supervisor import LaneState, Supervisor
@@ -37,6 +38,7 @@ __all__ = [
     "ProtocolError",
     "QuarantinePolicy",
     "RemoteProtocolError",
+    "RequestTooLarge",
     "RestartPolicy",
     "Supervisor",
     "SupervisorConfig",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+LOG_TAIL_WIRE_CHARS = 8 * 1024  # the last 8 KiB of a crashed worker's output reach the caller
+
 
 class GpuWorkerError(Exception):
     """Root of every error this package raises."""
@@ -134,6 +136,8 @@ class EngineCrashed(GpuWorkerError):
         if self.quarantined:
             detail["quarantined"] = True
             detail["cooldown_remaining_s"] = self.cooldown_remaining_s
+        if self.log_tail:
+            detail["log_tail"] = self.log_tail[-LOG_TAIL_WIRE_CHARS:]
         return {"code": self.code, "message": str(self), "detail": detail}
 
 
@@ -170,6 +174,12 @@ class InvalidRequest(GpuWorkerError, ValueError):
     """A caller's request is malformed or out of bounds."""
 
     code = "invalid_request"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request cannot fit the protocol's frames or the daemon's caps, however it is split."""
+
+    code = "request_too_large"
 
 
 class NoLaneAvailable(GpuWorkerError):
