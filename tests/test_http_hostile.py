@@ -165,3 +165,15 @@ async def test_unix_socket_file_is_removed_after_a_clean_exit(tmp_path: Path) ->
         assert (tmp_path / "api.sock").exists()
         nursery.cancel_scope.cancel()
     assert not (tmp_path / "api.sock").exists()
+
+
+async def test_engine_crashed_answer_carries_the_log_tail(tmp_path: Path) -> None:
+    cfg = daemon_config(tmp_path, fake_command("crash_mid_request", on_request=1), http=HTTP)
+    async with trio.open_nursery() as nursery:
+        http, _ = await client_for(nursery, cfg)
+        async with http:
+            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a"]})
+        assert r.status_code == 503, r.text
+        detail = r.json()["error"]["detail"]
+        assert detail["cause"] == "crash" and "fake worker" in detail["log_tail"]  # the worker's own stderr
+        nursery.cancel_scope.cancel()

@@ -151,7 +151,12 @@ class Api(AdminRoutes, ServingRoutes):
                 started = True
             elif method == "HEAD" and message.get("body"):
                 message = {**message, "body": b""}  # HEAD: GET's headers (content-length included), no body
-            await server_send(message)
+            try:
+                await server_send(message)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                # the client hung up while we answered (hypercorn may be closing the stream right now):
+                # there is nobody to tell, and no reason for an error
+                log.debug("%s %s: the client left during the answer", method, path)
 
         send = send_once
         client = scope.get("client")

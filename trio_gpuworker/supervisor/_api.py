@@ -1,10 +1,10 @@
 """The Supervisor's serving API: embed, rerank, generate, tokenize.
 
 Every request is checked (`_requests`), admitted against its model's byte budget before any tokenization, has
-its CPU work (tokenization, chat templates) run in a bounded thread pool once it is large enough to stall the
-loop, and is split into frames that fit `max_frame`. Long work is split into micro-batches of at most
-`max_batch_items` rows, sent one after the other from the caller's task: a caller that leaves (deadline,
-disconnect) stops the rest, and the lane drains only the micro-batch in flight.
+its CPU work (tokenization, chat templates) run in a bounded thread pool, never on the loop, and is split into
+frames that fit `max_frame`. Long work is split into micro-batches of at most `max_batch_items` rows, sent one
+after the other from the caller's task: a caller that leaves (deadline, disconnect) stops the rest, and the
+lane drains only the micro-batch in flight.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 CPU_THREADS = 2  # tokenization and template threads at once, whatever the number of requests
-INLINE_CHARS = 16 * 1024  # below this many characters, tokenizing on the loop costs less than a thread hop
 
 
 class ServingApi:
@@ -41,9 +40,9 @@ class ServingApi:
     _cpu: trio.CapacityLimiter  # CPU_THREADS tokens
     pick_lane: Callable[[str], Lane]  # the Supervisor's
 
-    async def _off_loop(self, n_chars: int, fn: Callable[[], T]) -> T:
-        if n_chars <= INLINE_CHARS:
-            return fn()
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """Tokenization never runs on the loop, however small: `tokenizers` shares one rayon pool, so even a
+        3-word encode_batch on the loop waits there for a large one that a thread is running."""
         return await trio.to_thread.run_sync(fn, limiter=self._cpu)
 
     def _admit(self, model: str, nbytes: int) -> AbstractContextManager[Ticket | None]:
@@ -93,7 +92,13 @@ class ServingApi:
         """Tokenize, off the event loop when the batch is large enough to stall it."""
         texts = rq.check_texts(texts, "texts")
         cap = rq.char_cap(self.config.model(model))
-        return await self._off_loop(sum(min(len(t), cap) for t in texts), lambda: self.tokenize(texts, model=model))
+        await self._tokenizer_loaded(model)
+        return await self._off_loop(lambda: self.tokenize(rq.cap_texts(texts, cap), model=model))
+
+    async def _tokenizer_loaded(self, model: str) -> None:
+        """Reading tokenizer.json takes long enough to stall the loop: the first use loads it in a thread."""
+        if model not in self._tokenizers:
+            await trio.to_thread.run_sync(self._tokenizer, model, limiter=self._cpu)
 
     def chat_tokenizer(self, model: str) -> Any:
         tok = self._tokenizers.get(model)
@@ -122,7 +127,8 @@ class ServingApi:
             return np.zeros((0, self._dims.get(model, 0)), dtype=np.float32), 0
         texts = rq.cap_texts(texts, rq.char_cap(mc))
         with self._admit(model, rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
-            rows = await self._off_loop(sum(map(len, texts)), lambda: self.tokenize(texts, model=model))
+            await self._tokenizer_loaded(model)
+            rows = await self._off_loop(lambda: self.tokenize(texts, model=model))
             vecs = await self._embed_admitted(rows, model, pooling, normalize, deadline, timeout, ticket)
         return vecs, sum(len(r) for r in rows)
 
@@ -198,7 +204,8 @@ class ServingApi:
             return np.zeros(0, dtype=np.float32), "none"
         texts = rq.cap_texts([query, *docs], rq.char_cap(mc))
         with self._admit(model, rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
-            q, *ids = await self._off_loop(sum(map(len, texts)), lambda: self._encode_plain(model, mc, texts))
+            await self._tokenizer_loaded(model)
+            q, *ids = await self._off_loop(lambda: self._encode_plain(model, mc, texts))
             chunks = rq.plan_chunks([len(d) for d in ids], max_items=self.config.max_batch_items,
                                     max_bytes=self.config.max_frame, fixed=len(q), what="documents")
             scores, method = [], "cross_encoder"
@@ -258,7 +265,7 @@ class ServingApi:
                 text = prompt if messages is None else tok.apply_chat_template(messages, add_generation_prompt=True)
                 return np.asarray(tok.encode(text), dtype="<i4")
 
-            ids = await self._off_loop(n_chars, encode)
+            ids = await self._off_loop(encode)
             fields: dict[str, Any] = {"model_ref": model, "max_tokens": max_tokens}
             if grammar:
                 fields["grammar"] = grammar
