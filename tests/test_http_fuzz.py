@@ -24,6 +24,7 @@ from tests.supervision_helpers import MODEL
 from tests.test_http import client_for, daemon_config
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10000"))
+PER_EXAMPLE = 10  # cases drawn per hypothesis example: its per-example bookkeeping is most of a case's cost
 CASE_TIMEOUT_S = 10.0
 
 # any text, lone surrogates included (JSON can carry them as \ud800 escapes)
@@ -105,18 +106,21 @@ async def test_fuzz_route(tmp_path: Path, route: str) -> None:
         def case(method: str, path: str, body: bytes) -> None:
             statuses[trio.from_thread.run(asgi_status, app, method, path, body)] += 1
 
-        fuzz_settings = settings(max_examples=EXAMPLES, deadline=None, database=None,
+        fuzz_settings = settings(max_examples=max(1, EXAMPLES // PER_EXAMPLE), deadline=None, database=None,
                                  suppress_health_check=list(HealthCheck))
         if route.startswith("GET "):
             @fuzz_settings
-            @given(TEXT)
-            def run(lane: str) -> None:
-                case("GET", f"/v1/lanes/{lane}", b"")
+            @given(st.lists(TEXT, min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
+            def run(lanes: list[str]) -> None:
+                for lane in lanes:
+                    case("GET", f"/v1/lanes/{lane}", b"")
         else:
             @fuzz_settings
-            @given(VALID.get(route, st.nothing()) | BODIES[route] | RAW)
-            def run(body: Any) -> None:
-                case("POST", route, encode(body))
+            @given(st.lists(VALID.get(route, st.nothing()) | BODIES[route] | RAW, min_size=PER_EXAMPLE,
+                            max_size=PER_EXAMPLE))
+            def run(bodies: list[Any]) -> None:
+                for body in bodies:
+                    case("POST", route, encode(body))
 
         await trio.to_thread.run_sync(run)
         strikes = [(s["strikes"], s["generation"]) for s in sup.status()]  # type: ignore[attr-defined]
