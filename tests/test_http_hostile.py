@@ -115,20 +115,21 @@ async def test_a_stalled_body_is_cut_by_the_body_timeout(daemon: tuple[httpx.Asy
 
 
 async def test_per_client_connection_cap(daemon: tuple[httpx.AsyncClient, object]) -> None:
-    """Three stalled bodies hold this client's three slots: a fourth request is refused at once (429), and
-    once the stalled ones are cut, the client is served again."""
+    """Three stalled bodies hold this client's three slots: a fourth POST is refused at once (429) while
+    /healthz still answers, and once the stalled ones are cut, the client is served again."""
     http, sup = daemon
     api = sup.daemon.api  # type: ignore[attr-defined]
     stalled = [await raw(http) for _ in range(3)]
     for s in stalled:
         await s.send_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\n{")
     await wait_until(lambda: api._per_client.get("127.0.0.1") == 3)  # all three wait for their bodies
-    r = await http.get("/healthz")
+    r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a"]})
     assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections"
+    assert (await http.get("/healthz")).status_code == 200  # probes are not counted
     for s in stalled:
         assert status_of(await read_response(s)) == 408
         await s.aclose()
-    assert (await http.get("/healthz")).status_code == 200
+    assert (await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a"]})).status_code == 200
 
 
 async def test_healthz_stays_fast_while_a_huge_input_is_embedded(daemon: tuple[httpx.AsyncClient, object]) -> None:

@@ -61,7 +61,7 @@ class HttpConfig:
     request_timeout_s: float = 120.0
     max_inputs: int = 2048
     body_timeout_s: float = 30.0  # the whole request body must arrive within this (408 and close otherwise)
-    max_connections_per_client: int = 64  # requests in flight per client address on TCP (429 beyond)
+    max_connections_per_client: int = 128  # POST requests in flight per client address on TCP (429 beyond)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

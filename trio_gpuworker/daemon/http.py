@@ -160,7 +160,9 @@ class Api(AdminRoutes, ServingRoutes):
 
         send = send_once
         client = scope.get("client")
-        host = client[0] if isinstance(client, list | tuple) and client and client[0] else ""
+        # Only requests with a body are counted: those are what a client can stall or pile up, while probes
+        # (/healthz, /metrics) stay answerable. On loopback every local client shares one address.
+        host = client[0] if method == "POST" and isinstance(client, list | tuple) and client and client[0] else ""
         if host:
             self._per_client[host] = self._per_client.get(host, 0) + 1
         try:
