@@ -178,3 +178,20 @@ async def test_engine_crashed_answer_carries_the_log_tail(tmp_path: Path) -> Non
         detail = r.json()["error"]["detail"]
         assert detail["cause"] == "crash" and "fake worker" in detail["log_tail"]  # the worker's own stderr
         nursery.cancel_scope.cancel()
+
+
+async def test_admitted_bytes_are_held_until_the_lane_drained_the_reply(tmp_path: Path) -> None:
+    """A caller that times out (504) leaves its batch to the lane; the model's admission budget still counts
+    those bytes until the reply has drained, then releases them."""
+    cfg = daemon_config(tmp_path, fake_command("slow", delay=0.6, on_request=0), timeout_s=0.2, http=HTTP)
+    async with trio.open_nursery() as nursery:
+        http, sup = await client_for(nursery, cfg)
+        scheduler = sup.daemon.scheduler  # type: ignore[attr-defined]
+        lane = next(iter(sup.lanes.values()))  # type: ignore[attr-defined]
+        async with http:
+            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a", "b"]})
+        assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
+        assert scheduler.queued_bytes[MODEL] > 0 and lane.state.value == "busy"  # still draining
+        await wait_until(lambda: scheduler.queued_bytes[MODEL] == 0, within_s=2.0)
+        assert scheduler.queued[MODEL] == 0 and no_strikes(sup)
+        nursery.cancel_scope.cancel()

@@ -153,7 +153,8 @@ class ServingApi:
         if batcher is not None and batcher.enabled and len(chunks) == 1:
             # batches hold at most max_batch_items rows, which config validation guarantees fit a frame
             return await batcher.embed(rows, model=model, pooling=pooling, normalize=normalize,
-                                       timeout=self._left(deadline, "embedding request", timeout))
+                                       timeout=self._left(deadline, "embedding request", timeout),
+                                       on_settled=ticket.job if ticket else None)
         parts = []
         for a, b in chunks:  # one micro-batch at a time: a caller that leaves stops the rest
             left = self._left(deadline, f"embedding request on {model!r}", timeout)
