@@ -195,3 +195,17 @@ async def test_admitted_bytes_are_held_until_the_lane_drained_the_reply(tmp_path
         await wait_until(lambda: scheduler.queued_bytes[MODEL] == 0, within_s=2.0)
         assert scheduler.queued[MODEL] == 0 and no_strikes(sup)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_large_answer_is_encoded_off_the_loop_and_complete(tmp_path: Path) -> None:
+    cfg = daemon_config(tmp_path, fake_command(), http={**HTTP, "max_inputs": 5000})
+    async with trio.open_nursery() as nursery:
+        http, _ = await client_for(nursery, cfg)
+        async with http:
+            texts = [f"t{i}" for i in range(4100)]  # 4100 x 4 floats: over the inline limit
+            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": texts})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        data = r.json()["data"]
+        assert [d["index"] for d in data] == list(range(4100))
+        assert [d["embedding"][2] for d in data[:3]] == [0.0, 1.0, 2.0]  # the fake's row ids: input order kept
+        nursery.cancel_scope.cancel()

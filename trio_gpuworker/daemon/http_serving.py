@@ -7,25 +7,30 @@ splits every request, once, with the same typed errors as the Python API.
 from __future__ import annotations
 
 import base64
+import json
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import trio
 
 from .._errors import InvalidRequest
+from .http_common import Raw
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
     from .config import HttpConfig
 
 ENCODING_FORMATS = ("float", "base64")
+INLINE_FLOATS = 16 * 1024  # an answer with more floats than this is encoded in a thread
 DEFAULT_GEN_TOKENS = 16
 
 
 class ServingRoutes:
     sup: Supervisor
     http: HttpConfig
+    _json_cpu: trio.CapacityLimiter
 
     def _model(self, body: dict[str, Any], kinds: tuple[str, ...], what: str) -> str:
         model = body.get("model")
@@ -54,7 +59,7 @@ class ServingRoutes:
                                  "(http.max_inputs)")
         return value
 
-    async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+    async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | Raw:
         model = self._model(body, ("embedding",), "embeddings")
         inputs = body.get("input")
         inputs = self._inputs([inputs] if isinstance(inputs, str) else inputs, "input")
@@ -70,12 +75,20 @@ class ServingRoutes:
         def encode(v: np.ndarray) -> Any:
             return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
 
-        return 200, {
-            "object": "list",
-            "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vecs)],
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        }
+        def answer() -> dict[str, Any]:
+            return {
+                "object": "list",
+                "model": model,
+                "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vecs)],
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+            }
+
+        if vecs.size <= INLINE_FLOATS:
+            return 200, answer()
+        # thousands of vectors take tens of milliseconds to encode as JSON: not on the loop
+        body = await trio.to_thread.run_sync(lambda: json.dumps(answer(), separators=(",", ":")).encode(),
+                                             limiter=self._json_cpu)
+        return Raw(200, body, "application/json")
 
     async def rerank(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
         model = self._model(body, ("rerank", "embedding"), "rerank")
