@@ -209,3 +209,21 @@ async def test_a_large_answer_is_encoded_off_the_loop_and_complete(tmp_path: Pat
         assert [d["index"] for d in data] == list(range(4100))
         assert [d["embedding"][2] for d in data[:3]] == [0.0, 1.0, 2.0]  # the fake's row ids: input order kept
         nursery.cancel_scope.cancel()
+
+
+async def test_rerank_of_2048_long_documents_with_a_1_mib_frame(tmp_path: Path) -> None:
+    """The issue's reproduction over HTTP: one 1.6 MB RERANK frame once stopped the daemon (exit 1)."""
+    import dataclasses
+
+    cfg = daemon_config(tmp_path, fake_command(), http=HTTP)
+    cfg = dataclasses.replace(cfg, supervisor=dataclasses.replace(cfg.supervisor, max_frame=1 << 20))
+    words = " ".join(f"word{i % 97}" for i in range(200))
+    async with trio.open_nursery() as nursery:
+        http, sup = await client_for(nursery, cfg)
+        async with http:
+            r = await http.post("/v1/rerank", json={"model": MODEL, "query": "q",
+                                                    "documents": [f"{i} {words}" for i in range(2048)]})
+            assert r.status_code == 200, r.text
+            assert len(r.json()["results"]) == 2048
+            assert (await http.get("/healthz")).status_code == 200 and no_strikes(sup)
+        nursery.cancel_scope.cancel()
