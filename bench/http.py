@@ -172,15 +172,16 @@ async def bench_healthz(worker: str, concurrency: int, requests: int) -> None:
 
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             await client.get("/healthz")
-            nursery.start_soon(poll, client)
-            async with trio.open_nursery() as load:
-                load.start_soon(big_inputs)
-                r = await trio.run_process(
-                    [sys.executable, "-m", "tests.hostile_traffic", url, str(concurrency), str(requests), "0.3",
-                     DEFAULT_MODEL], capture_stdout=True,
-                    env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-                codes.update(json.loads(r.stdout))
-            done.set()
+            async with trio.open_nursery() as polling:  # the poller ends before its client closes
+                polling.start_soon(poll, client)
+                async with trio.open_nursery() as load:
+                    load.start_soon(big_inputs)
+                    r = await trio.run_process(
+                        [sys.executable, "-m", "tests.hostile_traffic", url, str(concurrency), str(requests), "0.3",
+                         DEFAULT_MODEL], capture_stdout=True,
+                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                    codes.update(json.loads(r.stdout))
+                done.set()
             strikes = sum(s["strikes"] for s in sup.status())
         nursery.cancel_scope.cancel()
     h = sorted(health)

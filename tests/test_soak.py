@@ -112,11 +112,12 @@ async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
                     rss_peak = max(rss_peak, rss_mb())
                     await trio.sleep(0.005)
 
-            nursery.start_soon(poll_health)
-            proc = await trio.run_process([sys.executable, "-m", "tests.hostile_traffic", str(http.base_url),
-                                           str(SOAK_HTTP_CALLERS), str(SOAK_HTTP_REQUESTS)], capture_stdout=True,
-                                          env={**os.environ, "PYTHONPATH": os.getcwd()})
-            done.set()
+            async with trio.open_nursery() as polling:  # the poller ends before its client closes
+                polling.start_soon(poll_health)
+                proc = await trio.run_process([sys.executable, "-m", "tests.hostile_traffic", str(http.base_url),
+                                               str(SOAK_HTTP_CALLERS), str(SOAK_HTTP_REQUESTS)],
+                                              capture_stdout=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                done.set()
             codes = json.loads(proc.stdout)
             strikes = [(s["strikes"], s["generation"]) for s in sup.status()]
         nursery.cancel_scope.cancel()

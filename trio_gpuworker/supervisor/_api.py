@@ -10,6 +10,7 @@ lane drains only the micro-batch in flight.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,7 +29,9 @@ if TYPE_CHECKING:
     from ._lane import Lane
 
 T = TypeVar("T")
-CPU_THREADS = 2  # tokenization and template threads at once, whatever the number of requests
+# Tokenization and template threads at once, whatever the number of requests: half the CPUs, so the event
+# loop always has a core (tokenizers' encode_batch fans out on its own pool besides).
+CPU_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class ServingApi:
