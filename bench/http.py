@@ -6,6 +6,11 @@ does not share the daemon's event loop or GIL); each client sends one short sent
 
 Prints both phases and the ratios (batching on / off), for the MiniLM worker and for the scripted fake
 worker, which answers at once and so shows what batching saves on the daemon side alone.
+
+    .venv/bin/python bench/http.py --case healthz [--worker fake] [--concurrency 8] [--requests 40]
+
+/healthz latency (p50/p99/max, polled every 5 ms) while 8 MB single-input embeddings and the hostile mix of
+tests/hostile_traffic.py run from another process; the target is p99 < 50 ms. Also the daemon's peak RSS.
 """
 
 from __future__ import annotations
@@ -125,6 +130,68 @@ async def bench_worker(worker: str, concurrency: int, requests: int, delay_ms: f
     return results
 
 
+# --- /healthz under hostile load -----------------------------------------------------------------------
+
+HEALTHZ_POLL_S = 0.005
+BIG_INPUT_CHARS = 8_000_000  # the 8 MB input that once stalled /healthz for 27 s
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def bench_healthz(worker: str, concurrency: int, requests: int) -> None:
+    big = json.dumps({"model": DEFAULT_MODEL, "input": ["word " * (BIG_INPUT_CHARS // 5)]}).encode()
+    health: list[float] = []
+    codes: dict[str, int] = {}
+    rss_before = rss_peak = rss_mb()
+    async with trio.open_nursery() as nursery:
+        sup, binds = await nursery.start(run_daemon, config("127.0.0.1:0", worker))
+        url = binds[0]
+        done = trio.Event()
+
+        async def poll(client: httpx.AsyncClient) -> None:
+            nonlocal rss_peak
+            while not done.is_set():
+                t0 = time.perf_counter()
+                await client.get("/healthz")
+                health.append(time.perf_counter() - t0)
+                rss_peak = max(rss_peak, rss_mb())
+                await trio.sleep(HEALTHZ_POLL_S)
+
+        async def big_inputs() -> None:  # from a child, like the rest of the load
+            script = (f"import httpx,sys; c=httpx.Client(base_url={url!r}, timeout=600); b=sys.stdin.buffer.read()\n"
+                      f"for _ in range({max(1, requests // 10)}): print(c.post('/v1/embeddings', content=b, "
+                      "headers={'content-type':'application/json'}).status_code)")
+            r = await trio.run_process([sys.executable, "-c", script], stdin=big, capture_stdout=True)
+            for code in r.stdout.split():
+                codes[f"8MB:{code.decode()}"] = codes.get(f"8MB:{code.decode()}", 0) + 1
+
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            await client.get("/healthz")
+            async with trio.open_nursery() as polling:  # the poller ends before its client closes
+                polling.start_soon(poll, client)
+                async with trio.open_nursery() as load:
+                    load.start_soon(big_inputs)
+                    r = await trio.run_process(
+                        [sys.executable, "-m", "tests.hostile_traffic", url, str(concurrency), str(requests), "0.3",
+                         DEFAULT_MODEL], capture_stdout=True,
+                        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                    codes.update(json.loads(r.stdout))
+                done.set()
+            strikes = sum(s["strikes"] for s in sup.status())
+        nursery.cancel_scope.cancel()
+    h = sorted(health)
+    print(f"/healthz while 8 MB inputs and hostile requests run ({worker} worker, {concurrency} clients x "
+          f"{requests} requests, {os.cpu_count()} CPUs): n={len(h)} p50={1000 * h[len(h) // 2]:.1f} ms "
+          f"p99={1000 * quantile(h, 0.99):.1f} ms max={1000 * h[-1]:.1f} ms (target p99 < 50 ms)")
+    print(f"  answers: {dict(sorted(codes.items()))}; strikes: {strikes}; daemon RSS {rss_before:.0f} -> peak "
+          f"{rss_peak:.0f} MiB")
+
+
 def report(title: str, results: dict[str, dict[str, float]]) -> None:
     print(title)
     print(f"  {'batching':<10}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'rows/EMBED_BATCH':>18}")
@@ -152,15 +219,20 @@ def main() -> None:
         load_main(sys.argv[2:])
         return
     p = argparse.ArgumentParser()
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=160)
+    p.add_argument("--concurrency", type=int, default=None, help="default 16 (batching), 8 (healthz)")
+    p.add_argument("--requests", type=int, default=None, help="default 160 (batching), 40 (healthz)")
     p.add_argument("--delay-ms", type=float, default=2.0)
     p.add_argument("--worker", choices=("real", "fake", "both"), default="both",
                    help="the MiniLM worker, the scripted fake (daemon cost alone), or both")
+    p.add_argument("--case", choices=("batching", "healthz"), default="batching")
     args = p.parse_args()
     setup_logging("plain", "warning")
+    if args.case == "healthz":
+        trio.run(bench_healthz, "real" if args.worker == "real" else "fake", args.concurrency or 8,
+                 args.requests or 40)
+        return
     workers = ["real", "fake"] if args.worker == "both" else [args.worker]
-    trio.run(bench, workers, args.concurrency, args.requests, args.delay_ms)
+    trio.run(bench, workers, args.concurrency or 16, args.requests or 160, args.delay_ms)
 
 
 if __name__ == "__main__":

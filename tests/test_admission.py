@@ -79,10 +79,11 @@ def test_least_loaded_ready_lane() -> None:
 
 
 async def test_over_budget_is_429_with_retry_after(tmp_path: Path) -> None:
-    """A slow request holds most of a 64-byte budget; a request that does not fit beside it gets a typed
-    429, one that can never fit a 400; once the slow one is done the same request is admitted."""
+    """A slow request holds most of a 200-byte budget; a request that does not fit beside it gets a typed
+    429, one that can never fit a 400; once the slow one is done the same request is admitted. Admission comes
+    before tokenization, so it counts an upper bound: 4 bytes per (UTF-8 byte + 2 specials) of each input."""
     cfg = daemon_config(tmp_path, fake_command("slow", delay=0.5, on_request=1),
-                        daemon={"admission": AdmissionPolicy(queue_bytes=64, retry_after_s=2)})
+                        daemon={"admission": AdmissionPolicy(queue_bytes=200, retry_after_s=2)})
     async with trio.open_nursery() as nursery:
         sup, binds = await nursery.start(run_daemon, cfg)
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
@@ -90,16 +91,16 @@ async def test_over_budget_is_429_with_retry_after(tmp_path: Path) -> None:
 
             async def slow() -> None:
                 r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world"] * 3})
-                done.append(r.status_code)  # 3 rows x 4 tokens x 4 bytes = 48 bytes
+                done.append(r.status_code)  # 3 x (11 + 2) x 4 = 156 bytes
 
             nursery.start_soon(slow)
             await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
-            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world", "x"]})  # 28 bytes
+            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world", "x"]})  # 52 + 12 bytes
             assert r.status_code == 429 and r.headers["retry-after"] == "2"
             err = r.json()["error"]
-            assert err["code"] == "over_capacity" and err["detail"]["budget_bytes"] == 64
-            assert err["detail"]["queued_bytes"] == 48 and err["detail"]["model"] == MODEL
-            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world"] * 5})  # 80 bytes
+            assert err["code"] == "over_capacity" and err["detail"]["budget_bytes"] == 200
+            assert err["detail"]["queued_bytes"] == 156 and err["detail"]["model"] == MODEL
+            r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world"] * 5})  # 260 bytes
             assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
             await wait_until(lambda: bool(done))
             r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["hello world", "x"]})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,9 @@ from tests.supervision_helpers import MODEL, fake_config
 from trio_gpuworker import GpuWorkerError, Supervisor, Windows
 
 LANES, CALLERS, REQUESTS, TIMEOUT_S = 3, 12, 20, 3.0
+SOAK_HTTP_CALLERS, SOAK_HTTP_REQUESTS = 8, 40
+SOAK_RSS_GROWTH_MB = 300  # the daemon's own growth while hostile inputs run (it was 2.9 GB for one 8 MB input)
+SOAK_HEALTHZ_P99_S = 0.05
 
 
 def children_of(pid: int) -> list[int]:
@@ -73,3 +78,58 @@ async def test_soak_with_random_faults(tmp_path: Path) -> None:
     assert children_of(os.getpid()) == kids_before
     assert open_fds() == fds_before
     assert list((tmp_path / "run" / "gpuworker" / "workers").iterdir()) == []
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
+    """Normal embeddings and reranks with hostile requests mixed in (tests/hostile_traffic.py, from its own
+    process), over real HTTP: no untyped error, no 500, no strike, bounded daemon RSS, and /healthz answering
+    fast throughout."""
+    from tests.test_http import client_for, daemon_config
+
+    cfg = daemon_config(tmp_path, fake_command(), fake_command(),
+                        http={"max_body_bytes": 4 << 20, "body_timeout_s": 5.0})
+    health: list[float] = []
+    rss_before = rss_mb()
+    rss_peak = rss_before
+    async with trio.open_nursery() as nursery:
+        http, sup = await client_for(nursery, cfg)
+        async with http:
+            done = trio.Event()
+
+            async def poll_health() -> None:
+                nonlocal rss_peak
+                while not done.is_set():
+                    t0 = trio.current_time()
+                    assert (await http.get("/healthz")).status_code == 200
+                    health.append(trio.current_time() - t0)
+                    rss_peak = max(rss_peak, rss_mb())
+                    await trio.sleep(0.005)
+
+            async with trio.open_nursery() as polling:  # the poller ends before its client closes
+                polling.start_soon(poll_health)
+                proc = await trio.run_process([sys.executable, "-m", "tests.hostile_traffic", str(http.base_url),
+                                               str(SOAK_HTTP_CALLERS), str(SOAK_HTTP_REQUESTS)],
+                                              capture_stdout=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                done.set()
+            codes = json.loads(proc.stdout)
+            strikes = [(s["strikes"], s["generation"]) for s in sup.status()]
+        nursery.cancel_scope.cancel()
+
+    ordered = sorted(health)
+    p99 = ordered[int(len(ordered) * 0.99)]
+    print(codes, f"healthz n={len(health)} p50={ordered[len(ordered) // 2] * 1000:.1f} ms "
+                 f"p99={p99 * 1000:.1f} ms max={ordered[-1] * 1000:.1f} ms",
+          f"rss {rss_before:.0f} -> peak {rss_peak:.0f} MiB")
+    assert sum(codes.values()) == SOAK_HTTP_CALLERS * SOAK_HTTP_REQUESTS
+    assert codes.get("ok", 0) > SOAK_HTTP_CALLERS * SOAK_HTTP_REQUESTS // 2, codes
+    assert set(codes) <= {"ok", "invalid_request", "invalid_json", "request_too_large", "not_found"}, codes
+    assert strikes == [(0, 1), (0, 1)]  # typed, all the client's own fault, and never a worker's
+    assert rss_peak - rss_before < SOAK_RSS_GROWTH_MB
+    assert p99 < SOAK_HEALTHZ_P99_S, p99

@@ -80,6 +80,17 @@ class SupervisorConfig:
     arena_bytes: int = 1 << 30  # sparse memfd ceiling shared with workers for rings; 0 disables the data plane
     health_interval_s: float = 15.0  # background PING of idle workers (rss_mb, models_loaded)
 
+    def __post_init__(self) -> None:
+        # A full EMBED_BATCH (max_batch_items rows of max_tokens int32 ids) must fit one raw frame, else a
+        # valid request could only fail at the lane.
+        from ._errors import ConfigError
+
+        for m in self.models:
+            if m.kind in ("embedding", "rerank") and self.max_batch_items * m.max_tokens * 4 > self.max_frame:
+                raise ConfigError(
+                    f"daemon.max_batch_items ({self.max_batch_items}) x models.{m.id}.max_tokens ({m.max_tokens}) "
+                    f"x 4 bytes exceeds daemon.max_frame_mib ({self.max_frame} bytes): such a batch cannot be sent")
+
     def model(self, model_id: str) -> ModelConfig:
         for m in self.models:
             if m.id == model_id:

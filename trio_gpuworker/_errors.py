@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+LOG_TAIL_WIRE_CHARS = 8 * 1024  # the last 8 KiB of a crashed worker's output reach the caller
+
 
 class GpuWorkerError(Exception):
     """Root of every error this package raises."""
@@ -142,6 +144,8 @@ class EngineCrashed(GpuWorkerError):
         if self.quarantined:
             detail["quarantined"] = True
             detail["cooldown_remaining_s"] = self.cooldown_remaining_s
+        if self.log_tail:
+            detail["log_tail"] = self.log_tail[-LOG_TAIL_WIRE_CHARS:]
         return {"code": self.code, "message": str(self), "detail": detail}
 
 
@@ -181,7 +185,7 @@ class InvalidRequest(GpuWorkerError, ValueError):
 
 
 class RequestTooLarge(InvalidRequest):
-    """The request cannot be carried in the negotiated frame size (or exceeds a configured cap)."""
+    """The request cannot fit the protocol's frames or the daemon's caps, however it is split."""
 
     code = "request_too_large"
 

@@ -60,6 +60,8 @@ class HttpConfig:
     max_body_bytes: int = 8 << 20
     request_timeout_s: float = 120.0
     max_inputs: int = 2048
+    body_timeout_s: float = 30.0  # the whole request body must arrive within this (408 and close otherwise)
+    max_connections_per_client: int = 128  # POST requests in flight per client address on TCP (429 beyond)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -304,6 +306,10 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
         raise ConfigError(f"http.request_timeout_s: must be > 0, got {http.request_timeout_s}")
     if http.max_inputs < 1:
         raise ConfigError(f"http.max_inputs: must be >= 1, got {http.max_inputs}")
+    if http.body_timeout_s <= 0:
+        raise ConfigError(f"http.body_timeout_s: must be > 0, got {http.body_timeout_s}")
+    if http.max_connections_per_client < 1:
+        raise ConfigError(f"http.max_connections_per_client: must be >= 1, got {http.max_connections_per_client}")
     sup = SupervisorConfig(
         lanes=lanes, models=tuple(models.values()), state_dir=state_dir, runtime_dir=runtime_dir,
         max_frame=ints.get("max_frame_mib", 64) << 20, windows=windows, quarantine=quarantine, restart=restart,

@@ -8,22 +8,17 @@ before it reaches a worker if it has not yet.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import math
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import trio
 
 from .._errors import (
     GpuWorkerError,
-    InvalidRequest,
 )
 from ..supervisor import LaneState, Supervisor
 from ..supervisor._admission import Scheduler
@@ -32,7 +27,6 @@ from .config import HttpConfig
 from .http_admin import AdminRoutes
 from .http_common import (
     DRAIN_RETRY_AFTER_S,
-    MAX_GEN_TOKENS,
     ClientGone,
     HttpError,
     Raw,
@@ -44,14 +38,18 @@ from .http_common import (
     error_body,
     error_status,
 )
+from .http_serving import ServingRoutes
 
 if TYPE_CHECKING:
     from .metrics import Metrics
 
 log = logging.getLogger("trio_gpuworker.http")
 
+JSON_INLINE_BYTES = 64 * 1024  # bodies up to this size decode on the loop (well under a millisecond)
+JSON_THREADS = 2  # large bodies decoding at once
 
-class Api(AdminRoutes):
+
+class Api(AdminRoutes, ServingRoutes):
     def __init__(self, sup: Supervisor, http: HttpConfig, *, scheduler: Scheduler | None = None,
                  metrics: Metrics | None = None,
                  reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
@@ -84,8 +82,11 @@ class Api(AdminRoutes):
             ("POST", "/v1/lanes/{lane}/unload", self.lane_unload, True, True),
             ("POST", "/v1/config/reload", self.config_reload, True, True),
         ]
-        self.routes = [Route(m, re.compile("^" + p.replace("{lane}", lane) + "$"), p, h, admin, tracked)
+        # matched with fullmatch: `$` would also match before a trailing newline (/v1/lanes/embed-0%0a)
+        self.routes = [Route(m, re.compile(p.replace("{lane}", lane)), p, h, admin, tracked)
                        for m, p, h, admin, tracked in table]
+        self._per_client: dict[str, int] = {}
+        self._json_cpu = trio.CapacityLimiter(JSON_THREADS)
 
     # --- ASGI ----------------------------------------------------------------------------------
 
@@ -94,9 +95,6 @@ class Api(AdminRoutes):
             await self.handle(scope, receive, send, admin=admin)
 
         return app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.handle(scope, receive, send, admin=True)
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
@@ -115,10 +113,10 @@ class Api(AdminRoutes):
     def _match(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
         allowed = False
         for route in self.routes:
-            m = route.pattern.match(path)
+            m = route.pattern.fullmatch(path)
             if m is None:
                 continue
-            if route.method == method:
+            if route.method == method or (method == "HEAD" and route.method == "GET"):
                 return route, m.groupdict()
             allowed = True
         if allowed:
@@ -151,10 +149,28 @@ class Api(AdminRoutes):
                 if started:  # a failure after the answer began (a stream): it ends the stream, nothing more
                     return
                 started = True
-            await server_send(message)
+            elif method == "HEAD" and message.get("body"):
+                message = {**message, "body": b""}  # HEAD: GET's headers (content-length included), no body
+            try:
+                await server_send(message)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                # the client hung up while we answered (hypercorn may be closing the stream right now):
+                # there is nobody to tell, and no reason for an error
+                log.debug("%s %s: the client left during the answer", method, path)
 
         send = send_once
+        client = scope.get("client")
+        # Only requests with a body are counted: those are what a client can stall or pile up, while probes
+        # (/healthz, /metrics) stay answerable. On loopback every local client shares one address.
+        host = client[0] if method == "POST" and isinstance(client, list | tuple) and client and client[0] else ""
+        if host:
+            self._per_client[host] = self._per_client.get(host, 0) + 1
         try:
+            if host and self._per_client[host] > self.http.max_connections_per_client:
+                raise HttpError(429, "too_many_connections",
+                                f"{host} has {self._per_client[host] - 1} requests in flight; at most "
+                                f"{self.http.max_connections_per_client} (http.max_connections_per_client)",
+                                {"retry-after": "1", "connection": "close"})
             route, params = self._match(method, path)
             label = route.label
             if route.admin and not (admin or self.http.admin_on_tcp):
@@ -163,7 +179,7 @@ class Api(AdminRoutes):
             if route.tracked and not self.admitting:
                 raise HttpError(503, "shutting_down", "gpuworkerd is draining; no new requests are admitted",
                                 {"retry-after": str(DRAIN_RETRY_AFTER_S), "connection": "close"})
-            body = await self._json_body(receive) if method == "POST" else None
+            body = await self._json_body(scope, receive) if method == "POST" else None
             model = self._model_label(body)
             if route.tracked:
                 self._enter()
@@ -186,6 +202,10 @@ class Api(AdminRoutes):
         finally:
             if tracked:
                 self._exit()
+            if host:
+                self._per_client[host] -= 1
+                if not self._per_client[host]:
+                    del self._per_client[host]
         if self.metrics is not None:
             self.metrics.observe(label, model, outcome, time.perf_counter() - t0)
         log.debug("%s %s %s %.1f ms", method, path, outcome, (time.perf_counter() - t0) * 1000)
@@ -224,28 +244,39 @@ class Api(AdminRoutes):
             raise ClientGone
         return status
 
-    async def _json_body(self, receive: Receive) -> dict[str, Any]:
+    async def _json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
+        limit = self.http.max_body_bytes
+        declared = _content_length(scope)
+        if declared is not None and declared > limit:  # refused before a byte of it is read
+            raise HttpError(413, "request_too_large", f"request body of {declared} bytes exceeds {limit} bytes "
+                                                      "(http.max_body_bytes)", {"connection": "close"})
         chunks: list[bytes] = []
         size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > self.http.max_body_bytes:
-                raise HttpError(413, "request_too_large", f"request body exceeds {self.http.max_body_bytes} bytes "
-                                                          "(http.max_body_bytes)")
-            chunks.append(chunk)
-            if not msg.get("more_body"):
-                break
+        try:
+            with trio.fail_after(self.http.body_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = msg.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise HttpError(413, "request_too_large", f"request body exceeds {limit} bytes "
+                                                                  "(http.max_body_bytes)", {"connection": "close"})
+                    chunks.append(chunk)
+                    if not msg.get("more_body"):
+                        break
+        except trio.TooSlowError:
+            raise HttpError(408, "request_timeout", f"the request body did not arrive within "
+                                                    f"{self.http.body_timeout_s:g} s (http.body_timeout_s)",
+                            {"connection": "close"}) from None
         data = b"".join(chunks)
         if not data.strip():
             return {}
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from exc
+        if len(data) > JSON_INLINE_BYTES:  # a large body decodes in a thread, never on the loop
+            body = await trio.to_thread.run_sync(_decode_json, data, limiter=self._json_cpu)
+        else:
+            body = _decode_json(data)
         if not isinstance(body, dict):
             raise HttpError(400, "invalid_request", "request body must be a JSON object")
         return body
@@ -279,37 +310,6 @@ class Api(AdminRoutes):
         hdrs += [(k.encode(), v.encode()) for k, v in headers.items()]
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body})
-
-    # --- helpers -------------------------------------------------------------------------------
-
-    def _model(self, body: dict[str, Any], kinds: tuple[str, ...], what: str) -> str:
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise InvalidRequest("'model' must be a string")
-        mc = self.sup.model_config(model)
-        if mc.kind not in kinds:
-            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not {what}")
-        return model
-
-    def _admit(self, model: str, texts: list[str], per_text_cap: int | None = None) -> Any:
-        """Admission for requests tokenized inside the supervisor: an upper bound of their token-id bytes
-        (a token covers at least one UTF-8 byte; two for specials), capped at the model's truncation."""
-        from contextlib import nullcontext
-
-        if self.scheduler is None:
-            return nullcontext()
-        n = sum(min(len(t.encode()) + 2, per_text_cap or math.inf) for t in texts)
-        return self.scheduler.admit(model, 4 * int(n))
-
-    @staticmethod
-    def _int(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
-        value = body.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-            bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-            raise InvalidRequest(f"'{key}' must be an integer {bound}, got {value!r}")
-        return value
 
     # --- read-only routes ----------------------------------------------------------------------
 
@@ -349,120 +349,23 @@ class Api(AdminRoutes):
                 for m in self.sup.config.models]
         return 200, {"object": "list", "data": data}
 
-    # --- serving routes ------------------------------------------------------------------------
 
-    async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body, ("embedding",), "embeddings")
-        inputs = body.get("input")
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        if not isinstance(inputs, list) or not inputs or not all(isinstance(x, str) for x in inputs):
-            raise InvalidRequest("'input' must be a string or a non-empty list of strings")
-        if len(inputs) > self.http.max_inputs:
-            raise InvalidRequest(f"'input' has {len(inputs)} items; at most {self.http.max_inputs} per request "
-                                 "(http.max_inputs)")
-        fmt = body.get("encoding_format") or "float"
-        if fmt not in ("float", "base64"):
-            raise InvalidRequest(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
-        if body.get("dimensions") is not None:
-            raise InvalidRequest("'dimensions' is not supported: the model's own dimensions are returned")
-        mc = self.sup.model_config(model)
-        rows = await self.sup.tokenize_async(inputs, model=model)
-        vecs = await self.sup.embed_rows(rows, model=model, pooling=mc.pooling, normalize=mc.normalize,
-                                         timeout=self.http.request_timeout_s)
-        n_tokens = sum(len(r) for r in rows)
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                n = int(value)
+            except ValueError:
+                raise HttpError(400, "invalid_request", "Content-Length is not an integer",
+                                {"connection": "close"}) from None
+            return n if n >= 0 else None
+    return None
 
-        def encode(v: np.ndarray) -> Any:
-            return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
 
-        return 200, {
-            "object": "list",
-            "model": model,
-            "data": [{"object": "embedding", "index": i, "embedding": encode(v)} for i, v in enumerate(vecs)],
-            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
-        }
-
-    async def rerank(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body, ("rerank", "embedding"), "rerank")
-        query, docs = body.get("query"), body.get("documents")
-        if not isinstance(query, str) or not query:
-            raise InvalidRequest("'query' must be a non-empty string")
-        if isinstance(docs, list) and all(isinstance(d, dict) and isinstance(d.get("text"), str) for d in docs):
-            docs = [d["text"] for d in docs]  # [{"text": ...}] as some rerank APIs send
-        if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
-            raise InvalidRequest("'documents' must be a non-empty list of strings")
-        if len(docs) > self.http.max_inputs:
-            raise InvalidRequest(f"'documents' has {len(docs)} items; at most {self.http.max_inputs} per request "
-                                 "(http.max_inputs)")
-        top_n = self._int(body, "top_n", None, 1) or len(docs)
-        return_documents = body.get("return_documents", False)
-        if not isinstance(return_documents, bool):
-            raise InvalidRequest("'return_documents' must be a boolean")
-        cap = self.sup.model_config(model).max_tokens
-        with self._admit(model, [query, *docs], cap):
-            scores, method = await self.sup.rerank(query, docs, model=model, timeout=self.http.request_timeout_s)
-        order = sorted(range(len(docs)), key=lambda i: (-float(scores[i]), i))[:top_n]
-        results = [{"index": i, "relevance_score": float(scores[i]),
-                    **({"document": {"text": docs[i]}} if return_documents else {})} for i in order]
-        return 200, {"id": f"rerank-{secrets.token_hex(12)}", "object": "rerank", "model": model, "method": method,
-                     "results": results}
-
-    def _generation_args(self, body: dict[str, Any]) -> dict[str, Any]:
-        if body.get("stream"):
-            raise InvalidRequest("streaming is not supported: send stream=false")
-        if self._int(body, "n", 1, 1, 1) != 1:
-            raise InvalidRequest("'n' must be 1")
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = self._int(body, key, 16, 1, MAX_GEN_TOKENS)
-        grammar = body.get("grammar")
-        if grammar is not None and not isinstance(grammar, str):
-            raise InvalidRequest("'grammar' must be a string")
-        return {"max_tokens": max_tokens, "grammar": grammar or None}
-
-    @staticmethod
-    def _usage(out: dict[str, Any]) -> dict[str, int]:
-        return {"prompt_tokens": out["n_prompt"], "completion_tokens": out["n_gen"],
-                "total_tokens": out["n_prompt"] + out["n_gen"]}
-
-    async def completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body, ("generate",), "completions")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequest("'prompt' must be a non-empty string (one prompt per request)")
-        args = self._generation_args(body)
-        with self._admit(model, [prompt]):
-            out = await self.sup.generate(prompt, model=model, timeout=self.http.request_timeout_s, **args)
-        return 200, {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                     "model": model,
-                     "choices": [{"index": 0, "text": out["text"], "logprobs": None,
-                                  "finish_reason": out["finish_reason"]}],
-                     "usage": self._usage(out)}
-
-    async def chat_completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body, ("generate",), "chat completions")
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise InvalidRequest("'messages' must be a non-empty list")
-        messages: list[dict[str, str]] = []
-        for i, m in enumerate(raw):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-                raise InvalidRequest(f"messages[{i}] must be {{role, content}} with string content")
-            messages.append({"role": m["role"], "content": content})
-        args = self._generation_args(body)
-        with self._admit(model, [m["content"] for m in messages]):
-            out = await self.sup.generate(model=model, messages=messages, timeout=self.http.request_timeout_s,
-                                          **args)
-        return 200, {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion",
-                     "created": int(time.time()), "model": model,
-                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                                  "logprobs": None, "finish_reason": out["finish_reason"]}],
-                     "usage": self._usage(out)}
-
+def _decode_json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise HttpError(400, "invalid_json", "request body is nested too deeply") from None

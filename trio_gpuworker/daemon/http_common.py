@@ -18,6 +18,7 @@ from .._errors import (
     ModelNotFound,
     NoLaneAvailable,
     OverCapacity,
+    RequestTooLarge,
     WorkerError,
 )
 from .admin import LaneNotFound
@@ -27,7 +28,6 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Emit = Callable[[dict[str, Any]], Awaitable[None]]
 
-MAX_GEN_TOKENS = 64
 STATE_POLL_S = 0.5  # a streamed load or reload reports the lane's state on each change, and at least this often
 PROGRESS_BUFFER = 64  # PROGRESS events a slow streaming client may lag behind before some are skipped
 DRAIN_RETRY_AFTER_S = 5
@@ -74,6 +74,8 @@ def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
         return 503, {}
     if isinstance(exc, DeadlineExceeded):
         return 504, {}
+    if isinstance(exc, RequestTooLarge):
+        return 413, {}
     if isinstance(exc, InvalidRequest | ConfigError):
         return 400, {}
     if isinstance(exc, ModelNotFound | LaneNotFound):

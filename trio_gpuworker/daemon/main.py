@@ -11,8 +11,10 @@ Life of the process:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -32,7 +34,7 @@ from ..supervisor import LaneState, LoadSpec, Supervisor
 from ..supervisor._admission import Scheduler
 from ..supervisor._batching import Batcher
 from ..supervisor._models import DigestCache, load_spec
-from .config import DaemonConfig, load_config
+from .config import DaemonConfig, HttpConfig, load_config
 from .http import Api
 from .logs import setup_logging
 from .metrics import Metrics
@@ -41,13 +43,19 @@ from .reload import ReloadPlan, ReloadReport, Running, plan_reload
 
 log = logging.getLogger("trio_gpuworker.daemon")
 
+READ_TIMEOUT_SLACK_S = 5.0
 STATUS_INTERVAL_S = 5.0  # how often STATUS= is refreshed (more often when the watchdog asks for it)
 API_SOCKET_MODE = 0o660
 
 
-def hypercorn_config(bind: str, graceful_timeout_s: float) -> HypercornConfig:
+def hypercorn_config(bind: str, graceful_timeout_s: float, http: HttpConfig | None = None) -> HypercornConfig:
     hc = HypercornConfig()
     hc.bind = [bind]
+    if http is not None:
+        # A backstop for a connection that sends nothing at all: hypercorn's read timeout also runs while a
+        # request is being served, so it must exceed the body timeout plus the longest request. Stalled and
+        # dribbled bodies are cut by the app (http.body_timeout_s), idle keep-alive by keep_alive_timeout.
+        hc.read_timeout = math.ceil(http.body_timeout_s + http.request_timeout_s + READ_TIMEOUT_SLACK_S)
     if bind.startswith("unix:"):
         hc.umask = 0o117  # the API socket is 0660 from the moment it exists
     hc.accesslog = None
@@ -104,6 +112,7 @@ class Daemon:
         self.removing: set[str] = set()
         self.nursery: trio.Nursery | None = None
         self._reload_lock = trio.Lock()
+        self._socket_ino: int | None = None
 
     def _lanes_serving(self, model: str) -> int:
         return sum(1 for ln in self.sup.lanes.values() if model in ln.loads and ln.id not in self.scheduler.drained)
@@ -121,15 +130,24 @@ class Daemon:
             prepare_unix_socket(path)
             binds += await nursery.start(partial(self._serve, f"unix:{path}", admin=True))
             os.chmod(path, API_SOCKET_MODE)
+            self._socket_ino = os.stat(path).st_ino
         return binds
 
     async def _serve(self, bind: str, *, admin: bool, task_status: trio.TaskStatus[list[str]]) -> None:
         try:
-            await serve(self.api.listener(admin=admin), hypercorn_config(bind, self.cfg.drain_s),
+            await serve(self.api.listener(admin=admin), hypercorn_config(bind, self.cfg.drain_s, self.cfg.http),
                         shutdown_trigger=self.stop_listeners.wait, task_status=task_status)
         finally:
             if not self.stopping:
                 self.listeners_down.append(bind)
+            if bind.startswith("unix:"):
+                self._remove_socket(Path(bind[len("unix:"):]))
+
+    def _remove_socket(self, path: Path) -> None:
+        """Our socket file goes with our listener; one another daemon bound there since is left alone."""
+        with contextlib.suppress(OSError):
+            if self._socket_ino is not None and path.lstat().st_ino == self._socket_ino:
+                path.unlink()
 
     # --- health and sd_notify ------------------------------------------------------------------
 

@@ -4,13 +4,14 @@
     with sched.admit("all-MiniLM-L6-v2", nbytes):   # OverCapacity (429) when the model's queue is full
         ...                                        # queued + in flight until the block exits
 
-The budget counts the token-id bytes a request sends to a worker, from admission until its reply is back,
-so the memory held for queued work is bounded per model whatever the callers do.
+The budget counts (an upper bound of) the token-id bytes a request sends to a worker, from admission, which
+comes before tokenization, until the lane has drained its reply, so the memory held for queued work is bounded
+per model whatever the callers do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -37,12 +38,12 @@ class Scheduler:
         self.rejected: dict[str, int] = {}
         self.drained: set[str] = set()
 
-    @contextmanager
-    def admit(self, model: str, nbytes: int) -> Iterator[None]:
+    def acquire(self, model: str, nbytes: int) -> Ticket:
+        """Count `nbytes` against the model's budget until the ticket is released."""
         budget = self.policy.queue_bytes
         if nbytes > budget:
             raise InvalidRequest(f"the request needs {nbytes} bytes of token ids; the queue budget of model "
-                                 f"{model!r} is {budget} bytes (admission.queue_bytes)")
+                                  f"{model!r} is {budget} bytes (admission.queue_bytes)")
         held = self.queued_bytes.get(model, 0)
         if held + nbytes > budget:
             self.rejected[model] = self.rejected.get(model, 0) + 1
@@ -51,11 +52,56 @@ class Scheduler:
                                budget_bytes=budget, retry_after_s=self.policy.retry_after_s)
         self.queued_bytes[model] = held + nbytes
         self.queued[model] = self.queued.get(model, 0) + 1
+        return Ticket(self, model, nbytes)
+
+    @contextmanager
+    def admit(self, model: str, nbytes: int) -> Iterator[Ticket]:
+        """The ticket is released when the block exits, unless the block handed it to lane jobs that are
+        still draining (`Ticket.job()`): then when the last of them settles."""
+        ticket = self.acquire(model, nbytes)
         try:
-            yield
+            yield ticket
         finally:
-            self.queued_bytes[model] -= nbytes
-            self.queued[model] -= 1
+            ticket.caller_done()
+
+
+class Ticket:
+    """Admitted bytes: released once the caller is done and every lane job it started has settled, so the
+    budget still counts a reply a gone caller left the lane to drain."""
+
+    def __init__(self, scheduler: Scheduler, model: str, nbytes: int) -> None:
+        self._scheduler = scheduler
+        self.model = model
+        self.nbytes = nbytes
+        self.pending = 0
+        self._caller = True
+        self.released = False
+
+    def job(self) -> Callable[[], None]:
+        """An `on_settled` callback for one lane job."""
+        self.pending += 1
+        fired = False
+
+        def settled() -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                self.pending -= 1
+                self._maybe_release()
+
+        return settled
+
+    def caller_done(self) -> None:
+        self._caller = False
+        self._maybe_release()
+
+    def _maybe_release(self) -> None:
+        if self.released or self._caller or self.pending:
+            return
+        self.released = True
+        s = self._scheduler
+        s.queued_bytes[self.model] -= self.nbytes
+        s.queued[self.model] -= 1
 
 
 def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset[str] = frozenset()) -> Lane:

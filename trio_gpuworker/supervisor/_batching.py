@@ -41,7 +41,8 @@ class BatchPolicy:
 
 class Send(Protocol):
     def __call__(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
-                 timeout: float | None = None) -> Awaitable[np.ndarray]: ...
+                 timeout: float | None = None,
+                 on_settled: Callable[[], None] | None = None) -> Awaitable[np.ndarray]: ...
 
 
 @dataclass(eq=False)
@@ -53,6 +54,11 @@ class _Member:
     error: BaseException | None = None
     gone: bool = False
     batch: _Batch | None = None
+    settled: Callable[[], None] | None = None  # its rows are no longer queued or in flight (idempotent)
+
+    def settle(self) -> None:
+        if self.settled is not None:
+            self.settled()
 
 
 @dataclass(eq=False)
@@ -100,15 +106,20 @@ class Batcher:
             self._nursery = None
 
     async def embed(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
-                    timeout: float | None = None) -> np.ndarray:
+                    timeout: float | None = None,
+                    on_settled: Callable[[], Callable[[], None]] | None = None) -> np.ndarray:
+        """`on_settled()`, when given, makes one idempotent callback per part of `rows`, called once the lane
+        is done with that part (answered, failed, or drained after every caller of its batch left)."""
         if self._nursery is None:
             raise ClosedSupervisorError("the batcher is not running")
         if not rows:
-            return await self._send(rows, model=model, pooling=pooling, normalize=normalize, timeout=timeout)
+            return await self._send(rows, model=model, pooling=pooling, normalize=normalize, timeout=timeout,
+                                    on_settled=on_settled() if on_settled is not None else None)
         key: Key = (model, pooling, normalize)
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         step = self.policy.max_items
-        members = [self._join(key, rows[i:i + step], deadline) for i in range(0, len(rows), step)]
+        members = [self._join(key, rows[i:i + step], deadline, on_settled() if on_settled is not None else None)
+                   for i in range(0, len(rows), step)]
         try:
             with trio.move_on_at(deadline):
                 for m in members:
@@ -127,7 +138,8 @@ class Batcher:
 
     # --- batches -------------------------------------------------------------------------------
 
-    def _join(self, key: Key, rows: list[np.ndarray], deadline: float) -> _Member:
+    def _join(self, key: Key, rows: list[np.ndarray], deadline: float,
+              settled: Callable[[], None] | None) -> _Member:
         batch = self._open.get(key)
         if batch is not None and batch.rows + len(rows) > self.policy.max_items:
             self._close(batch)
@@ -136,7 +148,7 @@ class Batcher:
             batch = self._open[key] = _Batch(key)
             assert self._nursery is not None
             self._nursery.start_soon(self._flush, batch)
-        m = _Member(rows, deadline, batch=batch)
+        m = _Member(rows, deadline, batch=batch, settled=settled)
         batch.members.append(m)
         batch.rows += len(rows)
         if batch.rows >= self.policy.max_items:
@@ -178,6 +190,9 @@ class Batcher:
         async with self._limiter(model):
             self._close(batch)
             live = [m for m in batch.members if not m.gone]
+            for m in batch.members:
+                if m.gone:
+                    m.settle()  # left before its batch was sent: nothing of it reaches a lane
             if len(live) < len(batch.members):
                 self._dropped(model, len(batch.members) - len(live))
             if not live:
@@ -188,10 +203,15 @@ class Batcher:
             self.batches += 1
             if self.on_batch is not None:
                 self.on_batch(model, len(rows), len(live))
+
+            def settled() -> None:
+                for m in live:
+                    m.settle()
+
             try:
                 with batch.scope:
                     vecs = await self._send(rows, model=model, pooling=pooling, normalize=normalize,
-                                            timeout=None if math.isinf(left) else max(left, 0.0))
+                                            timeout=None if math.isinf(left) else max(left, 0.0), on_settled=settled)
             except Exception as exc:  # delivered to every caller of the batch, typed as the lane raised it
                 self._finish(batch, error=exc)
                 return
@@ -206,6 +226,8 @@ class Batcher:
 
     def _finish(self, batch: _Batch, error: BaseException) -> None:
         for m in batch.members:
+            if not batch.sent:
+                m.settle()  # never handed to a lane (a sent batch's lane job settles its members)
             if not m.done.is_set():
                 m.error = error
                 m.done.set()

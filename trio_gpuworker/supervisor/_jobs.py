@@ -53,8 +53,11 @@ class Job:
     result: Message | None = None
     error: BaseException | None = None
     abandoned: bool = False
+    on_settled: Callable[[], None] | None = None  # the lane is done with it: answered, failed or skipped
 
     def finish(self, result: Message | None = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():
             self.result, self.error = result, error
             self.done.set()
+            if self.on_settled is not None:
+                self.on_settled()

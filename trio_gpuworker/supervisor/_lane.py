@@ -115,15 +115,18 @@ class Lane:
             quarantined=True, cooldown_remaining_s=round(remaining, 3))
 
     async def call(self, t: str, fields: dict[str, Any], raw: bytes | None = None, *, timeout: float | None = None,
-                   on_progress: Callable[[Message], None] | None = None) -> Message:
+                   on_progress: Callable[[Message], None] | None = None,
+                   on_settled: Callable[[], None] | None = None) -> Message:
         """Run one request on this lane's worker. The lane, not the caller, owns the stream: a caller
-        that gives up (deadline or cancellation) leaves the reply to be drained by the lane."""
+        that gives up (deadline or cancellation) leaves the reply to be drained by the lane.
+        `on_settled()` runs once the lane is done with the request (or at once if it is refused here)."""
+        job = Job(t, fields, raw, on_progress, on_settled=on_settled)
         if self._closing:
-            raise ClosedSupervisorError(f"lane {self.id} is shutting down")
-        remaining = self.cooldown_remaining()
-        if remaining is not None:
-            raise self.quarantine_error(remaining)
-        job = Job(t, fields, raw, on_progress)
+            job.finish(error=ClosedSupervisorError(f"lane {self.id} is shutting down"))
+        elif (remaining := self.cooldown_remaining()) is not None:
+            job.finish(error=self.quarantine_error(remaining))
+        if job.error is not None:
+            raise job.error
         self.queued += 1
         self._jobs_send.send_nowait(job)
         self._wakeup.set()
@@ -409,7 +412,8 @@ class Lane:
                 continue
             self.queued -= 1
             if job.abandoned:
-                continue  # its caller is gone: never let it reach the worker
+                job.finish()  # its caller is gone: never let it reach the worker
+                continue
             if job.t == RELOAD:
                 if job.fields["generation"] < gen.number:
                     job.finish(result=Message("RELOADED", {"generation": gen.number}))  # already fresh

@@ -1,0 +1,133 @@
+"""Hypothesis fuzzing of every route's body, driven in-process through the ASGI app (no sockets, so a case costs
+well under a millisecond) against a daemon with a real fake worker: 0 answers with status 500, 0 strikes.
+
+FUZZ_EXAMPLES cases per route (default 10^4; `make fuzz` runs more). Hypothesis runs in a thread and sends
+each case into the daemon's trio loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.fakes import fake_command
+from tests.supervision_helpers import MODEL
+from tests.test_http import client_for, daemon_config
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10000"))
+PER_EXAMPLE = 10  # cases drawn per hypothesis example: its per-example bookkeeping is most of a case's cost
+CASE_TIMEOUT_S = 10.0
+
+# any text, lone surrogates included (JSON can carry them as \ud800 escapes)
+TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
+SCALAR = st.none() | st.booleans() | st.integers() | st.floats() | TEXT
+JSON = st.recursive(SCALAR, lambda c: st.lists(c, max_size=4) | st.dictionaries(TEXT, c, max_size=4),
+                    max_leaves=12)
+MODELS = st.sampled_from([MODEL, "nope", ""]) | JSON
+TEXTS = st.lists(TEXT, min_size=1, max_size=6)
+
+
+def shaped(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    """Bodies close to valid, so the cases reach the handlers' depths: each field right, wrong or absent."""
+    return st.fixed_dictionaries({}, optional={k: v | JSON for k, v in fields.items()})
+
+
+VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {  # valid but for their texts, which may be anything
+    "/v1/embeddings": st.fixed_dictionaries({"model": st.just(MODEL), "input": TEXT | TEXTS},
+                                            optional={"encoding_format": st.sampled_from(["float", "base64"])}),
+    "/v1/rerank": st.fixed_dictionaries({"model": st.just(MODEL), "query": TEXT, "documents": TEXTS},
+                                        optional={"top_n": st.integers(1, 8), "return_documents": st.booleans()}),
+}
+BODIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
+    "/v1/embeddings": shaped({"model": MODELS, "input": TEXT | TEXTS,
+                              "encoding_format": st.sampled_from(["float", "base64", "int8", None]),
+                              "dimensions": st.none() | st.integers()}),
+    "/v1/rerank": shaped({"model": MODELS, "query": TEXT, "documents": TEXTS | st.lists(
+        st.fixed_dictionaries({"text": TEXT}), min_size=1, max_size=4), "top_n": st.integers(-2, 8),
+                          "return_documents": st.booleans()}),
+    "/v1/completions": shaped({"model": MODELS, "prompt": TEXT, "max_tokens": st.integers(-2, 100),
+                               "n": st.integers(0, 2), "stream": st.booleans(), "grammar": TEXT}),
+    "/v1/chat/completions": shaped({"model": MODELS, "messages": st.lists(
+        st.fixed_dictionaries({"role": TEXT, "content": TEXT}), max_size=3), "max_completion_tokens":
+        st.integers(-2, 100)}),
+    # admin routes on a lane that does not exist: bodies are parsed, nothing is reloaded or unloaded
+    "/v1/lanes/nolane/reload": shaped({"wait": st.booleans(), "stream": st.booleans()}),
+    "/v1/lanes/nolane/drain": shaped({"wait": st.booleans(), "timeout_s": st.floats()}),
+    "/v1/lanes/nolane/resume": shaped({}),
+    "/v1/lanes/nolane/load": shaped({"model": MODELS, "path": TEXT, "stream": st.booleans()}),
+    "/v1/lanes/nolane/unload": shaped({"model": MODELS}),
+}
+RAW = st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode())
+
+
+def encode(body: Any) -> bytes:
+    return json.dumps(body).encode() if not isinstance(body, bytes) else body
+
+
+async def asgi_status(app: Callable[..., Any], method: str, path: str, body: bytes) -> int:
+    scope = {"type": "http", "method": method, "path": path, "client": ("127.0.0.1", 1),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    sent: list[dict[str, Any]] = []
+    delivered = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal delivered
+        if delivered:
+            await trio.sleep_forever()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with trio.fail_after(CASE_TIMEOUT_S):
+        await app(scope, receive, send)
+    return sent[0]["status"]
+
+
+@pytest.mark.parametrize("route", [*BODIES, "GET /v1/lanes/{lane}"])
+async def test_fuzz_route(tmp_path: Path, route: str) -> None:
+    statuses: Counter[int] = Counter()
+    async with trio.open_nursery() as nursery:
+        client, sup = await client_for(nursery, daemon_config(tmp_path, fake_command(), timeout_s=5.0,
+                                                              http={"max_body_bytes": 1 << 20}))
+        await client.aclose()
+        app = sup.daemon.api.listener(admin=True)  # type: ignore[attr-defined]
+
+        def case(method: str, path: str, body: bytes) -> None:
+            statuses[trio.from_thread.run(asgi_status, app, method, path, body)] += 1
+
+        fuzz_settings = settings(max_examples=max(1, EXAMPLES // PER_EXAMPLE), deadline=None, database=None,
+                                 suppress_health_check=list(HealthCheck))
+        if route.startswith("GET "):
+            @fuzz_settings
+            @given(st.lists(TEXT, min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
+            def run(lanes: list[str]) -> None:
+                for lane in lanes:
+                    case("GET", f"/v1/lanes/{lane}", b"")
+        else:
+            @fuzz_settings
+            @given(st.lists(VALID.get(route, st.nothing()) | BODIES[route] | RAW, min_size=PER_EXAMPLE,
+                            max_size=PER_EXAMPLE))
+            def run(bodies: list[Any]) -> None:
+                for body in bodies:
+                    case("POST", route, encode(body))
+
+        await trio.to_thread.run_sync(run)
+        strikes = [(s["strikes"], s["generation"]) for s in sup.status()]  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+    print(route, dict(statuses))
+    assert statuses[500] == 0, dict(statuses)
+    assert sum(statuses.values()) >= EXAMPLES * 0.9  # hypothesis ran (nearly) every case
+    assert strikes == [(0, 1)]
+    if route in VALID:
+        assert statuses[200] > EXAMPLES // 20, dict(statuses)  # the cases reached the worker too
