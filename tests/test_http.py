@@ -11,16 +11,9 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
-from tests.helpers import daemon_config, wait_until
+from tests.helpers import client_for, daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from trio_gpuworker.daemon.config import DaemonConfig
-from trio_gpuworker.daemon.main import run_daemon
-from trio_gpuworker.supervisor import LaneState, Supervisor
-
-
-async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, Supervisor]:
-    sup, binds = await nursery.start(run_daemon, cfg)
-    return httpx.AsyncClient(base_url=binds[0], timeout=30), sup
+from trio_gpuworker.supervisor import LaneState
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fakes import fake_command
+from tests.helpers import client_for, daemon_config
 from tests.supervision_helpers import MODEL
-from tests.test_http import client_for, daemon_config
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10000"))
 PER_EXAMPLE = 10  # cases drawn per hypothesis example: its per-example bookkeeping is most of a case's cost

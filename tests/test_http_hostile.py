@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import client_for, daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from tests.test_http import client_for, daemon_config, wait_until
 
 HTTP = {"max_body_bytes": 16 << 20, "body_timeout_s": 0.5, "max_connections_per_client": 3}
 

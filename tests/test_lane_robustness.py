@@ -34,7 +34,7 @@ async def test_request_failing_the_schema_fails_alone(tmp_path: Path) -> None:
 
 
 async def test_request_larger_than_max_frame_fails_alone(tmp_path: Path) -> None:
-    cfg = dataclasses.replace(fake_config(tmp_path, fake_command()), max_frame=64 * 1024)
+    cfg = dataclasses.replace(fake_config(tmp_path, fake_command()), max_frame=64 * 1024, max_batch_items=16)
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         n = 20_000  # 80 KB of token ids: one raw frame over the 64 KiB limit

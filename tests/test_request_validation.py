@@ -13,8 +13,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
+from tests.helpers import TOKENIZER, wait_until
 from tests.supervision_helpers import MODEL, fake_config, rows
-from tests.test_http import TOKENIZER, wait_until
 from trio_gpuworker import (
     ConfigError,
     DeadlineExceeded,

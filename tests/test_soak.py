@@ -91,7 +91,7 @@ async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
     """Normal embeddings and reranks with hostile requests mixed in (tests/hostile_traffic.py, from its own
     process), over real HTTP: no untyped error, no 500, no strike, bounded daemon RSS, and /healthz answering
     fast throughout."""
-    from tests.test_http import client_for, daemon_config
+    from tests.helpers import client_for, daemon_config
 
     cfg = daemon_config(tmp_path, fake_command(), fake_command(),
                         http={"max_body_bytes": 4 << 20, "body_timeout_s": 5.0})
