@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,29 +137,59 @@ class Engine:
                 config = json.loads(cfg_path.read_text())
             except (OSError, ValueError) as exc:
                 raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
-            model = self._load_bert(kind, path, config, rc)
+            progress(2, "setup")
+            # warmed under LOAD's window, not the first request's (or restored warm from the JIT cache)
+            model = self._load_bert(kind, path, config, rc, digest, lambda k: progress(2 + k, "setup"))
         elif fmt == "gguf" and kind == "generate":
             model = self._load_gguf(path, rc)
+            progress(2, "setup")
+            model.warmup(lambda k: progress(2 + k, "setup"))
         else:
             raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
-        progress(2, "setup")
-        # compile and capture the configured shapes now, under LOAD's window, not the first request's
-        model.warmup(lambda k: progress(2 + k, "setup"))
         self.models[model_ref] = model
         return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
                                 "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
 
-    def _load_bert(self, kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any]) -> Any:
+    def _load_bert(self, kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any], digest: str,
+                   progress: Callable[[int], None]) -> Any:
+        """Weights plus the warm-up shapes' captured JITs, from the JIT cache when a valid entry exists."""
         if kind == "embedding":
             from ..models.bert import BertEncoder as cls
         elif kind == "rerank":
             from ..models.cross_encoder import BertCrossEncoder as cls
         else:
             raise WorkerRequestError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
+        from tinygrad import Device
+
+        from . import _jitcache
+
+        max_tokens = int(rc.get("max_tokens", 256))
         try:
-            return _Served(cls.load(path, config, max_tokens=int(rc.get("max_tokens", 256))), kind, rc)
-        except (ValueError, KeyError) as exc:
+            shapes = [(int(length), int(batch)) for length, batch in rc.get("warmup_shapes", [[16, 1]])]
+            if not shapes:
+                raise ValueError("warmup_shapes is empty")
+        except (ValueError, TypeError) as exc:
+            raise WorkerRequestError("config_invalid", f"warmup_shapes: {exc}") from exc
+
+        def build() -> Any:
+            impl = cls.load(path, config, max_tokens=max_tokens)
+            impl.warmup(shapes, progress)
+            return impl
+
+        def probe(impl: Any) -> np.ndarray:  # a fixed, non-trivial input in the first warm-up shape
+            length, batch = shapes[0]
+            rows = [(np.arange(length, dtype=np.int32) * 7 + 101 + j) % impl.cfg.vocab_size for j in range(batch)]
+            return impl._run(rows, None, impl._width(), None)
+
+        modules = (cls.__module__, "trio_gpuworker.models.bert", __name__, _jitcache.__name__)
+        key = _jitcache.cache_key(digest, Device.DEFAULT, [Path(sys.modules[m].__file__ or "") for m in modules],
+                                  {"kind": kind, "config": config, "max_tokens": max_tokens, "shapes": shapes})
+        try:
+            impl, outcome = _jitcache.load_or_build(key, build, probe, lambda line: print(line, file=sys.stderr))
+        except (ValueError, KeyError, TypeError) as exc:
             raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
+        print(f"worker: {kind} model {path.name}: jit cache {outcome}", file=sys.stderr)
+        return _Served(impl, kind, rc)
 
     def _load_gguf(self, path: Path, rc: dict[str, Any]) -> Any:
         from ..llm_tokenizer import ChatTokenizer
@@ -223,15 +254,10 @@ class _Served:
         self.dims = int(impl.dims) if kind in ("embedding", "rerank") and hasattr(impl, "dims") else 0
         self.cls_id, self.sep_id = rc.get("cls_id", 101), rc.get("sep_id", 102)
         self.max_tokens = int(rc.get("max_tokens", 256))
-        self.warmup_shapes = rc.get("warmup_shapes", [[16, 1]])
         self.detokenizer: Any = None
 
     def warmup(self, progress: Callable[[int], None]) -> None:
-        """(length, batch) shapes from runtime_config `warmup_shapes` (default the smallest, (16, 1))."""
-        if self.kind in ("embedding", "rerank"):
-            try:
-                self.impl.warmup([tuple(s) for s in self.warmup_shapes], progress)
-            except (ValueError, TypeError) as exc:
-                raise WorkerRequestError("config_invalid", f"warmup_shapes: {exc}") from exc
-        elif self.kind == "generate":
-            self.impl.warmup(progress)  # captures the prefill and decode graphs before the first request
+        """Captures a generator's prefill and decode graphs before the first request. Encoders are warmed
+        in Engine._load_bert, on the (length, batch) shapes of runtime_config `warmup_shapes`."""
+        if self.kind == "generate":
+            self.impl.warmup(progress)
