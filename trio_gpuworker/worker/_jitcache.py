@@ -20,8 +20,10 @@ much as the daemon trusts its own state directory.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import importlib.metadata
+import io
 import json
 import mmap
 import os
@@ -83,29 +85,80 @@ def cache_dir_from_env() -> Path | None:
     return Path(value) if value else None
 
 
+class _Pickler(pickle.Pickler):
+    """Stores each allocated CPU device Buffer's bytes as a page-aligned region of the entry instead of in the
+    pickle, so a restore maps them (copy-on-write) rather than copying them: weights cost no load time."""
+
+    def __init__(self, file: Any, regions: list[memoryview], oob: list[int]) -> None:
+        def out_of_band(b: pickle.PickleBuffer) -> None:  # e.g. numpy arrays: restored as views of the mapping
+            oob.append(len(regions))
+            regions.append(b.raw())
+
+        super().__init__(file, protocol=5, buffer_callback=out_of_band)
+        from tinygrad.device import Buffer
+
+        self.buffer_type, self.regions, self.index = Buffer, regions, {}
+        self.keep: list[Any] = []  # holds each stored Buffer, so no id() is reused during the dump
+
+    def persistent_id(self, obj: Any) -> Any:
+        if (type(obj) is not self.buffer_type or obj._base is not None or not obj.is_allocated()
+                or not obj.device.startswith("CPU")):
+            return None
+        if (i := self.index.get(id(obj))) is None:
+            i = self.index[id(obj)] = len(self.regions)
+            self.regions.append(obj.as_memoryview(allow_zero_copy=True).cast("B"))
+            self.keep.append(obj)
+        return ("cpu_buffer", i, obj.device, obj.size, obj.dtype, obj.options, obj.uop_refcount)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, data: memoryview, regions: list[memoryview], addresses: list[int]) -> None:
+        super().__init__(io.BytesIO(data), buffers=iter(regions))
+        self.addresses, self.made = addresses, {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        from dataclasses import replace
+
+        from tinygrad.device import Buffer, BufferSpec
+
+        tag, i, device, size, dtype, options, refcount = pid
+        if tag != "cpu_buffer":
+            raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
+        if (buf := self.made.get(i)) is None:
+            spec = replace(options or BufferSpec(), external_ptr=self.addresses[i])
+            buf = self.made[i] = Buffer(device, size, dtype, options=spec, uop_refcount=refcount, preallocate=True)
+        return buf
+
+
+_MAPPINGS: list[mmap.mmap] = []  # restored device buffers point into these: they live as long as the process
+
+
 def save(path: Path, key: dict[str, Any], state: Any) -> int:
-    """Pickle `state` with its tensor buffers out of band, page aligned; returns the bytes written."""
-    buffers: list[pickle.PickleBuffer] = []
-    body = pickle.dumps(state, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
+    """Pickle `state` with device buffers and out-of-band buffers in page-aligned regions; the bytes written."""
+    regions: list[memoryview] = []
+    oob: list[int] = []
+    f_body = io.BytesIO()
+    _Pickler(f_body, regions, oob).dump(state)
+    body = f_body.getbuffer()
     offsets, pos = [], len(body)
-    for r in raws:
+    for r in regions:
         pos = -(-pos // _PAGE) * _PAGE
         offsets.append([pos, r.nbytes])
         pos += r.nbytes
     digest = hashlib.sha256(body)
-    for r in raws:
+    for r in regions:
         digest.update(r)
     header = json.dumps({"key": key, "sha256": digest.hexdigest(), "pickle_len": len(body),
-                         "buffers": offsets, "payload_len": pos}).encode()
+                         "buffers": offsets, "out_of_band": oob, "payload_len": pos}).encode()
+    start = _payload_start(len(header))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + _LEN.pack(len(header)) + header)
-            start = f.tell()
+            f.seek(start)
             f.write(body)
-            for (off, _), r in zip(offsets, raws, strict=True):
+            for (off, _), r in zip(offsets, regions, strict=True):
                 f.seek(start + off)
                 f.write(r)
             f.truncate(start + pos)
@@ -114,45 +167,52 @@ def save(path: Path, key: dict[str, Any], state: Any) -> int:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    finally:
-        for b in buffers:
-            b.release()
-    return len(header) + pos
+    return start + pos
+
+
+def _payload_start(header_len: int) -> int:
+    """The payload starts on a page boundary, so every region (and so every mapped buffer) is page aligned."""
+    return -(-(len(MAGIC) + _LEN.size + header_len) // _PAGE) * _PAGE
 
 
 def load(path: Path, key: dict[str, Any]) -> Any:
-    """The unpickled state of a valid entry; None when there is none; CacheEntryInvalid when it is bad."""
+    """The unpickled state of a valid entry; None when there is none; CacheEntryInvalid when it is bad.
+
+    The file is mapped private and writable: kernels may write restored buffers (activations, KV caches),
+    which copies those pages and never touches the file. Entries are replaced by rename, never rewritten
+    in place, so a mapped file never changes under a running worker."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
         return None
-    if os.fstat(f.fileno()).st_size == 0:
-        f.close()
-        raise CacheEntryInvalid("empty entry")
     with f:
-        # not closed explicitly: the unpickler may keep views of it alive; it unmaps once they are gone
-        view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        if os.fstat(f.fileno()).st_size < len(MAGIC) + _LEN.size:
+            raise CacheEntryInvalid("truncated or empty entry")
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    view = memoryview(mm)
     try:
-        return _decode(view, key)
+        state = _decode(view, mm, key)
     finally:
         view.release()
+    _MAPPINGS.append(mm)
+    return state
 
 
-def _decode(view: memoryview, key: dict[str, Any]) -> Any:
-    if bytes(view[: len(MAGIC)]) != MAGIC or len(view) < len(MAGIC) + _LEN.size:
+def _decode(view: memoryview, mm: mmap.mmap, key: dict[str, Any]) -> Any:
+    if bytes(view[: len(MAGIC)]) != MAGIC:
         raise CacheEntryInvalid("not a jit cache entry (bad magic)")
     (hlen,) = _LEN.unpack(view[len(MAGIC) : len(MAGIC) + _LEN.size])
-    start = len(MAGIC) + _LEN.size + hlen
+    start = _payload_start(hlen)
     try:
-        header = json.loads(bytes(view[len(MAGIC) + _LEN.size : start]))
+        header = json.loads(bytes(view[len(MAGIC) + _LEN.size : len(MAGIC) + _LEN.size + hlen]))
         payload_len, pickle_len, offsets = int(header["payload_len"]), int(header["pickle_len"]), header["buffers"]
+        oob = [int(i) for i in header["out_of_band"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise CacheEntryInvalid(f"unreadable header: {exc}") from exc
     if header.get("key") != json.loads(json.dumps(key)):  # compared as JSON holds it (tuples become lists)
         raise CacheEntryInvalid("entry was written for a different key")
     if len(view) - start != payload_len:
         raise CacheEntryInvalid(f"payload is {len(view) - start} bytes, header says {payload_len}")
-    # every slice is released before the mmap closes (an exported mmap cannot close)
     parts = [view[start : start + pickle_len]] + [view[start + off : start + off + n] for off, n in offsets]
     try:
         digest = hashlib.sha256()
@@ -160,8 +220,12 @@ def _decode(view: memoryview, key: dict[str, Any]) -> Any:
             digest.update(p)
         if digest.hexdigest() != header.get("sha256"):
             raise CacheEntryInvalid("payload sha256 mismatch")
+        if any(not 0 <= i < len(offsets) for i in oob):
+            raise CacheEntryInvalid("out-of-band buffer index outside the entry")
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        addresses = [base + start + off for off, _ in offsets]
         try:
-            return pickle.loads(parts[0], buffers=parts[1:])
+            return _Unpickler(parts[0], [parts[1 + i] for i in oob], addresses).load()
         except Exception as exc:  # hashes right but does not unpickle (e.g. classes that changed)
             raise CacheEntryInvalid(f"cannot unpickle: {type(exc).__name__}: {exc}") from exc
     finally:
