@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 import resource
-import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ import numpy as np
 
 from .._digest import sha256_file
 from .._proto import Message
+from ._loaders import LoadError, load_bert, load_llama
 
 Progress = Callable[[int, str], None]
 
@@ -122,85 +123,53 @@ class Engine:
         path = Path(msg["artifact_path"])
         if not path.is_file():
             raise WorkerRequestError("artifact_invalid", f"artifact {path} does not exist")
-        digest = sha256_file(path)
-        if digest != msg["artifact_digest"].lower():
-            raise WorkerRequestError("artifact_invalid",
-                                     f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
+        expected = msg["artifact_digest"].lower()
+        # hashed on its own thread (hashlib drops the GIL) while tinygrad imports and a cached model restores
+        with ThreadPoolExecutor(1, thread_name_prefix="artifact-sha256") as pool:
+            hashing = pool.submit(sha256_file, path)
+
+            def verify() -> None:
+                if (digest := hashing.result()) != expected:
+                    raise WorkerRequestError("artifact_invalid",
+                                             f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
+
+            try:
+                model = self._load(msg, path, expected, verify, progress)
+            except (WorkerRequestError, LoadError) as exc:
+                if exc.code != "artifact_invalid":
+                    verify()  # a wrong artifact is reported as such, whatever else failed
+                if isinstance(exc, LoadError):
+                    raise WorkerRequestError(exc.code, str(exc)) from exc
+                raise
+        model_ref = msg.get("model_ref") or path.stem
+        self.models[model_ref] = model
+        return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
+                                "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
+
+    def _load(self, msg: Message, path: Path, digest: str, verify: Callable[[], None], progress: Progress) -> Any:
+        """Loaded and warmed under LOAD's window, not the first request's (or restored warm from the JIT cache)."""
         progress(1, "setup")
         rc = msg["runtime_config"]
         kind = rc.get("kind", "embedding")
-        model_ref = msg.get("model_ref") or path.stem
         fmt = msg["format"]
+        warmed = lambda k: progress(1 + k, "setup")  # noqa: E731
         if fmt == "safetensors":
             cfg_path = path.with_name("config.json")
             try:
                 config = json.loads(cfg_path.read_text())
             except (OSError, ValueError) as exc:
                 raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
-            progress(2, "setup")
-            # warmed under LOAD's window, not the first request's (or restored warm from the JIT cache)
-            model = self._load_bert(kind, path, config, rc, digest, lambda k: progress(2 + k, "setup"))
-        elif fmt == "gguf" and kind == "generate":
-            model = self._load_gguf(path, rc)
-            progress(2, "setup")
-            model.warmup(lambda k: progress(2 + k, "setup"))
-        else:
-            raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
-        self.models[model_ref] = model
-        return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
-                                "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
+            return _Served(load_bert(kind, path, config, rc, digest, verify, warmed), kind, rc)
+        if fmt == "gguf" and kind == "generate":
+            from ..llm_tokenizer import ChatTokenizer
 
-    def _load_bert(self, kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any], digest: str,
-                   progress: Callable[[int], None]) -> Any:
-        """Weights plus the warm-up shapes' captured JITs, from the JIT cache when a valid entry exists."""
-        if kind == "embedding":
-            from ..models.bert import BertEncoder as cls
-        elif kind == "rerank":
-            from ..models.cross_encoder import BertCrossEncoder as cls
-        else:
-            raise WorkerRequestError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
-        from tinygrad import Device
-
-        from . import _jitcache
-
-        max_tokens = int(rc.get("max_tokens", 256))
-        try:
-            shapes = [(int(length), int(batch)) for length, batch in rc.get("warmup_shapes", [[16, 1]])]
-            if not shapes:
-                raise ValueError("warmup_shapes is empty")
-        except (ValueError, TypeError) as exc:
-            raise WorkerRequestError("config_invalid", f"warmup_shapes: {exc}") from exc
-
-        def build() -> Any:
-            impl = cls.load(path, config, max_tokens=max_tokens)
-            impl.warmup(shapes, progress)
-            return impl
-
-        def probe(impl: Any) -> np.ndarray:  # a fixed, non-trivial input in the first warm-up shape
-            length, batch = shapes[0]
-            rows = [(np.arange(length, dtype=np.int32) * 7 + 101 + j) % impl.cfg.vocab_size for j in range(batch)]
-            return impl._run(rows, None, impl._width(), None)
-
-        modules = (cls.__module__, "trio_gpuworker.models.bert", __name__, _jitcache.__name__)
-        key = _jitcache.cache_key(digest, Device.DEFAULT, [Path(sys.modules[m].__file__ or "") for m in modules],
-                                  {"kind": kind, "config": config, "max_tokens": max_tokens, "shapes": shapes})
-        try:
-            impl, outcome = _jitcache.load_or_build(key, build, probe, lambda line: print(line, file=sys.stderr))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
-        print(f"worker: {kind} model {path.name}: jit cache {outcome}", file=sys.stderr)
-        return _Served(impl, kind, rc)
-
-    def _load_gguf(self, path: Path, rc: dict[str, Any]) -> Any:
-        from ..llm_tokenizer import ChatTokenizer
-        from ..models.llama import LlamaLM
-
-        try:
-            served = _Served(LlamaLM.load(path, warmup=False), "generate", rc)  # warmed under LOAD's progress
-            served.detokenizer = ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization here
+            served = _Served(load_llama(path, digest, verify, warmed), kind, rc)
+            try:
+                served.detokenizer = ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization here
+            except (ValueError, KeyError) as exc:
+                raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
             return served
-        except (ValueError, KeyError) as exc:
-            raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
+        raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
 
     def do_embed_batch(self, msg: Message, progress: Progress) -> Reply:
         m = self.model(msg["model_ref"], "embedding")
@@ -255,9 +224,3 @@ class _Served:
         self.cls_id, self.sep_id = rc.get("cls_id", 101), rc.get("sep_id", 102)
         self.max_tokens = int(rc.get("max_tokens", 256))
         self.detokenizer: Any = None
-
-    def warmup(self, progress: Callable[[int], None]) -> None:
-        """Captures a generator's prefill and decode graphs before the first request. Encoders are warmed
-        in Engine._load_bert, on the (length, batch) shapes of runtime_config `warmup_shapes`."""
-        if self.kind == "generate":
-            self.impl.warmup(progress)

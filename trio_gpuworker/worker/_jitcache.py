@@ -32,6 +32,7 @@ import platform
 import struct
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -145,10 +146,11 @@ def save(path: Path, key: dict[str, Any], state: Any) -> int:
         pos = -(-pos // _PAGE) * _PAGE
         offsets.append([pos, r.nbytes])
         pos += r.nbytes
-    digest = hashlib.sha256(body)
+    digest = hashlib.sha256()
     for r in regions:
         digest.update(r)
-    header = json.dumps({"key": key, "sha256": digest.hexdigest(), "pickle_len": len(body),
+    header = json.dumps({"key": key, "pickle_sha256": hashlib.sha256(body).hexdigest(),
+                         "regions_sha256": digest.hexdigest(), "pickle_len": len(body),
                          "buffers": offsets, "out_of_band": oob, "payload_len": pos}).encode()
     start = _payload_start(len(header))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,12 +177,16 @@ def _payload_start(header_len: int) -> int:
     return -(-(len(MAGIC) + _LEN.size + header_len) // _PAGE) * _PAGE
 
 
-def load(path: Path, key: dict[str, Any]) -> Any:
+def load(path: Path, key: dict[str, Any], check: Callable[[Any], Any] = lambda state: state) -> Any:
     """The unpickled state of a valid entry; None when there is none; CacheEntryInvalid when it is bad.
 
     The file is mapped private and writable: kernels may write restored buffers (activations, KV caches),
     which copies those pages and never touches the file. Entries are replaced by rename, never rewritten
-    in place, so a mapped file never changes under a running worker."""
+    in place, so a mapped file never changes under a running worker.
+
+    The pickle (which holds the compiled kernels) is verified before it is unpickled; the data regions are
+    hashed on a second thread while `check(state)` runs (it may read them: they are plain data), and the
+    entry counts as valid only when both pass. Returns check's result."""
     try:
         f = open(path, "rb")
     except FileNotFoundError:
@@ -189,16 +195,20 @@ def load(path: Path, key: dict[str, Any]) -> Any:
         if os.fstat(f.fileno()).st_size < len(MAGIC) + _LEN.size:
             raise CacheEntryInvalid("truncated or empty entry")
         mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # the data regions are hashed through a second, read-only mapping: `check` may already write the
+        # private one (activations, KV caches), and the hash is of what the file holds
+        pristine = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = memoryview(mm)
     try:
-        state = _decode(view, mm, key)
+        state = _decode(view, mm, pristine, key, check)
     finally:
         view.release()
     _MAPPINGS.append(mm)
     return state
 
 
-def _decode(view: memoryview, mm: mmap.mmap, key: dict[str, Any]) -> Any:
+def _decode(view: memoryview, mm: mmap.mmap, pristine: mmap.mmap, key: dict[str, Any],
+            check: Callable[[Any], Any]) -> Any:
     if bytes(view[: len(MAGIC)]) != MAGIC:
         raise CacheEntryInvalid("not a jit cache entry (bad magic)")
     (hlen,) = _LEN.unpack(view[len(MAGIC) : len(MAGIC) + _LEN.size])
@@ -215,22 +225,48 @@ def _decode(view: memoryview, mm: mmap.mmap, key: dict[str, Any]) -> Any:
         raise CacheEntryInvalid(f"payload is {len(view) - start} bytes, header says {payload_len}")
     parts = [view[start : start + pickle_len]] + [view[start + off : start + off + n] for off, n in offsets]
     try:
-        digest = hashlib.sha256()
-        for p in parts:
-            digest.update(p)
-        if digest.hexdigest() != header.get("sha256"):
-            raise CacheEntryInvalid("payload sha256 mismatch")
+        if hashlib.sha256(parts[0]).hexdigest() != header.get("pickle_sha256"):
+            raise CacheEntryInvalid("pickle sha256 mismatch")
         if any(not 0 <= i < len(offsets) for i in oob):
             raise CacheEntryInvalid("out-of-band buffer index outside the entry")
+        # hashlib drops the GIL: this overlaps the unpickle and the check
+        regions = _RegionHash(pristine, [(start + off, n) for off, n in offsets])
         base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         addresses = [base + start + off for off, _ in offsets]
         try:
-            return _Unpickler(parts[0], [parts[1 + i] for i in oob], addresses).load()
+            state = _Unpickler(parts[0], [parts[1 + i] for i in oob], addresses).load()
+            result = check(state)
+        except CacheEntryInvalid:
+            regions.join()
+            raise
         except Exception as exc:  # hashes right but does not unpickle (e.g. classes that changed)
+            regions.join()
             raise CacheEntryInvalid(f"cannot unpickle: {type(exc).__name__}: {exc}") from exc
+        if regions.join() != header.get("regions_sha256"):
+            raise CacheEntryInvalid("payload sha256 mismatch (data regions)")
+        return result
     finally:
         for p in parts:
             p.release()
+
+
+class _RegionHash(threading.Thread):
+    def __init__(self, mapping: mmap.mmap, spans: list[tuple[int, int]]) -> None:
+        super().__init__(name="jitcache-verify", daemon=True)
+        self.mapping, self.spans, self.digest = mapping, spans, ""
+        self.start()
+
+    def run(self) -> None:
+        h = hashlib.sha256()
+        with self.mapping, memoryview(self.mapping) as view:
+            for off, n in self.spans:
+                with view[off : off + n] as part:
+                    h.update(part)
+        self.digest = h.hexdigest()
+
+    def join(self, timeout: float | None = None) -> str:  # type: ignore[override]
+        super().join(timeout)
+        return self.digest
 
 
 def discard(path: Path) -> None:
@@ -239,29 +275,35 @@ def discard(path: Path) -> None:
 
 
 def load_or_build(key: dict[str, Any], build: Callable[[], T], probe: Callable[[T], np.ndarray],
-                  log: Callable[[str], None]) -> tuple[T, str]:
+                  log: Callable[[str], None], verify: Callable[[], None] = lambda: None) -> tuple[T, str]:
     """(model, outcome): restored from the cache ("hit"), or built and then stored ("miss", or "rebuilt" after
     a bad entry was discarded; "off" without a cache directory). `probe` runs the model on a fixed input: its
-    output is stored with the entry, and a restored model must reproduce it."""
+    output is stored with the entry, and a restored model must reproduce it. `verify` checks the artifact
+    (its errors propagate): before a build, and after a restore, which does not read the artifact."""
     cache_dir = cache_dir_from_env()
     if cache_dir is None:
+        verify()
         return build(), "off"
     path, outcome = entry_path(cache_dir, key), "miss"
+    def check(state: Any) -> T:
+        model, reference = state
+        try:
+            out = probe(model)
+        except Exception as exc:
+            raise CacheEntryInvalid(f"restored model fails: {type(exc).__name__}: {exc}") from exc
+        if out.shape != reference.shape or not np.allclose(out, reference, rtol=1e-5, atol=1e-6):
+            raise CacheEntryInvalid(f"restored model's output differs by {np.abs(out - reference).max()}")
+        return model
+
     try:
-        state = load(path, key)
-        if state is not None:
-            model, reference = state
-            try:
-                out = probe(model)
-            except Exception as exc:
-                raise CacheEntryInvalid(f"restored model fails: {type(exc).__name__}: {exc}") from exc
-            if out.shape != reference.shape or not np.allclose(out, reference, rtol=1e-5, atol=1e-6):
-                raise CacheEntryInvalid(f"restored model's output differs by {np.abs(out - reference).max()}")
+        if (model := load(path, key, check)) is not None:
+            verify()
             return model, "hit"
     except CacheEntryInvalid as exc:
         log(f"jit cache: discarding {path.name}: {exc}")
         discard(path)
         outcome = "rebuilt"
+    verify()  # before the artifact is read: a wrong file is never built, nor stored under this key
     model = build()
     try:
         save(path, key, (model, probe(model)))

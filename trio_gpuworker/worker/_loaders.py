@@ -1,0 +1,92 @@
+"""Model loading for LOAD: weights plus warmed (captured) JITs, restored from the JIT cache when it holds a
+valid entry for this exact artifact, device and code (worker/_jitcache.py), else built and then stored.
+
+Runs on the compute thread; tinygrad is imported here, on the first LOAD.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _jitcache
+
+ModelProgress = Callable[[int], None]
+
+
+class LoadError(Exception):
+    """A model that cannot be loaded; `code` is a wire code (config_invalid)."""
+
+    def __init__(self, code: str, msg: str) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr)  # the lane's log ring
+
+
+def _cached(path: Path, digest: str, kind: str, modules: tuple[str, ...], extra: dict[str, Any],
+            build: Callable[[], Any], probe: Callable[[Any], np.ndarray], verify: Callable[[], None]) -> Any:
+    from tinygrad import Device
+
+    sources = [Path(sys.modules[m].__file__ or "") for m in (*modules, __name__, _jitcache.__name__)]
+    key = _jitcache.cache_key(digest, Device.DEFAULT, sources, {"kind": kind, **extra})
+    try:
+        impl, outcome = _jitcache.load_or_build(key, build, probe, _log, verify)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LoadError("config_invalid", f"cannot load {path}: {exc}") from exc
+    _log(f"worker: {kind} model {path.name}: jit cache {outcome}")
+    return impl
+
+
+def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any], digest: str,
+              verify: Callable[[], None], progress: ModelProgress) -> Any:
+    """An encoder with the (length, batch) shapes of runtime_config `warmup_shapes` (default (16, 1)) captured."""
+    if kind == "embedding":
+        from ..models.bert import BertEncoder as cls
+    elif kind == "rerank":
+        from ..models.cross_encoder import BertCrossEncoder as cls
+    else:
+        raise LoadError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
+    max_tokens = int(rc.get("max_tokens", 256))
+    try:
+        shapes = [(int(length), int(batch)) for length, batch in rc.get("warmup_shapes", [[16, 1]])]
+        if not shapes:
+            raise ValueError("warmup_shapes is empty")
+    except (ValueError, TypeError) as exc:
+        raise LoadError("config_invalid", f"warmup_shapes: {exc}") from exc
+
+    def build() -> Any:
+        impl = cls.load(path, config, max_tokens=max_tokens)
+        impl.warmup(shapes, progress)
+        return impl
+
+    def probe(impl: Any) -> np.ndarray:  # a fixed, non-trivial input in the first warm-up shape
+        length, batch = shapes[0]
+        rows = [(np.arange(length, dtype=np.int32) * 7 + 101 + j) % impl.cfg.vocab_size for j in range(batch)]
+        return impl._run(rows, None, impl._width(), None)
+
+    extra = {"config": config, "max_tokens": max_tokens, "shapes": shapes}
+    return _cached(path, digest, kind, (cls.__module__, "trio_gpuworker.models.bert"), extra, build, probe, verify)
+
+
+def load_llama(path: Path, digest: str, verify: Callable[[], None], progress: ModelProgress) -> Any:
+    """A decoder with its prefill and decode graphs captured."""
+    from ..models.llama import DEFAULT_CONTEXT, PREFILL_CHUNK, LlamaLM
+
+    def build() -> Any:
+        lm = LlamaLM.load(path, warmup=False)
+        lm.warmup(progress)
+        return lm
+
+    def probe(lm: Any) -> np.ndarray:  # one prefill chunk: what a restore must reproduce
+        prompt = (np.arange(PREFILL_CHUNK // 2, dtype=np.int32) * 31 + 7) % lm.vocab_size
+        return np.asarray(lm.generate(prompt, 1, ignore_eos=True)[0], dtype=np.int64)
+
+    extra = {"max_context": DEFAULT_CONTEXT}
+    return _cached(path, digest, "generate", ("trio_gpuworker.models.llama",), extra, build, probe, verify)
