@@ -18,6 +18,8 @@ import numpy as np
 from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.nn.state import safe_load, safe_load_metadata
 
+from ._jitstate import restore_written_sets, written_sets
+
 Progress = Callable[[int], None] | None
 
 # Few sequence lengths and batch sizes, so the kernel cache and TinyJit see few shapes.
@@ -229,7 +231,13 @@ class BucketedBert(abc.ABC):
     def __getstate__(self) -> dict[str, Any]:
         """Weights and captured JITs, for the JIT cache (worker/_jitcache.py). A restored JIT replays its
         capture without the Python function, so shapes not captured yet are left out and traced anew."""
-        return {**self.__dict__, "_jits": {k: j for k, j in self._jits.items() if self._captured(k)}}
+        jits = {k: j for k, j in self._jits.items() if self._captured(k)}
+        return {**self.__dict__, "_jits": jits, "_written": written_sets(jits)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        written = state.pop("_written", {})
+        self.__dict__.update(state)
+        restore_written_sets(self._jits, written)
 
     def _captured(self, shape: tuple[int, int]) -> bool:
         return getattr(self._jits.get(shape), "captured", None) is not None

@@ -72,21 +72,22 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
         return impl._run(rows, None, impl._width(), None)
 
     extra = {"config": config, "max_tokens": max_tokens, "shapes": shapes}
-    return _cached(path, digest, kind, (cls.__module__, "trio_gpuworker.models.bert"), extra, build, probe, verify)
+    modules = (cls.__module__, "trio_gpuworker.models.bert", "trio_gpuworker.models._jitstate")
+    return _cached(path, digest, kind, modules, extra, build, probe, verify)
 
 
 def load_llama(path: Path, digest: str, verify: Callable[[], None], progress: ModelProgress) -> Any:
     """A decoder with its prefill and decode graphs captured."""
-    from ..models.llama import DEFAULT_CONTEXT, PREFILL_CHUNK, LlamaLM
+    from ..models.llama import DEFAULT_CONTEXT, LlamaLM
 
     def build() -> Any:
         lm = LlamaLM.load(path, warmup=False)
         lm.warmup(progress)
         return lm
 
-    def probe(lm: Any) -> np.ndarray:  # one prefill chunk: what a restore must reproduce
-        prompt = (np.arange(PREFILL_CHUNK // 2, dtype=np.int32) * 31 + 7) % lm.vocab_size
-        return np.asarray(lm.generate(prompt, 1, ignore_eos=True)[0], dtype=np.int64)
+    def probe(lm: Any) -> np.ndarray:  # a restore must reproduce the decode graph's answer
+        return np.asarray([lm.probe()], dtype=np.int64)
 
     extra = {"max_context": DEFAULT_CONTEXT}
-    return _cached(path, digest, "generate", ("trio_gpuworker.models.llama",), extra, build, probe, verify)
+    modules = ("trio_gpuworker.models.llama", "trio_gpuworker.models._jitstate")
+    return _cached(path, digest, "generate", modules, extra, build, probe, verify)
