@@ -161,13 +161,9 @@ class Engine:
                 raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
             return _Served(load_bert(kind, path, config, rc, digest, verify, warmed), kind, rc)
         if fmt == "gguf" and kind == "generate":
-            from ..llm_tokenizer import ChatTokenizer
-
-            served = _Served(load_llama(path, digest, verify, warmed), kind, rc)
-            try:
-                served.detokenizer = ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization here
-            except (ValueError, KeyError) as exc:
-                raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
+            lm, detokenizer = load_llama(path, digest, verify, warmed)
+            served = _Served(lm, kind, rc)
+            served.detokenizer = detokenizer
             return served
         raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
 

@@ -76,18 +76,19 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     return _cached(path, digest, kind, modules, extra, build, probe, verify)
 
 
-def load_llama(path: Path, digest: str, verify: Callable[[], None], progress: ModelProgress) -> Any:
-    """A decoder with its prefill and decode graphs captured."""
+def load_llama(path: Path, digest: str, verify: Callable[[], None], progress: ModelProgress) -> tuple[Any, Any]:
+    """(decoder with its prefill and decode graphs captured, detokenizer): both restored from one entry."""
+    from ..llm_tokenizer import ChatTokenizer
     from ..models.llama import DEFAULT_CONTEXT, LlamaLM
 
-    def build() -> Any:
+    def build() -> tuple[Any, Any]:
         lm = LlamaLM.load(path, warmup=False)
         lm.warmup(progress)
-        return lm
+        return lm, ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization in the worker
 
-    def probe(lm: Any) -> np.ndarray:  # a restore must reproduce the decode graph's answer
-        return np.asarray([lm.probe()], dtype=np.int64)
+    def probe(built: tuple[Any, Any]) -> np.ndarray:  # a restore must reproduce the decode graph's answer
+        return np.asarray([built[0].probe()], dtype=np.int64)
 
     extra = {"max_context": DEFAULT_CONTEXT}
-    modules = ("trio_gpuworker.models.llama", "trio_gpuworker.models._jitstate")
+    modules = ("trio_gpuworker.models.llama", "trio_gpuworker.models._jitstate", "trio_gpuworker.llm_tokenizer")
     return _cached(path, digest, "generate", modules, extra, build, probe, verify)
