@@ -100,6 +100,18 @@ def test_load_or_build_discards_a_bad_entry_and_rebuilds(tmp_path: Path, monkeyp
     assert jc.load_or_build(k, build, probe, logs.append)[1] == "off"
 
 
+def test_entries_from_other_software_for_the_same_model_are_evicted(tmp_path: Path) -> None:
+    mine = key(kind="embedding")
+    old_tinygrad = {**mine, "tinygrad": "0.0.1"}
+    other_model = {**old_tinygrad, "artifact_sha256": "cd" * 32}
+    other_shapes = key(kind="embedding", shapes=[(32, 1)])  # the same software: another lane's entry
+    for k in (mine, old_tinygrad, other_model, other_shapes):
+        jc.save(jc.entry_path(tmp_path, k), k, state())
+    assert jc.evict_stale(tmp_path, mine) == [jc.entry_path(tmp_path, old_tinygrad)]
+    assert {p.name for p in tmp_path.glob("*.jit")} == {jc.entry_path(tmp_path, k).name
+                                                         for k in (mine, other_model, other_shapes)}
+
+
 IDS = [np.array([101, 7592, 2088, 102], dtype=np.int32), np.array([101, 2023, 2003, 1037, 3231, 102], np.int32)]
 
 

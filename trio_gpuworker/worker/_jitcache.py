@@ -269,6 +269,39 @@ class _RegionHash(threading.Thread):
         return self.digest
 
 
+SOFTWARE_FIELDS = ("tinygrad", "python", "code_sha256")
+
+
+def read_key(path: Path) -> dict[str, Any] | None:
+    """The key an entry's header names, or None when it has no readable header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + _LEN.size)
+            if len(head) < len(MAGIC) + _LEN.size or head[: len(MAGIC)] != MAGIC:
+                return None
+            (hlen,) = _LEN.unpack(head[len(MAGIC) :])
+            key = json.loads(f.read(hlen))["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return key if isinstance(key, dict) else None
+
+
+def evict_stale(cache_dir: Path, key: dict[str, Any]) -> list[Path]:
+    """Removes entries for the same model, device and host written by other software (tinygrad, Python or this
+    code): this software can never load them, and each holds a full copy of the weights."""
+    mine = json.loads(json.dumps(key))
+    same = [f for f in mine if f not in SOFTWARE_FIELDS and f in ("artifact_sha256", "device", "host", "kind")]
+    gone = []
+    for entry in cache_dir.glob("*.jit"):
+        other = read_key(entry)
+        if other is None or other == mine:
+            continue
+        if all(other.get(f) == mine[f] for f in same) and any(other.get(f) != mine.get(f) for f in SOFTWARE_FIELDS):
+            discard(entry)
+            gone.append(entry)
+    return gone
+
+
 def discard(path: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -307,6 +340,8 @@ def load_or_build(key: dict[str, Any], build: Callable[[], T], probe: Callable[[
     model = build()
     try:
         save(path, key, (model, probe(model)))
+        for stale in evict_stale(cache_dir, key):
+            log(f"jit cache: removed {stale.name}, written by other software for this model")
     except (OSError, pickle.PicklingError, TypeError) as exc:  # a cache that cannot be written costs only speed
         log(f"jit cache: cannot store {path.name}: {type(exc).__name__}: {exc}")
     return model, outcome
