@@ -191,6 +191,8 @@ def load(path: Path, key: dict[str, Any], check: Callable[[Any], Any] = lambda s
         f = open(path, "rb")
     except FileNotFoundError:
         return None
+    except OSError as exc:  # unreadable: treated as bad, so the model is built (and the store may fail too)
+        raise CacheEntryInvalid(f"cannot open: {exc}") from exc
     with f:
         if os.fstat(f.fileno()).st_size < len(MAGIC) + _LEN.size:
             raise CacheEntryInvalid("truncated or empty entry")
@@ -303,7 +305,7 @@ def evict_stale(cache_dir: Path, key: dict[str, Any]) -> list[Path]:
 
 
 def discard(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):  # a cache we cannot clean costs only speed
         os.unlink(path)
 
 
