@@ -3,8 +3,10 @@ warm-cache start and rebuild after corruption."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -110,6 +112,22 @@ def test_entries_from_other_software_for_the_same_model_are_evicted(tmp_path: Pa
     assert jc.evict_stale(tmp_path, mine) == [jc.entry_path(tmp_path, old_tinygrad)]
     assert {p.name for p in tmp_path.glob("*.jit")} == {jc.entry_path(tmp_path, k).name
                                                          for k in (mine, other_model, other_shapes)}
+
+
+def test_kernel_cache_is_moved_aside_when_corrupt_or_from_another_host(tmp_path: Path) -> None:
+    db = tmp_path / "tinygrad.db"
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("CREATE TABLE t (k text, v blob)")
+        conn.commit()
+    assert jc.check_kernel_cache(db) is None and db.exists()  # adopted; the stamp is written
+    assert (tmp_path / "tinygrad.db.stamp").read_text() == jc.host_key()
+    db.write_bytes(b"not a database" * 512)
+    assert "corrupt" in (jc.check_kernel_cache(db) or "") and not db.exists()
+    assert (tmp_path / "tinygrad.db.bad").exists()
+    db.write_bytes(b"")  # an empty file is a valid empty database
+    (tmp_path / "tinygrad.db.stamp").write_text("tinygrad 0.0.1 x86_64:0")
+    assert "built for" in (jc.check_kernel_cache(db) or "") and not db.exists()
+    assert (tmp_path / "tinygrad.db.stamp").read_text() == jc.host_key()
 
 
 IDS = [np.array([101, 7592, 2088, 102], dtype=np.int32), np.array([101, 2023, 2003, 1037, 3231, 102], np.int32)]

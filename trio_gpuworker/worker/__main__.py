@@ -9,6 +9,14 @@ import sys
 def prewarm() -> None:
     """tinygrad's import and device start (~0.5 s on CPU), begun on the compute thread at spawn so they overlap
     the worker's own imports and handshake instead of following the first LOAD. DEV is set by the daemon."""
+    import os
+    from pathlib import Path
+
+    from ._jitcache import check_kernel_cache
+
+    if db := os.environ.get("CACHEDB"):
+        if why := check_kernel_cache(Path(db)):
+            print(f"worker: kernel cache {db} moved aside ({why}); kernels will be recompiled", file=sys.stderr)
     from tinygrad import Device
 
     Device[Device.DEFAULT]  # opening the device is the point

@@ -7,11 +7,13 @@ make it stale: the artifact's sha256, the device and the host CPU (kernels are b
 the tinygrad and Python versions, the model module's own source, and the shapes. A different model file,
 device or tinygrad version therefore names a different entry and can never load this one.
 
-Layout of `<key>.jit`: MAGIC, an 8-byte header length, a JSON header (key fields, payload sha256, the
-pickle's length and the out-of-band buffers' offsets), then the pickle and its page-aligned buffers. The
-payload is checked against its sha256 before unpickling, and the caller checks the restored model
-against a reference output stored with it; any mismatch discards the entry, which is then rebuilt.
-Entries are written to a temporary file and renamed, so a reader never sees half an entry.
+Layout of `<key>.jit`: MAGIC, an 8-byte header length, a JSON header (the key, the pickle's sha256 and the
+data regions' sha256, their offsets), padding to a page, then the pickle and the page-aligned regions.
+Device buffers are regions, restored as CPU buffers over a private copy-on-write mapping of the file
+(weights are mapped, not copied). The pickle, which holds the compiled kernels, is verified before it is
+unpickled; the regions are hashed while the caller replays a probe whose stored output the restored
+model must reproduce. Any failure discards the entry, and the caller rebuilds it. Entries are written to
+a temporary file and renamed, so a reader never sees half an entry and a mapped file never changes.
 
 The cache directory is the daemon's state directory (GPUWORKER_JIT_CACHE); unpickling trusts it as
 much as the daemon trusts its own state directory.
@@ -39,6 +41,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .._errors import GpuWorkerError
+
 MAGIC = b"GWJIT\x00\x01\n"
 _LEN = struct.Struct("<Q")
 _PAGE = mmap.PAGESIZE
@@ -46,8 +50,44 @@ ENV = "GPUWORKER_JIT_CACHE"
 T = TypeVar("T")
 
 
-class CacheEntryInvalid(Exception):
+class CacheEntryInvalid(GpuWorkerError):
     """An entry that exists but cannot be trusted: truncated, corrupt, from another key, or unpicklable."""
+
+
+def host_key() -> str:
+    """What compiled CPU kernels depend on beyond their source: tinygrad's version and the host's CPU."""
+    return f"tinygrad {_tinygrad_version()} {platform.machine()}:{_host_fingerprint()}"
+
+
+def check_kernel_cache(db: Path) -> str | None:
+    """Moves tinygrad's kernel cache aside when it is corrupt (tinygrad would fail every compile on it, and
+    the lane would crash-loop) or was stamped for another tinygrad or CPU: tinygrad keys compiled kernels by
+    source and "-march=native" only. Runs before tinygrad opens it. Returns what was done, if anything."""
+    import sqlite3
+
+    stamp = db.with_name(db.name + ".stamp")
+    try:
+        have = stamp.read_text()
+    except OSError:
+        have = None  # a cache from before stamps: adopted as this host's
+    why = None
+    if have is not None and have != host_key():
+        why = f"built for {have!r}"
+    elif db.exists():
+        try:
+            with contextlib.closing(sqlite3.connect(db, timeout=60)) as conn:
+                if (res := conn.execute("PRAGMA quick_check").fetchone()[0]) != "ok":
+                    why = f"corrupt: {res}"
+        except sqlite3.DatabaseError as exc:
+            why = f"corrupt: {exc}"
+    if why is not None:
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(f"{db}{suffix}", f"{db}.bad{suffix}")
+    if have != host_key():
+        with contextlib.suppress(OSError):
+            stamp.write_text(host_key())
+    return why
 
 
 def _host_fingerprint() -> str:
@@ -69,11 +109,20 @@ def cache_key(artifact_digest: str, device: str, source_files: list[Path], extra
         "artifact_sha256": artifact_digest.lower(),
         "device": device,
         "host": f"{platform.machine()}:{_host_fingerprint()}",
-        "tinygrad": importlib.metadata.version("tinygrad"),
+        "tinygrad": _tinygrad_version(),
         "python": sys.version.split()[0],
         "code_sha256": src.hexdigest(),
         **extra,
     }
+
+
+def _tinygrad_version() -> str:
+    try:
+        return importlib.metadata.version("tinygrad")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout: its own files are the version
+        import tinygrad
+
+        return "src:" + hashlib.sha256(Path(tinygrad.__file__).parent.joinpath("helpers.py").read_bytes()).hexdigest()
 
 
 def entry_path(cache_dir: Path, key: dict[str, Any]) -> Path:

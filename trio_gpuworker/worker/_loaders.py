@@ -13,12 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import GpuWorkerError
 from . import _jitcache
 
 ModelProgress = Callable[[int], None]
 
 
-class LoadError(Exception):
+class LoadError(GpuWorkerError):
     """A model that cannot be loaded; `code` is a wire code (config_invalid)."""
 
     def __init__(self, code: str, msg: str) -> None:
