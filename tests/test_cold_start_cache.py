@@ -55,6 +55,16 @@ def test_key_separates_model_device_and_versions(tmp_path: Path) -> None:
         jc.load(path, {**base, "tinygrad": "0.0.1"})
 
 
+def test_an_entry_others_can_write_is_refused(tmp_path: Path) -> None:
+    k = key()
+    path = jc.entry_path(tmp_path / "jit", k)
+    jc.save(path, k, state())
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    path.chmod(0o666)
+    with pytest.raises(jc.CacheEntryInvalid, match="not ours alone"):
+        jc.load(path, k)
+
+
 @pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic", "empty", "bad_header"])
 def test_corrupt_entries_are_detected(tmp_path: Path, damage: str) -> None:
     k = key()

@@ -202,7 +202,7 @@ def save(path: Path, key: dict[str, Any], state: Any) -> int:
                          "regions_sha256": digest.hexdigest(), "pickle_len": len(body),
                          "buffers": offsets, "out_of_band": oob, "payload_len": pos}).encode()
     start = _payload_start(len(header))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -243,7 +243,11 @@ def load(path: Path, key: dict[str, Any], check: Callable[[Any], Any] = lambda s
     except OSError as exc:  # unreadable: treated as bad, so the model is built (and the store may fail too)
         raise CacheEntryInvalid(f"cannot open: {exc}") from exc
     with f:
-        if os.fstat(f.fileno()).st_size < len(MAGIC) + _LEN.size:
+        st = os.fstat(f.fileno())
+        # an entry runs as code (it is a pickle): only one this user wrote and nobody else can change
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise CacheEntryInvalid(f"owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not ours alone")
+        if st.st_size < len(MAGIC) + _LEN.size:
             raise CacheEntryInvalid("truncated or empty entry")
         mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         # the data regions are hashed through a second, read-only mapping: `check` may already write the
