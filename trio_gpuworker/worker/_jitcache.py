@@ -24,13 +24,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import importlib.metadata
 import io
 import json
 import mmap
 import os
 import pickle
-import platform
 import struct
 import sys
 import tempfile
@@ -42,6 +40,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .._errors import GpuWorkerError
+from ._kernelcache import host_fingerprint, tinygrad_version
 
 MAGIC = b"GWJIT\x00\x01\n"
 _LEN = struct.Struct("<Q")
@@ -54,52 +53,6 @@ class CacheEntryInvalid(GpuWorkerError):
     """An entry that exists but cannot be trusted: truncated, corrupt, from another key, or unpicklable."""
 
 
-def host_key() -> str:
-    """What compiled CPU kernels depend on beyond their source: tinygrad's version and the host's CPU."""
-    return f"tinygrad {_tinygrad_version()} {platform.machine()}:{_host_fingerprint()}"
-
-
-def check_kernel_cache(db: Path) -> str | None:
-    """Moves tinygrad's kernel cache aside when it is corrupt (tinygrad would fail every compile on it, and
-    the lane would crash-loop) or was stamped for another tinygrad or CPU: tinygrad keys compiled kernels by
-    source and "-march=native" only. Runs before tinygrad opens it. Returns what was done, if anything."""
-    import sqlite3
-
-    stamp = db.with_name(db.name + ".stamp")
-    try:
-        have = stamp.read_text()
-    except OSError:
-        have = None  # a cache from before stamps: adopted as this host's
-    why = None
-    if have is not None and have != host_key():
-        why = f"built for {have!r}"
-    elif db.exists():
-        try:
-            with contextlib.closing(sqlite3.connect(db, timeout=60)) as conn:
-                if (res := conn.execute("PRAGMA quick_check").fetchone()[0]) != "ok":
-                    why = f"corrupt: {res}"
-        except sqlite3.DatabaseError as exc:
-            why = f"corrupt: {exc}"
-    if why is not None:
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(f"{db}{suffix}", f"{db}.bad{suffix}")
-    if have != host_key():
-        with contextlib.suppress(OSError):
-            stamp.write_text(host_key())
-    return why
-
-
-def _host_fingerprint() -> str:
-    """The CPU model and feature flags: CPU kernels are compiled for this host's instruction set."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or "unknown"
-    wanted = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return hashlib.sha256("\n".join(sorted(set(wanted))).encode()).hexdigest()[:16]
-
-
 def cache_key(artifact_digest: str, device: str, source_files: list[Path], extra: dict[str, Any]) -> dict[str, Any]:
     """Every input that decides what a capture contains. `extra` holds the model's shape configuration."""
     src = hashlib.sha256()
@@ -108,21 +61,12 @@ def cache_key(artifact_digest: str, device: str, source_files: list[Path], extra
     return {
         "artifact_sha256": artifact_digest.lower(),
         "device": device,
-        "host": f"{platform.machine()}:{_host_fingerprint()}",
-        "tinygrad": _tinygrad_version(),
+        "host": host_fingerprint(),
+        "tinygrad": tinygrad_version(),
         "python": sys.version.split()[0],
         "code_sha256": src.hexdigest(),
         **extra,
     }
-
-
-def _tinygrad_version() -> str:
-    try:
-        return importlib.metadata.version("tinygrad")
-    except importlib.metadata.PackageNotFoundError:  # a source checkout: its own files are the version
-        import tinygrad
-
-        return "src:" + hashlib.sha256(Path(tinygrad.__file__).parent.joinpath("helpers.py").read_bytes()).hexdigest()
 
 
 def entry_path(cache_dir: Path, key: dict[str, Any]) -> Path:
