@@ -1,12 +1,15 @@
 """Recovery time: SIGKILL of a worker -> next successful request, next to the spawn + import + LOAD baseline
-measured in the same run, for the real tinygrad MiniLM worker and for a bare protocol-v3 fake worker.
+measured in the same run, for the real tinygrad MiniLM worker and for a bare protocol-v3 fake worker; then
+the real MiniLM worker's cold start (spawn -> first reply) with an empty cache (a fresh state directory: no
+compiled kernels, no captured JITs) and with a warm one (the same state directory, started again).
 
-    .venv/bin/python bench/recovery.py [--rounds 5]
+    .venv/bin/python bench/recovery.py [--rounds 5] [--cold-rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -35,6 +38,25 @@ def config(worker_command: tuple[str, ...] | None, artifact: Path) -> Supervisor
                             runtime_dir=Path(tempfile.mkdtemp(prefix="gw-rec-")))
 
 
+async def first_reply_s(cfg: SupervisorConfig) -> float:
+    t0 = time.perf_counter()
+    async with Supervisor(cfg) as sup:
+        await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
+        return time.perf_counter() - t0
+
+
+async def cold_starts(rounds: int, warm_per_round: int = 3) -> tuple[list[float], list[float]]:
+    """(empty-cache starts, warm-cache starts): each round starts in a fresh state directory, then again in it."""
+    empty, warm = [], []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="gw-cold-") as state:
+            cfg = dataclasses.replace(config(None, MINILM / "model.safetensors"), state_dir=Path(state))
+            empty.append(await first_reply_s(cfg))
+            for _ in range(warm_per_round):
+                warm.append(await first_reply_s(cfg))
+    return empty, warm
+
+
 async def measure(cfg: SupervisorConfig, rounds: int) -> tuple[list[float], list[float]]:
     """(cold start to first reply, SIGKILL to next reply) in seconds."""
     cold, recovery = [], []
@@ -59,6 +81,7 @@ async def measure(cfg: SupervisorConfig, rounds: int) -> tuple[list[float], list
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--cold-rounds", type=int, default=2, help="fresh state directories (each compiles everything)")
     args = p.parse_args()
     fake_artifact = Path(tempfile.mkdtemp()) / "fake.bin"
     fake_artifact.write_bytes(b"x")
@@ -70,6 +93,13 @@ def main() -> None:
         print(f"{name:<30}{c * 1000:>27.0f} ms{r * 1000:>21.0f} ms{r / c:>8.2f}")
     print(f"(medians of {args.rounds} rounds; recovery includes crash detection, restart backoff "
           f"{SupervisorConfig.__dataclass_fields__['restart'].default_factory().backoff_initial_s:g} s, respawn, LOAD)")
+    empty, warm = trio.run(cold_starts, args.cold_rounds)
+    e, w = statistics.median(empty), statistics.median(warm)
+    print(f"\n{'tinygrad MiniLM (CPU) cold start':<36}{'spawn -> first reply':>22}{'ratio to empty':>16}")
+    print(f"{'  cold start, empty cache':<36}{e * 1000:>19.0f} ms{1.0:>16.2f}")
+    print(f"{'  cold start, warm cache':<36}{w * 1000:>19.0f} ms{w / e:>16.2f}")
+    print(f"(medians: {len(empty)} empty-cache starts, each in a fresh state directory, and {len(warm)} warm-cache "
+          f"starts; warm = compiled kernels + captured JITs reused, worker/_jitcache.py)")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import numpy as np
 from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.nn.state import safe_load, safe_load_metadata
 
+from ._jitstate import restore_written_sets, written_sets
+
 Progress = Callable[[int], None] | None
 
 # Few sequence lengths and batch sizes, so the kernel cache and TinyJit see few shapes.
@@ -165,6 +167,14 @@ class BertBody:
             )
         Tensor.realize(*[t for lw in self.layers for t in (lw["qkv_w"], lw["qkv_b"])])
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the activation is a lambda, which does not pickle; the config names it (worker/_jitcache.py)
+        return {k: v for k, v in self.__dict__.items() if k != "act"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.act = _ACTS[self.cfg.hidden_act]
+
     def _ln(self, x: Tensor, wb: tuple[Tensor, Tensor]) -> Tensor:
         return x.layernorm(eps=self.cfg.layer_norm_eps) * wb[0] + wb[1]
 
@@ -218,6 +228,20 @@ class BucketedBert(abc.ABC):
         self.buckets = (*(b for b in LENGTH_BUCKETS if b < max_tokens), max_tokens)
         self._jits: dict[tuple[int, int], Callable[..., Tensor]] = {}  # one TinyJit per (length, batch)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Weights and captured JITs, for the JIT cache (worker/_jitcache.py). A restored JIT replays its
+        capture without the Python function, so shapes not captured yet are left out and traced anew."""
+        jits = {k: j for k, j in self._jits.items() if self._captured(k)}
+        return {**self.__dict__, "_jits": jits, "_written": written_sets(jits)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        written = state.pop("_written", {})
+        self.__dict__.update(state)
+        restore_written_sets(self._jits, written)
+
+    def _captured(self, shape: tuple[int, int]) -> bool:
+        return getattr(self._jits.get(shape), "captured", None) is not None
+
     @property
     def dims(self) -> int:
         return self.cfg.hidden_size
@@ -245,8 +269,9 @@ class BucketedBert(abc.ABC):
         for k, (L, B) in enumerate(shapes):
             if L not in self.buckets or B not in self._sizes(L):
                 raise ValueError(f"({L}, {B}) is not a micro-batch shape of this model")
-            # Two runs: the first compiles, the second captures the JIT (later calls replay).
-            for _ in range(2):
+            # Two runs: the first compiles, the second captures the JIT (later calls replay). A JIT restored
+            # from the cache is captured already.
+            for _ in range(0 if self._captured((L, B)) else 2):
                 self._run([np.ones(L, np.int32)] * B, None, self._width(), None)
             if progress is not None:
                 progress(k + 1)

@@ -19,6 +19,8 @@ from tinygrad.uop.ops import resolve
 
 from trio_gpuworker.gguf_meta import end_of_generation_ids
 
+from ._jitstate import restore_written_sets, written_sets
+
 MAX_NEW_TOKENS = 64
 PREFILL_CHUNK = 32
 DEFAULT_CONTEXT = 2048
@@ -129,6 +131,19 @@ class LlamaLM:
         self._last = UOp.variable("last_row", 0, PREFILL_CHUNK - 1)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Weights, KV caches and both captured graphs, for the JIT cache (worker/_jitcache.py)."""
+        return {**self.__dict__, "_written": written_sets({"p": self._prefill, "d": self._decode})}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        written = state.pop("_written", {})
+        self.__dict__.update(state)
+        restore_written_sets({"p": self._prefill, "d": self._decode}, written)
+
+    def probe(self) -> int:
+        """The greedy next token after one fixed token at position 0: a cheap replay of the decode graph."""
+        return int(self._decode(Tensor([7], dtype=dtypes.int32), self._start.bind(0)).item())
 
     @classmethod
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> LlamaLM:

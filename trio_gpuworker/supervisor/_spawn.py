@@ -79,10 +79,12 @@ def worker_argv(cfg: LaneConfig) -> list[str]:
 
 
 def worker_env(cfg: LaneConfig, state_dir: Path, generation: int, arena_env: dict[str, str]) -> dict[str, str]:
-    """tinygrad's device and kernel cache (under the state directory), worker identity, the arena fd."""
+    """tinygrad's device, its kernel cache and the workers' captured-JIT cache (both under the state directory,
+    and keyed inside: worker/_jitcache.py), worker identity, the arena fd."""
     cache = state_dir / "cache"
     cache.mkdir(parents=True, exist_ok=True)
     return {**os.environ, "DEV": cfg.device, "CACHEDB": str(cache / "tinygrad.db"), "PYTHONUNBUFFERED": "1",
+            "GPUWORKER_JIT_CACHE": str(cache / "jit"),
             "GPUWORKER_WORKER_ID": f"{cfg.id}.{generation}", "GPUWORKER_LANE_ID": cfg.id, **arena_env, **cfg.env}
 
 

@@ -5,9 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-import trio
 
-from ._server import serve
+def prewarm() -> None:
+    """tinygrad's import and device start (~0.5 s on CPU), begun on the compute thread at spawn so they overlap
+    the worker's own imports and handshake instead of following the first LOAD. DEV is set by the daemon."""
+    import os
+    from pathlib import Path
+
+    from ._kernelcache import check_kernel_cache
+
+    if db := os.environ.get("CACHEDB"):
+        if why := check_kernel_cache(Path(db)):
+            print(f"worker: kernel cache {db} moved aside ({why}); kernels will be recompiled", file=sys.stderr)
+    from tinygrad import Device
+
+    Device[Device.DEFAULT]  # opening the device is the point
+    from ..models import bert, llama  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,7 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="the daemon's listening Unix socket for this worker")
     p.add_argument("--nonce", required=True, help="spawn nonce to present in HELLO (hex)")
     args = p.parse_args(argv)
-    return trio.run(serve, args.socket, args.nonce)
+    from ._compute import ComputeThread
+
+    compute = ComputeThread()  # tinygrad work stays on this one thread (see _compute), the prewarm included
+    compute.submit(prewarm)
+    import trio
+
+    from ._server import serve
+
+    return trio.run(serve, args.socket, args.nonce, compute)
 
 
 if __name__ == "__main__":

@@ -42,5 +42,9 @@ class ComputeThread:
             await finished.wait()
         return box[0].unwrap()
 
+    def submit(self, fn: Callable[[], Any]) -> None:
+        """Queue fn() ahead of later work, without waiting: a failure is left for that work to meet again."""
+        self._jobs.put((fn, lambda result: None))
+
     def close(self) -> None:
         self._jobs.put(None)

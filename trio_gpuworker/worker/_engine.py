@@ -9,6 +9,7 @@ import json
 import resource
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 
 from .._digest import sha256_file
 from .._proto import Message
+from ._loaders import LoadError, load_bert, load_llama
 
 Progress = Callable[[int, str], None]
 
@@ -121,55 +123,49 @@ class Engine:
         path = Path(msg["artifact_path"])
         if not path.is_file():
             raise WorkerRequestError("artifact_invalid", f"artifact {path} does not exist")
-        digest = sha256_file(path)
-        if digest != msg["artifact_digest"].lower():
-            raise WorkerRequestError("artifact_invalid",
-                                     f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
+        expected = msg["artifact_digest"].lower()
+        # hashed on its own thread (hashlib drops the GIL) while tinygrad imports and a cached model restores
+        with ThreadPoolExecutor(1, thread_name_prefix="artifact-sha256") as pool:
+            hashing = pool.submit(sha256_file, path)
+
+            def verify() -> None:
+                if (digest := hashing.result()) != expected:
+                    raise WorkerRequestError("artifact_invalid",
+                                             f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
+
+            try:
+                model = self._load(msg, path, expected, verify, progress)
+            except (WorkerRequestError, LoadError) as exc:
+                if exc.code != "artifact_invalid":
+                    verify()  # a wrong artifact is reported as such, whatever else failed
+                if isinstance(exc, LoadError):
+                    raise WorkerRequestError(exc.code, str(exc)) from exc
+                raise
+        model_ref = msg.get("model_ref") or path.stem
+        self.models[model_ref] = model
+        return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
+                                "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
+
+    def _load(self, msg: Message, path: Path, digest: str, verify: Callable[[], None], progress: Progress) -> Any:
+        """Loaded and warmed under LOAD's window, not the first request's (or restored warm from the JIT cache)."""
         progress(1, "setup")
         rc = msg["runtime_config"]
         kind = rc.get("kind", "embedding")
-        model_ref = msg.get("model_ref") or path.stem
         fmt = msg["format"]
+        warmed = lambda k: progress(1 + k, "setup")  # noqa: E731
         if fmt == "safetensors":
             cfg_path = path.with_name("config.json")
             try:
                 config = json.loads(cfg_path.read_text())
             except (OSError, ValueError) as exc:
                 raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
-            model = self._load_bert(kind, path, config, rc)
-        elif fmt == "gguf" and kind == "generate":
-            model = self._load_gguf(path, rc)
-        else:
-            raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
-        progress(2, "setup")
-        # compile and capture the configured shapes now, under LOAD's window, not the first request's
-        model.warmup(lambda k: progress(2 + k, "setup"))
-        self.models[model_ref] = model
-        return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
-                                "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
-
-    def _load_bert(self, kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any]) -> Any:
-        if kind == "embedding":
-            from ..models.bert import BertEncoder as cls
-        elif kind == "rerank":
-            from ..models.cross_encoder import BertCrossEncoder as cls
-        else:
-            raise WorkerRequestError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
-        try:
-            return _Served(cls.load(path, config, max_tokens=int(rc.get("max_tokens", 256))), kind, rc)
-        except (ValueError, KeyError) as exc:
-            raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
-
-    def _load_gguf(self, path: Path, rc: dict[str, Any]) -> Any:
-        from ..llm_tokenizer import ChatTokenizer
-        from ..models.llama import LlamaLM
-
-        try:
-            served = _Served(LlamaLM.load(path, warmup=False), "generate", rc)  # warmed under LOAD's progress
-            served.detokenizer = ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization here
+            return _Served(load_bert(kind, path, config, rc, digest, verify, warmed), kind, rc)
+        if fmt == "gguf" and kind == "generate":
+            lm, detokenizer = load_llama(path, digest, verify, warmed)
+            served = _Served(lm, kind, rc)
+            served.detokenizer = detokenizer
             return served
-        except (ValueError, KeyError) as exc:
-            raise WorkerRequestError("config_invalid", f"cannot load {path}: {exc}") from exc
+        raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
 
     def do_embed_batch(self, msg: Message, progress: Progress) -> Reply:
         m = self.model(msg["model_ref"], "embedding")
@@ -223,15 +219,4 @@ class _Served:
         self.dims = int(impl.dims) if kind in ("embedding", "rerank") and hasattr(impl, "dims") else 0
         self.cls_id, self.sep_id = rc.get("cls_id", 101), rc.get("sep_id", 102)
         self.max_tokens = int(rc.get("max_tokens", 256))
-        self.warmup_shapes = rc.get("warmup_shapes", [[16, 1]])
         self.detokenizer: Any = None
-
-    def warmup(self, progress: Callable[[int], None]) -> None:
-        """(length, batch) shapes from runtime_config `warmup_shapes` (default the smallest, (16, 1))."""
-        if self.kind in ("embedding", "rerank"):
-            try:
-                self.impl.warmup([tuple(s) for s in self.warmup_shapes], progress)
-            except (ValueError, TypeError) as exc:
-                raise WorkerRequestError("config_invalid", f"warmup_shapes: {exc}") from exc
-        elif self.kind == "generate":
-            self.impl.warmup(progress)  # captures the prefill and decode graphs before the first request

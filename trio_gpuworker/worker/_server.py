@@ -26,12 +26,12 @@ ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": []}
 
 
 class WorkerServer:
-    def __init__(self, stream: trio.SocketStream, nonce: str) -> None:
+    def __init__(self, stream: trio.SocketStream, nonce: str, compute: ComputeThread | None = None) -> None:
         self.stream = stream
         self.nonce = nonce
         self.conn = Connection(WORKER, DEFAULT_MAX_FRAME)
         self.engine = Engine()
-        self.compute = ComputeThread()
+        self.compute = compute or ComputeThread()
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._drain_wakeups: dict[int, trio.Event] = {}
@@ -196,11 +196,11 @@ class WorkerServer:
                 await self.stream.send_all(chunk)
 
 
-async def serve(socket_path: str, nonce: str) -> int:
+async def serve(socket_path: str, nonce: str, compute: ComputeThread | None = None) -> int:
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     await sock.connect(socket_path)
     stream = trio.SocketStream(sock)
-    server = WorkerServer(stream, nonce)
+    server = WorkerServer(stream, nonce, compute)
     try:
         await server.run()
     except BaseException as exc:  # what ends the worker is logged as itself, then its exit code
