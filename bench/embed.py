@@ -36,7 +36,7 @@ async def bench_daemon(texts: list[str], size: int) -> tuple[float, float, np.nd
     """Returns (http sentences/s, supervisor sentences/s, supervisor vectors)."""
     cfg = minilm_daemon_config("127.0.0.1:18421")
     async with trio.open_nursery() as nursery:
-        sup, _ = await nursery.start(run_daemon, cfg)
+        sup = (await nursery.start(run_daemon, cfg)).sup
         async with httpx.AsyncClient(base_url="http://127.0.0.1:18421", timeout=600) as client:
             for b in batches(texts, size):  # warm: every bucket shape compiled once
                 await sup.embed(b, model=DEFAULT_MODEL)

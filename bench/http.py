@@ -37,10 +37,10 @@ import httpx
 import trio
 from _common import minilm_daemon_config, sentences
 
+from trio_gpuworker import BatchPolicy
 from trio_gpuworker.daemon.config import DEFAULT_MODEL
 from trio_gpuworker.daemon.logs import setup_logging
 from trio_gpuworker.daemon.main import run_daemon
-from trio_gpuworker.supervisor._batching import BatchPolicy
 
 WARM_SIZES = (1, 4, 8, 16, 32)  # the encoder's batch buckets: compile each once before measuring
 FAKE_SCALE = 10  # the fake worker answers at once: more requests for a stable figure
@@ -108,7 +108,8 @@ async def phase(url: str, concurrency: int, requests: int) -> dict[str, float]:
 
 async def bench_worker(worker: str, concurrency: int, requests: int, delay_ms: float) -> dict[str, dict[str, float]]:
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, config("127.0.0.1:0", worker))
+        daemon = await nursery.start(run_daemon, config("127.0.0.1:0", worker))
+        sup, binds = daemon.sup, daemon.binds
         url = binds[0]
         batcher = sup.batcher
         if worker == "real":
@@ -149,7 +150,8 @@ async def bench_healthz(worker: str, concurrency: int, requests: int) -> None:
     codes: dict[str, int] = {}
     rss_before = rss_peak = rss_mb()
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, config("127.0.0.1:0", worker))
+        daemon = await nursery.start(run_daemon, config("127.0.0.1:0", worker))
+        sup, binds = daemon.sup, daemon.binds
         url = binds[0]
         done = trio.Event()
 

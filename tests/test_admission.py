@@ -13,9 +13,10 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, NoLaneAvailable
+from trio_gpuworker import AdmissionPolicy, EngineCrashed, InvalidRequest, LaneState, NoLaneAvailable, OverCapacity
 from trio_gpuworker.daemon.main import run_daemon
-from trio_gpuworker.supervisor._admission import AdmissionPolicy, OverCapacity, Scheduler, choose_lane
+from trio_gpuworker.supervisor import Scheduler
+from trio_gpuworker.supervisor._admission import choose_lane
 
 
 def test_budget_counts_queued_and_in_flight_bytes() -> None:
@@ -85,7 +86,8 @@ async def test_over_budget_is_429_with_retry_after(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command("slow", delay=0.5, on_request=1),
                         daemon={"admission": AdmissionPolicy(queue_bytes=200, retry_after_s=2)})
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, cfg)
+        daemon = await nursery.start(run_daemon, cfg)
+        sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             done: list[int] = []
 

@@ -17,20 +17,15 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import wait_until
 from tests.supervision_helpers import MODEL, fake_config, rows
-from trio_gpuworker import DeadlineExceeded, LaneState, Supervisor
-from trio_gpuworker.supervisor._batching import Batcher, BatchPolicy
+from trio_gpuworker import BatchPolicy, DeadlineExceeded, LaneState, Supervisor
+from trio_gpuworker.supervisor import Batcher
 
 
 @asynccontextmanager
 async def batching(tmp_path: Path, *commands: tuple[str, ...], max_items: int = 256,
                    delay_s: float = 0.05) -> AsyncIterator[tuple[Supervisor, Batcher]]:
-    async with Supervisor(fake_config(tmp_path, *commands)) as sup, trio.open_nursery() as nursery:
-        batcher = Batcher(BatchPolicy(max_items, delay_s), send=sup.embed_ids,
-                          slots=lambda m: sum(m in ln.loads for ln in sup.lanes.values()))
-        await nursery.start(batcher.run)
-        sup.batcher = batcher
-        yield sup, batcher
-        nursery.cancel_scope.cancel()
+    async with Supervisor(fake_config(tmp_path, *commands), batching=BatchPolicy(max_items, delay_s)) as sup:
+        yield sup, sup.batcher
 
 
 async def embed(sup: Supervisor, rs: list[np.ndarray], out: dict[int, np.ndarray], key: int) -> None:
@@ -68,16 +63,13 @@ async def test_batches_respect_max_items(tmp_path: Path) -> None:
 
 
 async def test_batching_off_sends_each_request_alone(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command())) as sup, trio.open_nursery() as nursery:
-        batcher = Batcher(BatchPolicy(256, 0.0), send=sup.embed_ids, slots=lambda m: 1)
-        await nursery.start(batcher.run)
-        sup.batcher = batcher
+    async with Supervisor(fake_config(tmp_path, fake_command()), batching=BatchPolicy(256, 0.0)) as sup:
+        batcher = sup.batcher
         out: dict[int, np.ndarray] = {}
         async with trio.open_nursery() as inner:
             for k in range(3):
                 inner.start_soon(embed, sup, rows(3), out, k)
         assert batcher.batches == 0 and len({float(v[0, 3]) for v in out.values()}) == 3
-        nursery.cancel_scope.cancel()
 
 
 async def test_caller_gone_before_send_is_left_out(tmp_path: Path) -> None:

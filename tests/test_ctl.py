@@ -31,7 +31,7 @@ async def daemon(tmp_path: Path) -> AsyncIterator[tuple[Supervisor, str]]:
         cfg.supervisor, models=(*cfg.supervisor.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate")),
         lanes=(*cfg.supervisor.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command())))
     async with trio.open_nursery() as nursery:
-        sup, _ = await nursery.start(run_daemon, dataclasses.replace(cfg, supervisor=sup_cfg))
+        sup = (await nursery.start(run_daemon, dataclasses.replace(cfg, supervisor=sup_cfg))).sup
         yield sup, cfg.http.unix_socket
         nursery.cancel_scope.cancel()
 

@@ -45,7 +45,8 @@ async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp
     sup = dataclasses.replace(cfg.supervisor, lanes=cfg.supervisor.lanes[:1], models=cfg.supervisor.models[:1])
     cfg = dataclasses.replace(cfg, supervisor=sup)  # the embedding lane alone: generation has its own tests
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, cfg)
+        daemon = await nursery.start(run_daemon, cfg)
+        sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=600) as client:
             r = await client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": SENTENCES})
             assert r.status_code == 200, r.text

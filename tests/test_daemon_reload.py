@@ -15,8 +15,8 @@ from tests.fakes import fake_command
 from tests.helpers import TOKENIZER, wait_until
 from tests.test_notify import FakeSystemd
 from trio_gpuworker.daemon.config import load_config
-from trio_gpuworker.daemon.main import run_daemon
-from trio_gpuworker.supervisor import LaneState, Supervisor
+from trio_gpuworker.daemon.main import Daemon, run_daemon
+from trio_gpuworker.supervisor import LaneState
 
 
 def write_config(tmp_path: Path, *, lanes: list[dict[str, object]], extra: str = "",
@@ -58,8 +58,8 @@ def lane(lane_id: str, models: list[str], command: tuple[str, ...] | None = None
     return {"id": lane_id, "models": models, "worker_command": list(command or fake_command()), "env": env}
 
 
-def failed_reloads(sup: Supervisor) -> float:
-    [metric] = sup.daemon.metrics.reloads.collect()  # type: ignore[attr-defined]
+def failed_reloads(daemon: Daemon) -> float:
+    [metric] = daemon.metrics.reloads.collect()
     return sum(s.value for s in metric.samples if s.name.endswith("_total") and s.labels["outcome"] == "error")
 
 
@@ -74,8 +74,9 @@ async def test_sighup_reloads_a_changed_lane_without_dropping_requests_in_flight
     sd = FakeSystemd(str(tmp_path / "notify"))
     async with trio.open_nursery() as nursery:
         await nursery.start(sd.run)
-        sup, binds = await nursery.start(lambda task_status: run_daemon(
+        daemon = await nursery.start(lambda task_status: run_daemon(
             load_config(path, {}), config_path=path, env={"NOTIFY_SOCKET": sd.address}, task_status=task_status))
+        sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             results: list[int] = []
 
@@ -99,8 +100,9 @@ async def test_sighup_reloads_a_changed_lane_without_dropping_requests_in_flight
 async def test_ordered_reload_keeps_serving_from_the_other_lane(tmp_path: Path) -> None:
     path = write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane1", ["m1"])])
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(lambda task_status: run_daemon(
+        daemon = await nursery.start(lambda task_status: run_daemon(
             load_config(path, {}), config_path=path, task_status=task_status))
+        sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http, unix(tmp_path) as admin:
             statuses: list[int] = []
             stop = trio.Event()
@@ -118,15 +120,16 @@ async def test_ordered_reload_keeps_serving_from_the_other_lane(tmp_path: Path) 
             assert r.json()["reloaded"] == ["lane0", "lane1"]
             assert [sup.lanes[x].generation for x in ("lane0", "lane1")] == [2, 2]
             assert statuses and set(statuses) == {200}
-            assert sup.scheduler.drained == set()  # each was drained only while it reloaded
+            assert sup.router.drained == frozenset()  # each was drained only while it reloaded
         nursery.cancel_scope.cancel()
 
 
 async def test_reload_report_bad_file_removed_lane_and_restart_only_keys(tmp_path: Path) -> None:
     path = write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane1", ["m1"])])
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(lambda task_status: run_daemon(
+        daemon = await nursery.start(lambda task_status: run_daemon(
             load_config(path, {}), config_path=path, task_status=task_status))
+        sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http, unix(tmp_path) as admin:
             r = await admin.post("/v1/config/reload")
             assert r.json()["reloaded"] == [] and r.json()["restart_required"] == []  # nothing changed
@@ -136,7 +139,7 @@ async def test_reload_report_bad_file_removed_lane_and_restart_only_keys(tmp_pat
             assert r.status_code == 400 and r.json()["error"]["code"] == "config_invalid"
             assert "windows.inference_s" in r.json()["error"]["message"]
             os.kill(os.getpid(), signal.SIGHUP)  # logged, and the daemon carries on
-            await wait_until(lambda: failed_reloads(sup) == 2)
+            await wait_until(lambda: failed_reloads(daemon) == 2)
             assert (await http.post("/v1/embeddings", json={"model": "m1", "input": "x"})).status_code == 200
 
             write_config(tmp_path, lanes=[lane("lane0", ["m1"]), lane("lane2", ["m1"])],

@@ -97,7 +97,8 @@ async def test_crash_is_503_then_quarantine_has_retry_after(tmp_path: Path) -> N
 async def test_deadline_is_504(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command("slow", delay=1.0, on_request=1), timeout_s=0.2)
     async with trio.open_nursery() as nursery:
-        client, sup = await client_for(nursery, cfg)
+        client, daemon = await client_for(nursery, cfg)
+        sup = daemon.sup
         lane = sup.lanes["lane0"]
         async with client:
             r = await client.post("/v1/embeddings", json={"model": MODEL, "input": "slow"})
@@ -112,7 +113,8 @@ async def test_deadline_is_504(tmp_path: Path) -> None:
 async def test_sigterm_drains_and_stops_workers(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command("slow", delay=0.5, on_request=1))
     async with trio.open_nursery() as nursery:
-        client, sup = await client_for(nursery, cfg)
+        client, daemon = await client_for(nursery, cfg)
+        sup = daemon.sup
         pid = sup.lanes["lane0"].pid
         results: list[int] = []
 

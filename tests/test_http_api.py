@@ -14,9 +14,9 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
+from trio_gpuworker import BatchPolicy
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor import LaneState
-from trio_gpuworker.supervisor._batching import BatchPolicy
 
 
 def unix_client(path: str) -> httpx.AsyncClient:
@@ -25,7 +25,7 @@ def unix_client(path: str) -> httpx.AsyncClient:
 
 async def test_lanes_and_models_shape(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
-        _, binds = await nursery.start(run_daemon, daemon_config(tmp_path, fake_command(), fake_command()))
+        binds = (await nursery.start(run_daemon, daemon_config(tmp_path, fake_command(), fake_command()))).binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             lanes = (await http.get("/v1/lanes")).json()["data"]
             assert [ln["lane_id"] for ln in lanes] == ["lane0", "lane1"]
@@ -47,7 +47,7 @@ async def test_lanes_and_models_shape(tmp_path: Path) -> None:
 
 async def test_rerank_sorted_with_index_and_method(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
-        _, binds = await nursery.start(run_daemon, daemon_config(tmp_path, fake_command()))
+        binds = (await nursery.start(run_daemon, daemon_config(tmp_path, fake_command()))).binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             docs = ["a", "hello world", "b", "the quick brown fox"]
             r = await http.post("/v1/rerank", json={"model": MODEL, "query": "q", "documents": docs})
@@ -71,7 +71,8 @@ async def test_rerank_sorted_with_index_and_method(tmp_path: Path) -> None:
 async def test_admin_routes_only_on_the_unix_socket(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command(), unix=True)
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, cfg)
+        daemon = await nursery.start(run_daemon, cfg)
+        sup, binds = daemon.sup, daemon.binds
         sock = cfg.http.unix_socket
         assert binds == [binds[0], f"http://unix:{sock}"]
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660
@@ -145,7 +146,7 @@ async def test_an_existing_live_socket_is_not_stolen(tmp_path: Path) -> None:
 async def test_limits_and_json_errors(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command(), http={"max_inputs": 3})
     async with trio.open_nursery() as nursery:
-        _, binds = await nursery.start(run_daemon, cfg)
+        binds = (await nursery.start(run_daemon, cfg)).binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a"] * 4})
             assert r.status_code == 400 and "max_inputs" in r.json()["error"]["message"]
@@ -163,7 +164,8 @@ async def test_queued_request_of_a_client_that_left_never_reaches_the_worker(tmp
     cfg = daemon_config(tmp_path, fake_command("slow", delay=0.6, on_request=1),
                         daemon={"batching": BatchPolicy(max_delay_s=0)})
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, cfg)
+        daemon = await nursery.start(run_daemon, cfg)
+        sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             first: list[float] = []
 

@@ -98,10 +98,11 @@ async def asgi_status(app: Callable[..., Any], method: str, path: str, body: byt
 async def test_fuzz_route(tmp_path: Path, route: str) -> None:
     statuses: Counter[int] = Counter()
     async with trio.open_nursery() as nursery:
-        client, sup = await client_for(nursery, daemon_config(tmp_path, fake_command(), timeout_s=5.0,
+        client, daemon = await client_for(nursery, daemon_config(tmp_path, fake_command(), timeout_s=5.0,
                                                               http={"max_body_bytes": 1 << 20}))
         await client.aclose()
-        app = sup.daemon.api.listener(admin=True)  # type: ignore[attr-defined]
+        sup = daemon.sup
+        app = daemon.api.listener(admin=True)
 
         def case(method: str, path: str, body: bytes) -> None:
             statuses[trio.from_thread.run(asgi_status, app, method, path, body)] += 1

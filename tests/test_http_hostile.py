@@ -15,21 +15,23 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config, wait_until
 from tests.supervision_helpers import MODEL
+from trio_gpuworker import Supervisor
+from trio_gpuworker.daemon.main import Daemon
 
 HTTP = {"max_body_bytes": 16 << 20, "body_timeout_s": 0.5, "max_connections_per_client": 3}
 
 
 @pytest.fixture
-async def daemon(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, object]]:
+async def daemon(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]:
     async with trio.open_nursery() as nursery:
-        client, sup = await client_for(nursery, daemon_config(tmp_path, fake_command(), http=HTTP))
+        client, daemon = await client_for(nursery, daemon_config(tmp_path, fake_command(), http=HTTP))
         async with client:
-            yield client, sup
+            yield client, daemon
         nursery.cancel_scope.cancel()
 
 
-def no_strikes(sup: object) -> bool:
-    return all(s["strikes"] == 0 and s["generation"] == 1 for s in sup.status())  # type: ignore[attr-defined]
+def no_strikes(sup: Supervisor) -> bool:
+    return all(s["strikes"] == 0 and s["generation"] == 1 for s in sup.status())
 
 
 async def raw(client: httpx.AsyncClient) -> trio.SocketStream:
@@ -63,9 +65,10 @@ def status_of(response: bytes) -> int:
     (b'{"model":"fake-embed","input":["a"],"encoding_format":""}', "invalid_request"),
     (b'{"model":"fake-embed","input":["a"],"encoding_format":["float"]}', "invalid_request"),
 ])
-async def test_hostile_bodies_are_typed_400s(daemon: tuple[httpx.AsyncClient, object], body: bytes,
+async def test_hostile_bodies_are_typed_400s(daemon: tuple[httpx.AsyncClient, Daemon], body: bytes,
                                              code: str) -> None:
-    http, sup = daemon
+    http, running = daemon
+    sup = running.sup
     route = "/v1/rerank" if b"query" in body else "/v1/embeddings"
     r = await http.post(route, content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
@@ -73,7 +76,7 @@ async def test_hostile_bodies_are_typed_400s(daemon: tuple[httpx.AsyncClient, ob
     assert (await http.get("/healthz")).status_code == 200 and no_strikes(sup)
 
 
-async def test_head_works_where_get_does(daemon: tuple[httpx.AsyncClient, object]) -> None:
+async def test_head_works_where_get_does(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
     http, _ = daemon
     for path in ("/healthz", "/v1/models", "/v1/lanes", "/v1/lanes/lane0"):
         get, head = await http.get(path), await http.head(path)
@@ -82,14 +85,14 @@ async def test_head_works_where_get_does(daemon: tuple[httpx.AsyncClient, object
     assert (await http.head("/v1/embeddings")).status_code == 405
 
 
-async def test_route_regex_does_not_match_a_trailing_newline(daemon: tuple[httpx.AsyncClient, object]) -> None:
+async def test_route_regex_does_not_match_a_trailing_newline(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
     http, _ = daemon
     assert (await http.get("/v1/lanes/lane0")).status_code == 200
     r = await http.get("/v1/lanes/lane0%0a")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
 
 
-async def test_absurd_content_length_is_refused_before_the_body(daemon: tuple[httpx.AsyncClient, object]) -> None:
+async def test_absurd_content_length_is_refused_before_the_body(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
     http, _ = daemon
     stream = await raw(http)
     await stream.send_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -99,8 +102,9 @@ async def test_absurd_content_length_is_refused_before_the_body(daemon: tuple[ht
     await stream.aclose()
 
 
-async def test_a_stalled_body_is_cut_by_the_body_timeout(daemon: tuple[httpx.AsyncClient, object]) -> None:
-    http, sup = daemon
+async def test_a_stalled_body_is_cut_by_the_body_timeout(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
+    http, running = daemon
+    sup = running.sup
     stream = await raw(http)
     await stream.send_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                           b"content-length: 100\r\n\r\n{\"model\":")
@@ -114,11 +118,11 @@ async def test_a_stalled_body_is_cut_by_the_body_timeout(daemon: tuple[httpx.Asy
     assert no_strikes(sup)
 
 
-async def test_per_client_connection_cap(daemon: tuple[httpx.AsyncClient, object]) -> None:
+async def test_per_client_connection_cap(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
     """Three stalled bodies hold this client's three slots: a fourth POST is refused at once (429) while
     /healthz still answers, and once the stalled ones are cut, the client is served again."""
-    http, sup = daemon
-    api = sup.daemon.api  # type: ignore[attr-defined]
+    http, running = daemon
+    api = running.api
     stalled = [await raw(http) for _ in range(3)]
     for s in stalled:
         await s.send_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\n{")
@@ -132,9 +136,10 @@ async def test_per_client_connection_cap(daemon: tuple[httpx.AsyncClient, object
     assert (await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a"]})).status_code == 200
 
 
-async def test_healthz_stays_fast_while_a_huge_input_is_embedded(daemon: tuple[httpx.AsyncClient, object]) -> None:
+async def test_healthz_stays_fast_while_a_huge_input_is_embedded(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
     """An 8 MB input is capped in characters before it is tokenized, and decoded off the loop."""
-    http, sup = daemon
+    http, running = daemon
+    sup = running.sup
     huge = json.dumps({"model": MODEL, "input": ["word " * ((8 << 20) // 5)]}).encode()
     worst = 0.0
     done = trio.Event()
@@ -185,8 +190,10 @@ async def test_admitted_bytes_are_held_until_the_lane_drained_the_reply(tmp_path
     those bytes until the reply has drained, then releases them."""
     cfg = daemon_config(tmp_path, fake_command("slow", delay=0.6, on_request=0), timeout_s=0.2, http=HTTP)
     async with trio.open_nursery() as nursery:
-        http, sup = await client_for(nursery, cfg)
-        scheduler = sup.daemon.scheduler  # type: ignore[attr-defined]
+        http, daemon = await client_for(nursery, cfg)
+        sup = daemon.sup
+        scheduler = sup.scheduler
+        assert scheduler is not None
         lane = next(iter(sup.lanes.values()))  # type: ignore[attr-defined]
         async with http:
             r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a", "b"]})
@@ -219,7 +226,8 @@ async def test_rerank_of_2048_long_documents_with_a_1_mib_frame(tmp_path: Path) 
     cfg = dataclasses.replace(cfg, supervisor=dataclasses.replace(cfg.supervisor, max_frame=1 << 20))
     words = " ".join(f"word{i % 97}" for i in range(200))
     async with trio.open_nursery() as nursery:
-        http, sup = await client_for(nursery, cfg)
+        http, daemon = await client_for(nursery, cfg)
+        sup = daemon.sup
         async with http:
             r = await http.post("/v1/rerank", json={"model": MODEL, "query": "q",
                                                     "documents": [f"{i} {words}" for i in range(2048)]})

@@ -36,7 +36,7 @@ def chat_tokenizer() -> ChatTokenizer:
 
 async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatTokenizer) -> None:
     async with trio.open_nursery() as nursery:
-        _, binds = await nursery.start(run_daemon, config(tmp_path))
+        binds = (await nursery.start(run_daemon, config(tmp_path))).binds
         client = openai.OpenAI(base_url=binds[0] + "/v1", api_key="unused", max_retries=0, timeout=30)
 
         def calls() -> dict[str, object]:

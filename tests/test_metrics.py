@@ -31,19 +31,20 @@ async def test_metrics_exposition(tmp_path: Path) -> None:
     # lane0 serves; lane1 crashes on its first request and is quarantined at once (strikes=1)
     cfg = daemon_config(tmp_path, fake_command(), fake_command("crash_mid_request", on_request=1), strikes=1)
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, cfg)
+        daemon = await nursery.start(run_daemon, cfg)
+        sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
-            sup.scheduler.drained.add("lane0")  # route the first request to lane1, which crashes
+            sup.router.drain("lane0")  # route the first request to lane1, which crashes
             r = await http.post("/v1/embeddings", json={"model": MODEL, "input": "boom"})
             assert r.status_code == 503
-            sup.scheduler.drained.discard("lane0")
+            sup.router.resume("lane0")
             for _ in range(2):
                 assert (await http.post("/v1/embeddings", json={"model": MODEL, "input": "x"})).status_code == 200
             assert (await http.post("/v1/embeddings", json={"model": "nope", "input": "x"})).status_code == 404
             assert (await http.post("/v1/embeddings", json={"model": MODEL})).status_code == 400
             await wait_until(lambda: sup.lanes["lane1"].state.value == "quarantined")
             crashes = "gpuworker_worker_crashes_total"
-            await wait_until(lambda: crashes in scrape(sup.daemon.metrics.render().decode()))  # counted from events
+            await wait_until(lambda: crashes in scrape(daemon.metrics.render().decode()))  # counted from events
             r = await http.get("/metrics")
         nursery.cancel_scope.cancel()
 

@@ -79,8 +79,9 @@ async def test_daemon_lifecycle_notifications(tmp_path: Path) -> None:
     env = {"NOTIFY_SOCKET": sd.address, "WATCHDOG_USEC": "200000"}  # a ping every 0.1 s
     async with trio.open_nursery() as nursery:
         await nursery.start(sd.run)
-        sup, binds = await nursery.start(lambda task_status: run_daemon(
+        daemon = await nursery.start(lambda task_status: run_daemon(
             daemon_config(tmp_path, fake_command(), fake_command()), env=env, task_status=task_status))
+        sup, binds = daemon.sup, daemon.binds
         await sd.wait_for(lambda: "READY=1" in sd.lines())
         lines = sd.lines()
         assert lines[0].startswith("STATUS=starting")

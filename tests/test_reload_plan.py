@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from trio_gpuworker import AdmissionPolicy, BatchPolicy
 from trio_gpuworker._config import LaneConfig, ModelConfig, SupervisorConfig, Windows
 from trio_gpuworker.daemon import reload
 from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
 from trio_gpuworker.daemon.reload import ReloadPlan, Running, plan_reload
 from trio_gpuworker.supervisor import LoadSpec
-from trio_gpuworker.supervisor._admission import AdmissionPolicy
-from trio_gpuworker.supervisor._batching import BatchPolicy
 
 M1, M2 = ModelConfig("m1", Path("/m/m1.bin")), ModelConfig("m2", Path("/m/m2.bin"))
 LANE0, LANE1 = LaneConfig("lane0", ("m1",)), LaneConfig("lane1", ("m1", "m2"))

@@ -16,6 +16,7 @@ from tests.fakes import fake_command
 from tests.helpers import TOKENIZER, wait_until
 from tests.supervision_helpers import MODEL, fake_config, rows
 from trio_gpuworker import (
+    AdmissionPolicy,
     ConfigError,
     DeadlineExceeded,
     EngineCrashed,
@@ -25,7 +26,6 @@ from trio_gpuworker import (
     Supervisor,
     SupervisorConfig,
 )
-from trio_gpuworker.supervisor._admission import AdmissionPolicy, Scheduler
 
 MiB = 1 << 20
 WORDS = " ".join(f"word{i % 97}" for i in range(200))  # 200 words: well over max_tokens (256) ids
@@ -126,9 +126,9 @@ async def test_long_rerank_stops_between_micro_batches_once_its_caller_left(tmp_
     """8 micro-batches of 0.4 s each; the caller leaves after 0.5 s: the lane drains the one in flight and
     is idle long before the 3.2 s the whole rerank would take. The admitted bytes are held until then."""
     cfg = config(tmp_path, fake_command("slow", delay=0.4, on_request=0), max_batch_items=32)
-    async with Supervisor(cfg) as sup:
+    async with Supervisor(cfg, admission=AdmissionPolicy(queue_bytes=64 * MiB)) as sup:
         await sup.wait_ready(10)
-        sup.scheduler = Scheduler(AdmissionPolicy(queue_bytes=64 * MiB))
+        assert sup.scheduler is not None
         lane = next(iter(sup.lanes.values()))
         docs = [f"document {i}" for i in range(256)]
         t0 = trio.current_time()

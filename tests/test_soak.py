@@ -99,7 +99,8 @@ async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
     rss_before = rss_mb()
     rss_peak = rss_before
     async with trio.open_nursery() as nursery:
-        http, sup = await client_for(nursery, cfg)
+        http, daemon = await client_for(nursery, cfg)
+        sup = daemon.sup
         async with http:
             done = trio.Event()
 

@@ -160,7 +160,8 @@ async def test_standby_shows_in_lanes_metrics_and_ctl(tmp_path: Path) -> None:
     cfg = daemon_config(tmp_path, fake_command())
     cfg = dataclasses.replace(cfg, supervisor=with_standby(cfg.supervisor))
     async with trio.open_nursery() as nursery:
-        sup, binds = await nursery.start(run_daemon, cfg)
+        daemon = await nursery.start(run_daemon, cfg)
+        sup, binds = daemon.sup, daemon.binds
         await standby_ready(sup)
         async with httpx.AsyncClient(base_url=binds[0], timeout=30) as http:
             lane = (await http.get("/v1/lanes/lane0")).json()

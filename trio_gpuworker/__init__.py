@@ -1,6 +1,15 @@
 """trio-gpuworker: supervise tinygrad worker processes from a trio node daemon."""
 
-from ._config import LaneConfig, ModelConfig, QuarantinePolicy, RestartPolicy, SupervisorConfig, Windows
+from ._config import (
+    AdmissionPolicy,
+    BatchPolicy,
+    LaneConfig,
+    ModelConfig,
+    QuarantinePolicy,
+    RestartPolicy,
+    SupervisorConfig,
+    Windows,
+)
 from ._errors import (
     BrokenWorkerError,
     ClosedSupervisorError,
@@ -25,6 +34,8 @@ from ._errors import (
 from .supervisor import LaneState, Supervisor
 
 __all__ = [
+    "AdmissionPolicy",
+    "BatchPolicy",
     "BrokenWorkerError",
     "ClosedSupervisorError",
     "ConfigError",

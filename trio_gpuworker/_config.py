@@ -65,6 +65,22 @@ class LaneConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionPolicy:
+    queue_bytes: int = 64 << 20  # per model: token-id bytes queued + in flight
+    retry_after_s: float = 1.0  # Retry-After of an over_capacity answer
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_items: int = 256  # rows per EMBED_BATCH
+    max_delay_s: float = 0.002  # how long a batch waits for company; 0 = batching off
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_delay_s > 0
+
+
+@dataclass(frozen=True)
 class SupervisorConfig:
     lanes: tuple[LaneConfig, ...]
     models: tuple[ModelConfig, ...]

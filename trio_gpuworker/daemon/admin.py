@@ -13,9 +13,7 @@ import trio
 
 from .._errors import GpuWorkerError
 from .._proto import Message
-from ..supervisor import Lane, LaneState, Supervisor
-from ..supervisor._admission import Scheduler
-from ..supervisor._models import DigestCache, load_spec
+from ..supervisor import DigestCache, Lane, LaneState, Supervisor, load_spec
 
 DRAIN_POLL_S = 0.05  # how often drain(wait=True) looks at the lane's queue
 
@@ -25,9 +23,8 @@ class LaneNotFound(GpuWorkerError, LookupError):
 
 
 class LaneAdmin:
-    def __init__(self, sup: Supervisor, scheduler: Scheduler | None) -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
-        self.scheduler = scheduler
         self._digests: DigestCache | None = None
 
     def lane(self, lane_id: str) -> Lane:
@@ -73,8 +70,7 @@ class LaneAdmin:
         """Route no new requests to the lane; with `wait`, until what is queued there has finished.
         Returns whether the lane is idle."""
         lane = self.lane(lane_id)
-        if self.scheduler is not None:
-            self.scheduler.drained.add(lane.id)
+        self.sup.router.drain(lane.id)
         if wait:
             with trio.move_on_after(timeout_s if timeout_s is not None else float("inf")):
                 # the lane signals nothing when its queue empties: look every DRAIN_POLL_S
@@ -84,8 +80,7 @@ class LaneAdmin:
 
     def resume(self, lane_id: str) -> None:
         lane = self.lane(lane_id)
-        if self.scheduler is not None:
-            self.scheduler.drained.discard(lane.id)
+        self.sup.router.resume(lane.id)
 
     @staticmethod
     def idle(lane: Lane) -> bool:

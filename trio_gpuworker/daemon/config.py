@@ -13,6 +13,8 @@ from typing import Any
 from .._config import (
     MODEL_KINDS,
     POOLINGS,
+    AdmissionPolicy,
+    BatchPolicy,
     LaneConfig,
     ModelConfig,
     QuarantinePolicy,
@@ -21,8 +23,6 @@ from .._config import (
     Windows,
 )
 from .._errors import ConfigError
-from ..supervisor._admission import AdmissionPolicy
-from ..supervisor._batching import BatchPolicy
 
 DEFAULT_LISTEN = "127.0.0.1:8421"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"

@@ -21,7 +21,6 @@ from .._errors import (
     GpuWorkerError,
 )
 from ..supervisor import LaneState, Supervisor
-from ..supervisor._admission import Scheduler
 from .admin import LaneAdmin
 from .config import HttpConfig
 from .http_admin import AdminRoutes
@@ -50,14 +49,12 @@ JSON_THREADS = 2  # large bodies decoding at once
 
 
 class Api(AdminRoutes, ServingRoutes):
-    def __init__(self, sup: Supervisor, http: HttpConfig, *, scheduler: Scheduler | None = None,
-                 metrics: Metrics | None = None,
+    def __init__(self, sup: Supervisor, http: HttpConfig, *, metrics: Metrics | None = None,
                  reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.sup = sup
         self.http = http
-        self.scheduler = scheduler if scheduler is not None else sup.scheduler
         self.metrics = metrics
-        self.admin = LaneAdmin(sup, self.scheduler)
+        self.admin = LaneAdmin(sup)
         self.reload_config = reload_config
         self.admitting = True
         self.inflight = 0
@@ -333,8 +330,8 @@ class Api(AdminRoutes, ServingRoutes):
 
     def _lane_status(self, s: dict[str, Any]) -> dict[str, Any]:
         lane = self.sup.lanes.get(s["lane_id"])
-        drained = self.scheduler is not None and s["lane_id"] in self.scheduler.drained
-        return {**s, "drained": drained, "configured_models": list(lane.loads) if lane is not None else []}
+        return {**s, "drained": s["lane_id"] in self.sup.router.drained,
+                "configured_models": list(lane.loads) if lane is not None else []}
 
     async def lanes(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         return 200, {"object": "list", "data": [self._lane_status(s) for s in self.sup.status()]}

@@ -30,10 +30,7 @@ from hypercorn.trio import serve
 
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import ConfigError
-from ..supervisor import LaneState, LoadSpec, Supervisor
-from ..supervisor._admission import Scheduler
-from ..supervisor._batching import Batcher
-from ..supervisor._models import DigestCache, load_spec
+from ..supervisor import DigestCache, LaneState, LoadSpec, Supervisor, load_spec
 from .config import DaemonConfig, HttpConfig, load_config
 from .http import Api
 from .logs import setup_logging
@@ -94,16 +91,9 @@ class Daemon:
         self.config_path = config_path
         self.env = os.environ if env is None else env
         self.notifier = notifier or Notifier(None)
-        self.scheduler = Scheduler(cfg.admission)
-        self.metrics = Metrics(sup, self.scheduler)
-        self.batcher = Batcher(cfg.batching, send=sup.embed_ids, slots=self._lanes_serving,
-                               on_batch=self.metrics.on_batch, on_drop=self.metrics.on_drop)
-        self.metrics.batcher = self.batcher
-        # the supervisor routes embeddings through these (see Supervisor.embed_rows / pick_lane)
-        sup.scheduler = self.scheduler  # type: ignore[attr-defined]
-        sup.batcher = self.batcher  # type: ignore[attr-defined]
-        self.api = Api(sup, cfg.http, scheduler=self.scheduler, metrics=self.metrics,
-                       reload_config=self.reload_config)
+        self.metrics = Metrics(sup)
+        self.api = Api(sup, cfg.http, metrics=self.metrics, reload_config=self.reload_config)
+        self.binds: list[str] = []
         self.specs: dict[str, LoadSpec] = {s.model_ref: s for ln in sup.lanes.values() for s in ln.loads.values()}
         self.stopping = False
         self.stop_requested = trio.Event()
@@ -113,9 +103,6 @@ class Daemon:
         self.nursery: trio.Nursery | None = None
         self._reload_lock = trio.Lock()
         self._socket_ino: int | None = None
-
-    def _lanes_serving(self, model: str) -> int:
-        return sum(1 for ln in self.sup.lanes.values() if model in ln.loads and ln.id not in self.scheduler.drained)
 
     # --- listeners -----------------------------------------------------------------------------
 
@@ -131,6 +118,7 @@ class Daemon:
             binds += await nursery.start(partial(self._serve, f"unix:{path}", admin=True))
             os.chmod(path, API_SOCKET_MODE)
             self._socket_ino = os.stat(path).st_ino
+        self.binds = binds
         return binds
 
     async def _serve(self, bind: str, *, admin: bool, task_status: trio.TaskStatus[list[str]]) -> None:
@@ -171,7 +159,7 @@ class Daemon:
                 notes.append(f"{s['lane_id']} quarantined ({s['cooldown_remaining_s']:.0f} s left)")
             elif s["state"] not in (LaneState.READY.value, LaneState.BUSY.value):
                 notes.append(f"{s['lane_id']} {s['state']}")
-            if s["lane_id"] in self.scheduler.drained:
+            if s["drained"]:
                 notes.append(f"{s['lane_id']} drained")
         head = "draining" if self.stopping else "serving" if ready == len(lanes) else "degraded"
         text = f"{head}: {ready}/{len(lanes)} lanes ready, {self.api.inflight} in flight, {self.api.served} served"
@@ -242,14 +230,13 @@ class Daemon:
         """Apply the settings at once, then remove, add and reload lanes in that order."""
         report = plan.report()
         self.api.http = plan.http
-        self.scheduler.policy = plan.config.admission
-        self.batcher.policy = plan.config.batching
         if plan.logging_changed:
             setup_logging(plan.config.log_format, plan.config.log_level)
         for model in plan.forget_tokenizers:
             self.sup.forget_tokenizer(model)  # cached per model
-        self.sup.config = dataclasses.replace(self.sup.config, models=plan.models, lanes=plan.lanes,
-                                              max_batch_items=plan.config.supervisor.max_batch_items)
+        self.sup.reconfigure(dataclasses.replace(self.sup.config, models=plan.models, lanes=plan.lanes,
+                                                 max_batch_items=plan.config.supervisor.max_batch_items),
+                             admission=plan.config.admission, batching=plan.config.batching)
         self.specs = dict(plan.specs)
         for lane_id in plan.remove:
             await self.remove_lane(lane_id)
@@ -271,18 +258,19 @@ class Daemon:
         """Point the lane at its new settings and restart its worker in order; drained meanwhile when other
         lanes serve all of its models."""
         lane = self.sup.lanes[cfg.id]
-        others = [ln for ln in self.sup.lanes.values() if ln.id != cfg.id and ln.id not in self.scheduler.drained
+        drained = self.sup.router.drained
+        others = [ln for ln in self.sup.lanes.values() if ln.id != cfg.id and ln.id not in drained
                   and ln.state not in (LaneState.STOPPING, LaneState.STOPPED)]
-        drain = cfg.id not in self.scheduler.drained and all(any(m in ln.loads for ln in others) for m in cfg.models)
+        drain = cfg.id not in drained and all(any(m in ln.loads for ln in others) for m in cfg.models)
         lane.cfg = cfg
         lane.loads = dict(zip(cfg.models, loads, strict=True))
         if drain:
-            self.scheduler.drained.add(cfg.id)
+            self.sup.router.drain(cfg.id)
         try:
             await self.sup.reload_lane(cfg.id)
         finally:
             if drain:
-                self.scheduler.drained.discard(cfg.id)
+                self.sup.router.resume(cfg.id)
         log.info("lane %s reloaded: generation %d, models %s", cfg.id, lane.generation,
                  ", ".join(lane.models_loaded), extra={"lane_id": cfg.id, "generation": lane.generation})
 
@@ -304,8 +292,12 @@ class Daemon:
         with trio.move_on_after(self.cfg.drain_s) as scope:
             await self.api.wait_idle()
         if scope.cancelled_caught:
-            log.warning("drain bound of %g s passed with %d requests in flight; stopping workers",
+            log.warning("drain bound of %g s passed with %d requests in flight; aborting them",
                         self.cfg.drain_s, self.api.inflight)
+            for lane in list(self.sup.lanes.values()):
+                if lane.state == LaneState.BUSY:  # SHUTDOWN abort_in_flight passes the request that is running
+                    with contextlib.suppress(trio.BrokenResourceError, OSError):
+                        await lane.abort_in_flight()
         self.notifier.status("stopping workers")
 
 
@@ -317,10 +309,10 @@ async def resolve_specs(sup_cfg: SupervisorConfig) -> dict[str, LoadSpec]:
 
 async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
                      env: MutableMapping[str, str] | None = None, notifier: Notifier | None = None,
-                     task_status: trio.TaskStatus[tuple[Supervisor, list[str]]] = trio.TASK_STATUS_IGNORED) -> None:
+                     task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until SIGTERM/SIGINT: then stop admitting, finish what is in flight, stop workers, return.
 
-    Started value: (supervisor, the bound listener URLs, TCP first). The Daemon is `sup.daemon`."""
+    Started value: the Daemon; `daemon.sup` is its Supervisor, `daemon.binds` the listener URLs (TCP first)."""
     env = os.environ if env is None else env
     notifier = notifier if notifier is not None else Notifier.from_env(env)
     try:
@@ -329,19 +321,17 @@ async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
                 notifier.status("starting: spawning workers and loading models")
                 windows = cfg.supervisor.windows
                 with trio.CancelScope() as workers_stop:  # bounds the workers' shutdown after the drain
-                    async with Supervisor(cfg.supervisor) as sup:
+                    async with Supervisor(cfg.supervisor, admission=cfg.admission, batching=cfg.batching) as sup:
                         daemon = Daemon(cfg, sup, config_path=config_path, env=env, notifier=notifier)
-                        sup.daemon = daemon  # type: ignore[attr-defined]
                         async with trio.open_nursery() as inner:
                             daemon.nursery = inner
-                            await inner.start(daemon.batcher.run)
                             await inner.start(daemon.metrics.watch_events)
                             binds = await daemon.start_listeners(outer)
                             outer.start_soon(daemon.notify_loop)
                             inner.start_soon(daemon.serve_signals, signals)
                             notifier.ready(daemon.status_line())
                             log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
-                            task_status.started((sup, binds))
+                            task_status.started(daemon)
                             await daemon.stop_requested.wait()
                             await daemon.drain()
                             inner.cancel_scope.cancel()

@@ -19,8 +19,6 @@ from ..supervisor import LaneState
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
-    from ..supervisor._admission import Scheduler
-    from ..supervisor._batching import Batcher
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -29,10 +27,8 @@ RING_DIRECTIONS = ("ingress", "egress")
 
 
 class Metrics:
-    def __init__(self, sup: Supervisor, scheduler: Scheduler | None = None, batcher: Batcher | None = None) -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
-        self.scheduler = scheduler
-        self.batcher = batcher
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter("gpuworker_http_requests", "HTTP requests by route, model and outcome "
                                 "(ok or the error code)", ["route", "model", "outcome"], registry=r)
@@ -50,6 +46,7 @@ class Metrics:
                                    registry=r)
         self.reloads = Counter("gpuworker_config_reloads", "configuration reloads (SIGHUP)", ["outcome"], registry=r)
         r.register(_StateCollector(self))
+        sup.batcher.subscribe(on_batch=self.on_batch, on_drop=self.on_drop)
 
     # --- updates ---------------------------------------------------------------------------------
 
@@ -92,7 +89,7 @@ class _StateCollector(Collector):
         return []  # families depend on the lanes configured at scrape time
 
     def collect(self) -> Iterator[Metric]:
-        sup, sched = self.m.sup, self.m.scheduler
+        sup, sched = self.m.sup, self.m.sup.scheduler
         lanes = sup.status()
         g: dict[str, Any] = {
             "state": GaugeMetricFamily("gpuworker_lane_state", "1 for the lane's current state",
@@ -117,7 +114,7 @@ class _StateCollector(Collector):
                                          "1 while a warm standby worker is loaded and idle", labels=["lane"]),
         }
         restarts = CounterMetricFamily("gpuworker_lane_restarts", "worker restarts after a fault", labels=["lane"])
-        drained = sched.drained if sched is not None else set()
+        drained = sup.router.drained
         for s in lanes:
             lane = s["lane_id"]
             for state in LaneState:
@@ -153,8 +150,7 @@ class _StateCollector(Collector):
                 qreqs.add_metric([mc.id], sched.queued.get(mc.id, 0))
                 budget.add_metric([mc.id], sched.policy.queue_bytes)
                 rejected.add_metric([mc.id], sched.rejected.get(mc.id, 0))
-            if self.m.batcher is not None:
-                pending.add_metric([mc.id], self.m.batcher.pending_rows(mc.id))
+            pending.add_metric([mc.id], self.m.sup.batcher.pending_rows(mc.id))
         yield from (qbytes, qreqs, budget, rejected, pending)
 
         moved = sup.dataplane.bytes_moved if sup.dataplane is not None else {}

@@ -11,32 +11,26 @@ per model whatever the callers do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._errors import InvalidRequest, NoLaneAvailable, OverCapacity
+from .._config import AdmissionPolicy, SupervisorConfig
+from .._errors import ClosedSupervisorError, InvalidRequest, NoLaneAvailable, OverCapacity
+from ._jobs import LaneState
 
 if TYPE_CHECKING:
     from ._lane import Lane
 
 
-@dataclass(frozen=True)
-class AdmissionPolicy:
-    queue_bytes: int = 64 << 20  # per model: token-id bytes queued + in flight
-    retry_after_s: float = 1.0  # Retry-After of an over_capacity answer
-
-
 class Scheduler:
-    """Per-model admission counters and the set of drained lanes (no new requests routed to them)."""
+    """Per-model admission counters: token-id bytes queued or in flight, against the model's budget."""
 
     def __init__(self, policy: AdmissionPolicy | None = None) -> None:
         self.policy = policy or AdmissionPolicy()
         self.queued_bytes: dict[str, int] = {}
         self.queued: dict[str, int] = {}  # admitted requests not yet answered
         self.rejected: dict[str, int] = {}
-        self.drained: set[str] = set()
 
     def acquire(self, model: str, nbytes: int) -> Ticket:
         """Count `nbytes` against the model's budget until the ticket is released."""
@@ -107,8 +101,6 @@ class Ticket:
 def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset[str] = frozenset()) -> Lane:
     """The least loaded lane serving `model`: not drained, not quarantined, ready before starting, and one that
     loaded the model before one whose LOAD of it failed. Load = queued requests + the one running."""
-    from ._jobs import LaneState
-
     candidates = [lane for lane in lanes if model in lane.loads]
     if not candidates:
         raise NoLaneAvailable(f"no lane is configured to serve {model!r}")
@@ -127,3 +119,34 @@ def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset
         return state, int(model in ln.load_errors), ln.queued + (ln.state == LaneState.BUSY)
 
     return min(open_lanes, key=rank)
+
+
+class Router:
+    """Which lane serves a model's next request (`choose_lane`), and the one owner of the drained set: lanes
+    that get no new requests (admin drain, a reload, a lane being removed)."""
+
+    def __init__(self, config: SupervisorConfig, lanes: Mapping[str, Lane]) -> None:
+        self.config = config
+        self.lanes = lanes
+        self._drained: set[str] = set()
+        self.closed = False
+
+    @property
+    def drained(self) -> frozenset[str]:
+        return frozenset(self._drained)
+
+    def drain(self, lane_id: str) -> None:
+        self._drained.add(lane_id)
+
+    def resume(self, lane_id: str) -> None:
+        self._drained.discard(lane_id)
+
+    def pick(self, model: str) -> Lane:
+        if self.closed:
+            raise ClosedSupervisorError("the supervisor is shutting down")
+        self.config.model(model)
+        return choose_lane(model, self.lanes.values(), self._drained)
+
+    def serving(self, model: str) -> int:
+        """How many lanes may take the model's requests now (how many batches of it may be out at once)."""
+        return sum(1 for ln in self.lanes.values() if model in ln.loads and ln.id not in self._drained)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from ..tokenization import EmbeddingTokenizer
     from ._admission import Scheduler, Ticket
     from ._batching import Batcher
+    from ._dispatch import EmbedDispatch
     from ._lane import Lane
 
 T = TypeVar("T")
@@ -36,10 +37,10 @@ CPU_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 class ServingApi:
     config: SupervisorConfig
-    scheduler: Scheduler | None
-    batcher: Batcher | None
+    scheduler: Scheduler | None  # admission byte budgets (the daemon's; the bare Python API runs without)
+    batcher: Batcher
+    dispatch: EmbedDispatch
     _tokenizers: dict[str, Any]
-    _dims: dict[str, int]
     _cpu: trio.CapacityLimiter  # CPU_THREADS tokens
     pick_lane: Callable[[str], Lane]  # the Supervisor's
 
@@ -127,7 +128,7 @@ class ServingApi:
         pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
         deadline = self._deadline(timeout)
         if not texts:
-            return np.zeros((0, self._dims.get(model, 0)), dtype=np.float32), 0
+            return np.zeros((0, self.dispatch.dims.get(model, 0)), dtype=np.float32), 0
         texts = rq.cap_texts(texts, rq.char_cap(mc))
         with self._admit(model, rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
             await self._tokenizer_loaded(model)
@@ -144,7 +145,7 @@ class ServingApi:
         pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
         deadline = self._deadline(timeout)
         if not rows:
-            return np.zeros((0, self._dims.get(model, 0)), dtype=np.float32)
+            return np.zeros((0, self.dispatch.dims.get(model, 0)), dtype=np.float32)
         with self._admit(model, rq.ID_BYTES * sum(len(r) for r in rows)) as ticket:
             return await self._embed_admitted(rows, model, pooling, normalize, deadline, timeout, ticket)
 
@@ -153,7 +154,7 @@ class ServingApi:
         chunks = rq.plan_chunks([len(r) for r in rows], max_items=self.config.max_batch_items,
                                 max_bytes=self.config.max_frame)
         batcher = self.batcher
-        if batcher is not None and batcher.enabled and len(chunks) == 1:
+        if batcher.enabled and len(chunks) == 1:
             # batches hold at most max_batch_items rows, which config validation guarantees fit a frame
             return await batcher.embed(rows, model=model, pooling=pooling, normalize=normalize,
                                        timeout=self._left(deadline, "embedding request", timeout),
@@ -176,21 +177,12 @@ class ServingApi:
                                   max_bytes=self.config.max_frame)) > 1:
                 raise rq.RequestTooLarge(f"{len(rows)} rows of token ids do not fit one frame of "
                                          f"{self.config.max_frame} bytes (daemon.max_frame_mib)")
-            lane = self.pick_lane(model)
         except BaseException:
             if on_settled is not None:
                 on_settled()
             raise
-        items = [{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)]
-        raw = (np.concatenate(rows) if rows else np.zeros(0)).astype("<i4").tobytes()
-        reply = await lane.call("EMBED_BATCH", {"model_ref": model, "pooling": pooling, "normalize": normalize,
-                                                "items": items}, raw, timeout=timeout, on_settled=on_settled)
-        n, dims = reply["n"], reply["dims"]
-        if n != len(rows) or len(reply.raw or b"") != n * dims * 4:
-            raise RemoteProtocolError(f"VECTORS: n={n} dims={dims} raw_len={len(reply.raw or b'')} "
-                                      f"for {len(rows)} rows")
-        self._dims[model] = dims
-        return np.frombuffer(reply.raw, dtype="<f4").reshape(n, dims).copy()
+        return await self.dispatch(rows, model=model, pooling=pooling, normalize=normalize, timeout=timeout,
+                                   on_settled=on_settled)
 
     # --- rerank --------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ requests accumulate while the lanes work). Each caller gets its own rows back an
 A caller that goes away before its batch is sent is left out of it; if every caller of a sent batch goes
 away, the batch is abandoned and the lane drops it before it reaches a worker.
 
-    batcher = Batcher(BatchPolicy(max_items=256, max_delay_s=0.002), send=sup.embed_ids, slots=lanes_serving)
+    batcher = Batcher(BatchPolicy(max_items=256, max_delay_s=0.002), send=send_embed_batch, slots=router.serving)
     await nursery.start(batcher.run)
     vecs = await batcher.embed(rows, model=..., pooling="mean", normalize=True, timeout=30)
 """
@@ -22,21 +22,12 @@ from typing import Any, Protocol
 import numpy as np
 import trio
 
+from .._config import BatchPolicy
 from .._errors import ClosedSupervisorError, DeadlineExceeded
 
 log = logging.getLogger("trio_gpuworker.batching")
 
 Key = tuple[str, str, bool]  # model, pooling, normalize
-
-
-@dataclass(frozen=True)
-class BatchPolicy:
-    max_items: int = 256  # rows per EMBED_BATCH
-    max_delay_s: float = 0.002  # how long a batch waits for company; 0 = batching off
-
-    @property
-    def enabled(self) -> bool:
-        return self.max_delay_s > 0
 
 
 class Send(Protocol):
@@ -73,20 +64,27 @@ class _Batch:
 
 class Batcher:
     def __init__(self, policy: BatchPolicy, send: Send, slots: Callable[[str], int],
-                 on_batch: Callable[[str, int, int], None] | None = None,
-                 on_drop: Callable[[str, int], None] | None = None) -> None:
+                 ) -> None:
         """`send` runs one EMBED_BATCH; `slots(model)` is how many batches of a model may be out at once (its
-        lanes); `on_batch(model, rows, callers)` and `on_drop(model, callers)` feed metrics."""
+        lanes). Observers (metrics) `subscribe`."""
         self.policy = policy
         self._send = send
         self._slots = slots
         self._limiters: dict[str, trio.CapacityLimiter] = {}
         self._open: dict[Key, _Batch] = {}
         self._nursery: trio.Nursery | None = None
-        self.on_batch = on_batch
-        self.on_drop = on_drop
+        self._on_batch: list[Callable[[str, int, int], None]] = []
+        self._on_drop: list[Callable[[str, int], None]] = []
         self.batches = 0
         self.dropped = 0
+
+    def subscribe(self, *, on_batch: Callable[[str, int, int], None] | None = None,
+                  on_drop: Callable[[str, int], None] | None = None) -> None:
+        """`on_batch(model, rows, callers)` for each batch sent, `on_drop(model, callers)` for each abandoned."""
+        if on_batch is not None:
+            self._on_batch.append(on_batch)
+        if on_drop is not None:
+            self._on_drop.append(on_drop)
 
     @property
     def enabled(self) -> bool:
@@ -201,8 +199,8 @@ class Batcher:
             rows = [r for m in live for r in m.rows]
             left = max(m.deadline for m in live) - trio.current_time()
             self.batches += 1
-            if self.on_batch is not None:
-                self.on_batch(model, len(rows), len(live))
+            for on_batch in self._on_batch:
+                on_batch(model, len(rows), len(live))
 
             def settled() -> None:
                 for m in live:
@@ -234,8 +232,8 @@ class Batcher:
 
     def _dropped(self, model: str, n: int) -> None:
         self.dropped += n
-        if self.on_drop is not None:
-            self.on_drop(model, n)
+        for on_drop in self._on_drop:
+            on_drop(model, n)
 
     def stats(self) -> dict[str, Any]:
         return {"batches": self.batches, "dropped": self.dropped, "open": len(self._open)}

@@ -9,15 +9,18 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._config import LaneConfig, ModelConfig, SupervisorConfig
+from .._config import AdmissionPolicy, BatchPolicy, LaneConfig, ModelConfig, SupervisorConfig
 from .._errors import (
     ClosedSupervisorError,
     InvalidRequest,
     NoLaneAvailable,
 )
+from ._admission import Router, Scheduler
 from ._api import CPU_THREADS, ServingApi
 from ._arena import ArenaManager
+from ._batching import Batcher
 from ._dataplane import DataPlane, arena_env
+from ._dispatch import EmbedDispatch
 from ._events import EventBus
 from ._jobs import LaneState, LoadSpec
 from ._lane import Lane
@@ -26,29 +29,32 @@ from ._spawn import default_runtime_dir, workers_dir
 
 if TYPE_CHECKING:
     from ..tokenization import EmbeddingTokenizer
-    from ._admission import Scheduler
-    from ._batching import Batcher
 
 
 class Supervisor(ServingApi):
-    """`async with Supervisor(config) as sup: vecs = await sup.embed(texts, model="all-MiniLM-L6-v2")`"""
+    """`async with Supervisor(config) as sup: vecs = await sup.embed(texts, model="all-MiniLM-L6-v2")`
 
-    def __init__(self, config: SupervisorConfig) -> None:
+    It owns its lanes, the router (lane choice and the drained set), admission (with an `admission` policy;
+    the bare Python API runs without byte budgets) and the batcher (off unless `batching` enables it)."""
+
+    def __init__(self, config: SupervisorConfig, *, admission: AdmissionPolicy | None = None,
+                 batching: BatchPolicy | None = None) -> None:
         self.config = config
         self.runtime_dir = config.runtime_dir or default_runtime_dir(None, config.state_dir)
         self.events = EventBus()
         self.lanes: dict[str, Lane] = {}
         self._tokenizers: dict[str, EmbeddingTokenizer] = {}
-        self._dims: dict[str, int] = {}
         self._stack: AsyncExitStack | None = None
         self.arena: ArenaManager | None = None
-        # attached by the daemon (gpuworkerd); the bare Python API runs without them
-        self.scheduler: Scheduler | None = None  # admission byte budgets, drained lanes
-        self.batcher: Batcher | None = None  # dynamic batching of concurrent embedding requests
-        self.daemon: Any = None
+        self.router = Router(config, self.lanes)
+        self.scheduler = Scheduler(admission) if admission is not None else None
+        self.dispatch = EmbedDispatch(self.router)
+        self.batcher = Batcher(batching or BatchPolicy(max_delay_s=0.0), send=self.dispatch,
+                               slots=self.router.serving)
         self.dataplane: DataPlane | None = None  # rings, objects and steps; None without an arena
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        self._batcher_scope = trio.CancelScope()
         self._cpu = trio.CapacityLimiter(CPU_THREADS)  # tokenization and templates off the event loop
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -64,6 +70,7 @@ class Supervisor(ServingApi):
         env, fds = arena_env(self.arena)
         self._nursery = await self._stack.enter_async_context(trio.open_nursery())
         try:
+            await self._nursery.start(self._run_batcher)
             for lane_cfg in cfg.lanes:
                 lane = Lane(lane_cfg, cfg, self.runtime_dir, [specs[m] for m in lane_cfg.models], self.events,
                             arena_env=env, pass_fds=fds)
@@ -95,22 +102,29 @@ class Supervisor(ServingApi):
 
     def close(self) -> None:
         """Stop admitting; lanes finish what is queued and shut their workers down."""
-        self._closed = True
+        self._closed = self.router.closed = True
+        self._batcher_scope.cancel()  # callers still waiting in a batch get ClosedSupervisorError
         for lane in self.lanes.values():
             lane.close()
+
+    async def _run_batcher(self, *, task_status: trio.TaskStatus[Batcher] = trio.TASK_STATUS_IGNORED) -> None:
+        with self._batcher_scope:
+            await self.batcher.run(task_status=task_status)
 
     # --- routing -------------------------------------------------------------------------------
 
     def pick_lane(self, model: str) -> Lane:
-        """The least loaded ready lane that serves `model`, is not quarantined and is not drained
-        (`self.scheduler.drained`, when the daemon attached a scheduler)."""
-        from ._admission import choose_lane
+        """The least loaded ready lane that serves `model`, is not quarantined and is not drained."""
+        return self.router.pick(model)
 
-        if self._closed:
-            raise ClosedSupervisorError("the supervisor is shutting down")
-        self.config.model(model)
-        scheduler = self.scheduler
-        return choose_lane(model, self.lanes.values(), scheduler.drained if scheduler is not None else frozenset())
+    def reconfigure(self, config: SupervisorConfig, *, admission: AdmissionPolicy, batching: BatchPolicy) -> None:
+        """Apply reloaded settings (SIGHUP): the model table, admission and batching. Lanes are added, removed
+        and reloaded by their own calls."""
+        self.config = self.router.config = config
+        if self.scheduler is None:
+            self.scheduler = Scheduler(admission)
+        self.scheduler.policy = admission
+        self.batcher.policy = batching
 
     def model_config(self, model: str) -> ModelConfig:
         return self.config.model(model)
@@ -136,13 +150,11 @@ class Supervisor(ServingApi):
         lane = self.lanes.get(lane_id)
         if lane is None:
             raise NoLaneAvailable(f"no lane {lane_id!r}")
-        if self.scheduler is not None:
-            self.scheduler.drained.add(lane_id)
+        self.router.drain(lane_id)
         lane.close()
         await lane.wait_state(LaneState.STOPPED)
         self.lanes.pop(lane_id, None)
-        if self.scheduler is not None:
-            self.scheduler.drained.discard(lane_id)
+        self.router.resume(lane_id)
 
     def forget_tokenizer(self, model: str) -> None:
         """Drop a cached tokenizer (its model's settings changed); the next request loads it again."""
@@ -157,7 +169,8 @@ class Supervisor(ServingApi):
 
     def status(self) -> list[dict[str, Any]]:
         """Cached lane state; never touches a worker."""
-        return [lane.status() for lane in self.lanes.values()]
+        drained = self.router.drained
+        return [{**lane.status(), "drained": lane.id in drained} for lane in self.lanes.values()]
 
     def subscribe(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
         return self.events.subscribe()
