@@ -4,7 +4,6 @@ flight, the supervision rules of §5."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +15,6 @@ from .._config import LaneConfig, SupervisorConfig
 from .._errors import (
     BrokenWorkerError,
     ClosedSupervisorError,
-    DeadlineExceeded,
     EngineCrashed,
     GpuWorkerError,
     InvalidRequest,
@@ -27,6 +25,7 @@ from ._events import EventBus
 from ._exchange import exchange, salvage
 from ._generation import Generation, host
 from ._jobs import RELOAD, SERVING, Job, LaneState, LoadSpec
+from ._lane_queue import LaneQueue
 from ._logring import LogRing
 from ._spawn import socket_path, worker_argv, worker_env
 from ._standby import StandbyKeeper
@@ -35,21 +34,17 @@ from ._worker import WorkerProcess, describe_exit
 log = logging.getLogger("trio_gpuworker.lane")
 
 
-class Lane:
+class Lane(LaneQueue):
     def __init__(self, cfg: LaneConfig, sup: SupervisorConfig, runtime_dir: Path, loads: list[LoadSpec],
                  bus: EventBus, arena_env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
+        super().__init__(cfg.id, StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s))
         self.cfg = cfg
-        self.id = cfg.id
         self.sup = sup
         self.windows = sup.windows
         self.runtime_dir = runtime_dir
         self.loads = {spec.model_ref: spec for spec in loads}
         self.bus = bus
         self.log = LogRing(cfg.id, sup.log_ring_bytes)
-        self.policy = StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s)
-        self._state = LaneState.STARTING
-        self._state_changed = trio.Event()
-        self.generation = 0  # the active worker's
         self._spawned = 0  # generations are numbered in spawn order, standbys included
         self.active: Generation | None = None
         self.standby = StandbyKeeper(self) if cfg.standby else None
@@ -59,15 +54,10 @@ class Lane:
         self.rss_mb: float | None = None
         self.last_exit: str | None = None
         self.restarts = 0
-        self.queued = 0
-        self._closing = False
         self._current: Job | None = None
         self._reloading: Job | None = None  # finished once the next generation has loaded
-        self._wakeup = trio.Event()
-        self._closed = trio.Event()
         self._idle_scope: trio.CancelScope | None = None  # cancelled to stop serving between requests
         self.last_error: str | None = None
-        self._jobs_send, self._jobs_recv = trio.open_memory_channel[Job](math.inf)
         self._started: Callable[[], None] | None = None
         self._arena_env = arena_env or {}
         self._pass_fds = pass_fds
@@ -78,99 +68,9 @@ class Lane:
         self.hooks: list[Callable[[Lane, int, Message | None], None]] = []
 
     @property
-    def state(self) -> LaneState:
-        return self._state
-
-    @state.setter
-    def state(self, value: LaneState) -> None:
-        if value is not self._state:
-            self._state = value
-            self._state_changed.set()
-            self._state_changed = trio.Event()
-
-    @property
     def requests_sent(self) -> int:
         """The last req_id the active worker was issued (requests that failed local validation count)."""
         return self.active.requests.last_req_id if self.active is not None else 0
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    async def wait_state(self, *states: LaneState) -> None:
-        """Until the lane is in one of `states` (health probes, tests)."""
-        while self._state not in states:
-            await self._state_changed.wait()
-
-    # --- caller side ---------------------------------------------------------------------------
-
-    def cooldown_remaining(self) -> float | None:
-        return self.policy.cooldown_remaining(trio.current_time())
-
-    def quarantine_error(self, remaining: float) -> EngineCrashed:
-        return EngineCrashed(
-            f"lane {self.id} is quarantined after {self.policy.max_strikes} consecutive faults; "
-            f"retry in {remaining:.0f} s", lane_id=self.id, generation=self.generation,
-            cause=self.policy.last_fault.value if self.policy.last_fault else "crash",
-            quarantined=True, cooldown_remaining_s=round(remaining, 3))
-
-    async def call(self, t: str, fields: dict[str, Any], raw: bytes | None = None, *, timeout: float | None = None,
-                   on_progress: Callable[[Message], None] | None = None,
-                   on_settled: Callable[[], None] | None = None) -> Message:
-        """Run one request on this lane's worker. The lane, not the caller, owns the stream: a caller
-        that gives up (deadline or cancellation) leaves the reply to be drained by the lane.
-        `on_settled()` runs once the lane is done with the request (or at once if it is refused here)."""
-        job = Job(t, fields, raw, on_progress, on_settled=on_settled)
-        if self._closing:
-            job.finish(error=ClosedSupervisorError(f"lane {self.id} is shutting down"))
-        elif (remaining := self.cooldown_remaining()) is not None:
-            job.finish(error=self.quarantine_error(remaining))
-        if job.error is not None:
-            raise job.error
-        self.queued += 1
-        self._jobs_send.send_nowait(job)
-        self._wakeup.set()
-        try:
-            with trio.move_on_after(math.inf if timeout is None else timeout):
-                await job.done.wait()
-        finally:
-            if not job.done.is_set():
-                job.abandoned = True
-        if not job.done.is_set():
-            raise DeadlineExceeded(f"{t} on lane {self.id} did not finish within {timeout:g} s")
-        if job.error is not None:
-            raise job.error
-        assert job.result is not None
-        return job.result
-
-    async def reload(self, timeout: float | None = None) -> None:
-        """Restart the worker in order (no strike) after the requests queued before this one; lifts quarantine.
-        Returns once the new generation has loaded its models."""
-        if self._closing:
-            raise ClosedSupervisorError(f"lane {self.id} is shutting down")
-        self.clear_quarantine()
-        job = Job(RELOAD, {"generation": self.generation}, None)
-        self.queued += 1
-        self._jobs_send.send_nowait(job)
-        self._wakeup.set()
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            await job.done.wait()
-        if not job.done.is_set():
-            raise DeadlineExceeded(f"reload of lane {self.id} did not finish within {timeout:g} s")
-        if job.error is not None:
-            raise job.error
-
-    def clear_quarantine(self) -> None:
-        """Unload/reload of the lane lifts quarantine at once."""
-        self.policy.clear()
-        self._wakeup.set()
-
-    def close(self) -> None:
-        """Stop admitting; jobs already queued are still served, then the worker is shut down."""
-        self._closing = True
-        self._closed.set()
-        self._jobs_send.close()
-        self._wakeup.set()
 
     # --- lane task -----------------------------------------------------------------------------
 
@@ -237,15 +137,6 @@ class Lane:
             with trio.move_on_after(remaining):
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
-
-    def _fail_queued(self, error: GpuWorkerError) -> None:
-        while True:
-            try:
-                job = self._jobs_recv.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            self.queued -= 1
-            job.finish(error=error)
 
     def spawn(self, *, standby: bool = False) -> Generation:
         """Start a worker process in the lane's nursery: it connects, completes HELLO and loads the lane's
