@@ -11,7 +11,10 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBUF_WRITABLE, PyBuffer_Release, PyOb
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy, memset
 
-from cython_ring._mo01 cimport _errors
+from cython_ring._mo01 cimport _errors, mo01_le16 as _le16, mo01_le32 as _le32, mo01_le64 as _le64
+from cython_ring._region cimport _Region
+
+from cython_ring._region import _u64_arg
 
 RING_MAGIC = R_MAGIC
 RING_VERSION = R_VERSION
@@ -22,75 +25,10 @@ STATE_FAULTED = S_FAULTED
 WAKE_READABLE = W_READABLE
 WAKE_WRITABLE = W_WRITABLE
 
-_U64_MAX = 2**64 - 1
 _STATE_NAMES = {S_ACTIVE: "active", S_CLOSED: "closed", S_FAULTED: "faulted"}
 
 def _corrupt(message: str) -> Exception:
     return _errors().RingCorrupt(message)
-
-
-cdef inline uint64_t _le64(const uint8_t* p) noexcept nogil:
-    cdef uint64_t v
-    memcpy(&v, p, 8)
-    return v
-
-
-cdef inline uint32_t _le32(const uint8_t* p) noexcept nogil:
-    cdef uint32_t v
-    memcpy(&v, p, 4)
-    return v
-
-
-cdef inline uint16_t _le16(const uint8_t* p) noexcept nogil:
-    cdef uint16_t v
-    memcpy(&v, p, 2)
-    return v
-
-
-def _u64_arg(value: object, name: str) -> int:
-    # Accepts integer-likes (numpy scalars from a resolver) but never bools or floats.
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
-    v = value.__index__()
-    if not 0 <= v <= _U64_MAX:
-        raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
-    return v
-
-
-cdef class _Region:
-    """A bounds-checked flat memory range: an integer address with a caller-stated size, or a buffer."""
-
-    cdef Py_buffer view
-    cdef bint held
-    cdef uint8_t* ptr
-    cdef uint64_t size
-
-    def __cinit__(self, target: object, size: object, bint writable):
-        if isinstance(target, int):
-            if size is None:
-                raise ValueError("an integer address needs its size")
-            if not 0 < target <= _U64_MAX:
-                raise ValueError(f"address {target!r} is not a valid pointer")
-            self.ptr = <uint8_t*><uintptr_t><uint64_t>target
-            self.size = _u64_arg(size, "size")
-            return
-        PyObject_GetBuffer(target, &self.view, PyBUF_WRITABLE if writable else PyBUF_SIMPLE)
-        self.held = True
-        self.ptr = <uint8_t*>self.view.buf
-        self.size = <uint64_t>self.view.len
-        if size is not None and _u64_arg(size, "size") > self.size:
-            raise ValueError(f"size {size} exceeds the buffer's {self.size} bytes")
-        if size is not None:
-            self.size = size
-
-    cdef uint8_t* at(self, uint64_t offset, uint64_t n) except NULL:
-        if offset > self.size or n > self.size - offset:
-            raise ValueError(f"range [{offset}, {offset + n}) exceeds the {self.size}-byte region")
-        return self.ptr + offset
-
-    def __dealloc__(self):
-        if self.held:
-            PyBuffer_Release(&self.view)
 
 
 cdef class Ring:
