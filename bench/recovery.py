@@ -78,10 +78,40 @@ async def measure(cfg: SupervisorConfig, rounds: int) -> tuple[list[float], list
     return cold, recovery
 
 
+async def kills(cfg: SupervisorConfig, n: int, standby: bool) -> list[float]:
+    """SIGKILL the active worker `n` times in one daemon; each time, seconds until a retrying caller's next
+    successful reply. With a standby, each kill waits first until a new standby is ready."""
+    cfg = dataclasses.replace(cfg, lanes=tuple(dataclasses.replace(ln, standby=standby) for ln in cfg.lanes))
+    out = []
+    async with Supervisor(cfg) as sup:
+        lane = sup.lanes["bench-0"]
+        await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
+        for _ in range(n):
+            while lane.standby is not None and not lane.standby.ready:  # noqa: ASYNC110 (bench: poll state)
+                await trio.sleep(0.02)
+            await trio.sleep(0.2)  # let the last spawn's start-up work settle
+            assert lane.pid is not None
+            t0 = time.perf_counter()
+            os.kill(lane.pid, signal.SIGKILL)
+            while True:
+                try:
+                    await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
+                    break
+                except Exception:
+                    await trio.sleep(0.001)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cold-rounds", type=int, default=2, help="fresh state directories (each compiles everything)")
+    p.add_argument("--kills", type=int, default=20, help="SIGKILLs per standby/no-standby row")
     args = p.parse_args()
     fake_artifact = Path(tempfile.mkdtemp()) / "fake.bin"
     fake_artifact.write_bytes(b"x")
@@ -100,6 +130,13 @@ def main() -> None:
     print(f"{'  cold start, warm cache':<36}{w * 1000:>19.0f} ms{w / e:>16.2f}")
     print(f"(medians: {len(empty)} empty-cache starts, each in a fresh state directory, and {len(warm)} warm-cache "
           f"starts; warm = compiled kernels + captured JITs reused, worker/_jitcache.py)")
+    minilm = config(None, MINILM / "model.safetensors")
+    print(f"\n{'tinygrad MiniLM (CPU), ' + str(args.kills) + ' SIGKILLs':<36}{'median':>10}{'p99':>10}"
+          f"{'median / warm start':>22}")
+    for label, standby in (("  SIGKILL -> next reply, no standby", False), ("  SIGKILL -> next reply, standby", True)):
+        rec = trio.run(kills, minilm, args.kills, standby)
+        m = statistics.median(rec)
+        print(f"{label:<36}{m * 1000:>7.0f} ms{p99(rec) * 1000:>7.0f} ms{m / w:>22.2f}")
 
 
 if __name__ == "__main__":

@@ -3,17 +3,21 @@ worker cannot block the request write, quarantine neither leaks queue slots nor 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import trio
 
 from tests.fakes import fake_command
-from tests.helpers import wait_until
+from tests.helpers import client_for, daemon_config, wait_until
 from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
-from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, Supervisor
+from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, RestartPolicy, Supervisor
 from trio_gpuworker._errors import RequestTooLarge
 
 
@@ -96,3 +100,45 @@ async def test_expired_quarantine_comes_back_without_traffic(tmp_path: Path) -> 
         with trio.fail_after(10):
             await lane0.wait_state(LaneState.READY)
         assert lane0.generation == 3 and lane0.policy.strikes == 0 and lane0.queued == 0
+
+
+async def test_drain_bound_aborts_the_request_in_flight(tmp_path: Path) -> None:
+    """Past daemon.drain_s the daemon sends SHUTDOWN abort_in_flight out of band to a busy worker: an ordered
+    stop (no strike), and the worker hears it without waiting for a req_id of its own."""
+    cfg = daemon_config(tmp_path, fake_command("slow", delay=1.0, on_request=1), daemon={"drain_s": 0.2})
+    async with trio.open_nursery() as nursery:
+        http, daemon = await client_for(nursery, cfg)
+        lane = daemon.sup.lanes["lane0"]
+        events = daemon.sup.subscribe()
+
+        async def in_flight() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await http.post("/v1/embeddings", json={"model": MODEL, "input": ["x"]})
+
+        nursery.start_soon(in_flight)
+        await wait_until(lambda: lane.state == LaneState.BUSY)
+        daemon.stop_requested.set()
+    assert lane.state == LaneState.STOPPED and lane.policy.strikes == 0
+    seen = []
+    while True:
+        try:
+            seen.append(events.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+    assert {"t": "WORKER_STOPPED", "reason": "abort_in_flight", "lane_id": "lane0", "generation": 1} in seen
+
+
+async def test_backoff_starts_over_after_a_generation_that_served(tmp_path: Path) -> None:
+    """A worker killed after it served is restarted after the initial backoff every time: the backoff grows
+    only across generations that served nothing (a crash loop)."""
+    cfg = dataclasses.replace(fake_config(tmp_path, fake_command(), strikes=5),
+                              restart=RestartPolicy(0.05, 30.0, 10.0))
+    async with Supervisor(cfg) as sup:
+        lane = sup.lanes["lane0"]
+        for kill in range(4):
+            await sup.embed_ids(rows(2), model=MODEL, pooling="mean", normalize=True)
+            assert lane.pid is not None
+            os.kill(lane.pid, signal.SIGKILL)
+            with trio.fail_after(3):  # 0.05 s each time; a growing backoff would reach 50 s by the fourth
+                await wait_until(lambda k=kill: lane.generation == k + 2 and lane.state == LaneState.READY,
+                                 within_s=3)

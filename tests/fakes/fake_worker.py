@@ -181,6 +181,10 @@ class FakeWorker:
         while (msg := self.recv()) is not None:
             if msg.t == "HELLO_ACK":
                 self.conn.set_max_frame(msg["max_frame"])
+            elif msg.t == "SHUTDOWN" and "req_id" not in msg.fields:  # out of band: abort_in_flight
+                print(f"fake worker: SHUTDOWN {msg.get('mode')} out of band", file=sys.stderr, flush=True)
+                self.send("WORKER_STOPPED", {"reason": msg.get("mode", "abort_in_flight")})
+                return 0
             elif "req_id" in msg.fields:
                 self.completed = 0
                 if self.serve(msg):

@@ -24,6 +24,7 @@ class Generation:
         self.wp = wp
         self.standby = standby
         self.promoted = False  # a standby the lane took over as its active worker
+        self.served = False  # drained at least one successful serving reply
         self.requests = RequestTracker()  # req_ids and the open request of this connection
         self.models: list[str] = []
         self.load_errors: dict[str, str] = {}

@@ -169,7 +169,6 @@ class Lane(LaneQueue):
         if not gen.ready.is_set():
             self.state = LaneState.STARTING
             await gen.ready.wait()
-        served = False
         with trio.CancelScope() as scope:
             gen.wp.cancel_on_fault(scope)
             if gen.wp.fault is None:
@@ -178,7 +177,7 @@ class Lane(LaneQueue):
                     self._reloading.finish(result=Message("RELOADED", {"generation": gen.number}))
                     self._reloading = None
                 self._mark_started()
-                served = await self._serve(gen)
+                await self._serve(gen)
         if gen.wp.fault is None:
             self.state = LaneState.STOPPING
         gen.stop_requested.set()
@@ -190,7 +189,7 @@ class Lane(LaneQueue):
         self.pid = None
         self.models_loaded = []
         self._after_generation(gen)
-        return served
+        return gen.served
 
     def _after_generation(self, gen: Generation) -> None:
         fault = gen.wp.fault
@@ -286,18 +285,18 @@ class Lane(LaneQueue):
             raise BrokenWorkerError(f"lane {self.id} generation {generation} is not running")
         await wp.send(t, fields)
 
-    async def _serve(self, gen: Generation) -> bool:
-        served = False
+    async def _serve(self, gen: Generation) -> None:
+        """Take jobs one at a time until closing, a reload, or a quarantine; a fault cancels this."""
         self.state = LaneState.READY
         while True:
             if self.cooldown_remaining() is not None:
-                return served  # quarantined by a standby's strike: the lane sits the cool-down out
+                return  # quarantined by a standby's strike: the lane sits the cool-down out
             job = None
             with trio.CancelScope() as self._idle_scope:  # such a strike ends the wait for work too
                 try:
                     job = await self._jobs_recv.receive()
                 except trio.EndOfChannel:
-                    return served
+                    return
             self._idle_scope = None
             if job is None:
                 continue
@@ -310,7 +309,7 @@ class Lane(LaneQueue):
                     job.finish(result=Message("RELOADED", {"generation": gen.number}))  # already fresh
                     continue
                 self._reloading = job
-                return served
+                return
             self._current = job
             self.state = LaneState.BUSY
             try:
@@ -327,7 +326,7 @@ class Lane(LaneQueue):
                 continue
             if job.t in SERVING and reply.t != "STEP_FAILED":  # a failed reply is not drained serving work
                 self.policy.success()
-                served = True
+                gen.served = True  # the restart backoff starts over after this generation, even if it then fails
             job.finish(result=reply)
 
     async def _refresh_health(self) -> None:
