@@ -126,7 +126,7 @@ async def test_per_client_connection_cap(daemon: tuple[httpx.AsyncClient, Daemon
     stalled = [await raw(http) for _ in range(3)]
     for s in stalled:
         await s.send_all(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n\r\n{")
-    await wait_until(lambda: api._per_client.get("127.0.0.1") == 3)  # all three wait for their bodies
+    await wait_until(lambda: api.in_flight_from("127.0.0.1") == 3)  # all three wait for their bodies
     r = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a"]})
     assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections"
     assert (await http.get("/healthz")).status_code == 200  # probes are not counted

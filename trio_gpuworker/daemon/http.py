@@ -93,6 +93,10 @@ class Api(AdminRoutes, ServingRoutes):
 
         return app
 
+    def in_flight_from(self, host: str) -> int:
+        """POST requests in flight from one client address (what http.max_connections_per_client caps)."""
+        return self._per_client.get(host, 0)
+
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
