@@ -22,7 +22,7 @@ async def test_oversized_vectors_reply_is_a_typed_error_and_no_strike() -> None:
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor
     lanes = tuple(lane for lane in cfg.lanes if DEFAULT_MODEL in lane.models)
     cfg = dataclasses.replace(cfg, lanes=lanes, models=tuple(m for m in cfg.models if m.id == DEFAULT_MODEL),
-                              max_frame=MAX_FRAME)
+                              max_frame=MAX_FRAME, max_batch_items=16)
     async with Supervisor(cfg) as sup:
         lane = next(iter(sup.lanes.values()))
         n = 64  # 64 x 384 float32 = 96 KiB of vectors from 64 x 4 token ids
