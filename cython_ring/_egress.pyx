@@ -84,6 +84,29 @@ cdef class EgressState:
                 f"object_id={self.object_id} produced={self.produced}/{self.extent}>")
 
 
+cdef uint64_t _egress_space(Ring ring, EgressState state, uint64_t* commit) except? 0:
+    """The producer's look at the ring before it writes: a ring that is not active is refused (and faulted if
+    an object is half written), the writable wake bit is cleared before the cursors are read, and corrupt
+    cursors fault the ring. Returns the free bytes; `commit` gets the commit cursor to write at."""
+    cdef uint8_t* hdr = ring._hdr
+    cdef uint32_t st = cr_load_acquire_u32(hdr + OFF_STATE)
+    if st != S_ACTIVE:
+        if state._phase == EG_PAYLOAD:
+            _fault_shared(hdr)
+            state._phase = EG_FAULTED
+        else:
+            state._phase = EG_IDLE
+        raise _errors().RingError(f"ring {ring.ring_id} is {_STATE_NAMES.get(st, f'in state {st}')}")
+    cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_WRITABLE))
+    cdef uint64_t consume = cr_load_acquire_u64(hdr + OFF_CONSUME)
+    commit[0] = cr_load_relaxed_u64(hdr + OFF_COMMIT)
+    if commit[0] < consume or commit[0] - consume > ring.capacity:
+        _fault_shared(hdr)
+        state._phase = EG_FAULTED if state._phase == EG_PAYLOAD else EG_IDLE
+        ring._check(commit[0], consume)
+    return ring.capacity - (commit[0] - consume)
+
+
 def write_egress(Ring ring not None, EgressState state not None, uint64_t object_id, uint64_t sequence,
                  uint64_t src_addr, uint64_t extent, uint32_t flags=0) -> tuple[int, bool]:
     """Write the object's header, then as much payload from src_addr as fits; returns
@@ -120,22 +143,8 @@ def write_egress(Ring ring not None, EgressState state not None, uint64_t object
         raise ValueError(f"ring {ring.ring_id}: object {state.object_id} seq {state.sequence} is still "
                          f"being written")
 
-    cdef uint32_t st = cr_load_acquire_u32(hdr + OFF_STATE)
-    if st != S_ACTIVE:
-        if state._phase == EG_PAYLOAD:
-            _fault_shared(hdr)
-            state._phase = EG_FAULTED
-        else:
-            state._phase = EG_IDLE
-        raise _errors().RingError(f"ring {ring.ring_id} is {_STATE_NAMES.get(st, f'in state {st}')}")
-    cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_WRITABLE))
-    cdef uint64_t consume = cr_load_acquire_u64(hdr + OFF_CONSUME)
-    cdef uint64_t commit = cr_load_relaxed_u64(hdr + OFF_COMMIT)
-    if commit < consume or commit - consume > cap:
-        _fault_shared(hdr)
-        state._phase = EG_FAULTED if state._phase == EG_PAYLOAD else EG_IDLE
-        ring._check(commit, consume)
-    cdef uint64_t free = cap - (commit - consume)
+    cdef uint64_t commit
+    cdef uint64_t free = _egress_space(ring, state, &commit)
     cdef uint64_t written = 0, n
     if state._phase == EG_HEADER:
         # The header goes in whole; capacity >= 64 guarantees it eventually fits.
@@ -210,22 +219,8 @@ def write_egress_batch(Ring ring not None, EgressState state not None, const uin
     cdef uint8_t* hdr = ring._hdr
     cdef uint8_t* data = ring._data
     cdef uint64_t cap = ring.capacity
-    cdef uint32_t st = cr_load_acquire_u32(hdr + OFF_STATE)
-    if st != S_ACTIVE:
-        if state._phase == EG_PAYLOAD:
-            _fault_shared(hdr)
-            state._phase = EG_FAULTED
-        else:
-            state._phase = EG_IDLE
-        raise _errors().RingError(f"ring {ring.ring_id} is {_STATE_NAMES.get(st, f'in state {st}')}")
-    cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_WRITABLE))
-    cdef uint64_t consume = cr_load_acquire_u64(hdr + OFF_CONSUME)
-    cdef uint64_t commit = cr_load_relaxed_u64(hdr + OFF_COMMIT)
-    if commit < consume or commit - consume > cap:
-        _fault_shared(hdr)
-        state._phase = EG_FAULTED if state._phase == EG_PAYLOAD else EG_IDLE
-        ring._check(commit, consume)
-    cdef uint64_t free = cap - (commit - consume)
+    cdef uint64_t commit
+    cdef uint64_t free = _egress_space(ring, state, &commit)
     cdef uint64_t written = 0, k, extent, src
     cdef uint8_t raw[MO01_HEADER_LEN]
     ring._busy += 1
