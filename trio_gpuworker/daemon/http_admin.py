@@ -70,12 +70,12 @@ class AdminRoutes:
     async def lane_drain(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
         lane = self.admin.lane(params["lane"])
         idle = await self.admin.drain(lane.id, wait=self._flag(body, "wait"), timeout_s=self.http.request_timeout_s)
-        return 200, {**self._lane_status(lane.status()), "idle": idle}
+        return 200, {**self._lane_status(self.sup.lane_status(lane)), "idle": idle}
 
     async def lane_resume(self, params: dict[str, str], _: dict[str, Any]) -> tuple[int, Any]:
         lane = self.admin.lane(params["lane"])
         self.admin.resume(lane.id)
-        return 200, self._lane_status(lane.status())
+        return 200, self._lane_status(self.sup.lane_status(lane))
 
     async def config_reload(self, _: dict[str, str], __: dict[str, Any]) -> tuple[int, Any]:
         if self.reload_config is None:

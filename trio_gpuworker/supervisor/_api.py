@@ -162,8 +162,9 @@ class ServingApi:
         parts = []
         for a, b in chunks:  # one micro-batch at a time: a caller that leaves stops the rest
             left = self._left(deadline, f"embedding request on {model!r}", timeout)
-            parts.append(await self.embed_ids(rows[a:b], model=model, pooling=pooling, normalize=normalize,
-                                              timeout=left, on_settled=ticket.job() if ticket else None))
+            # rows were checked above and each chunk was planned to fit a frame: straight to the lane
+            parts.append(await self.dispatch(rows[a:b], model=model, pooling=pooling, normalize=normalize,
+                                             timeout=left, on_settled=ticket.job() if ticket else None))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def embed_ids(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,

@@ -169,8 +169,11 @@ class Supervisor(ServingApi):
 
     def status(self) -> list[dict[str, Any]]:
         """Cached lane state; never touches a worker."""
-        drained = self.router.drained
-        return [{**lane.status(), "drained": lane.id in drained} for lane in self.lanes.values()]
+        return [self.lane_status(lane) for lane in self.lanes.values()]
+
+    def lane_status(self, lane: Lane) -> dict[str, Any]:
+        """One lane's cached state, with whether the router has it drained."""
+        return {**lane.status(), "drained": lane.id in self.router.drained}
 
     def subscribe(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
         return self.events.subscribe()

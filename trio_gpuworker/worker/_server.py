@@ -53,9 +53,12 @@ class WorkerServer:
             self._nursery.start_soon(self.send_many, [])
 
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
+        """Queued notices first, then this message. It is framed before anything is written, so a
+        LocalProtocolError (OutgoingFrameTooLarge) leaves the stream untouched."""
+        chunks = self.conn.send(t, fields, raw)
         async with self._send_lock:
             await self._flush_outbox()
-            for chunk in self.conn.send(t, fields, raw):
+            for chunk in chunks:
                 await self.stream.send_all(chunk)
 
     async def _flush_outbox(self) -> None:
@@ -184,16 +187,11 @@ class WorkerServer:
             await self.send("ERR", {"req_id": req_id, "code": "worker_internal", "msg": f"{type(exc).__name__}: {exc}"})
             return
         try:
-            chunks = self.conn.send(reply.t, {"req_id": req_id, **reply.fields}, reply.raw)
+            await self.send(reply.t, {"req_id": req_id, **reply.fields}, reply.raw)
         except OutgoingFrameTooLarge as exc:
             # the request was valid, the answer is too big to carry: a typed ERR, and this worker keeps serving
             await self.send("ERR", {"req_id": req_id, "code": "reply_too_large",
                                     "msg": f"{reply.t} does not fit the negotiated max_frame: {exc}"})
-            return
-        async with self._send_lock:
-            await self._flush_outbox()  # PROGRESS and notices queued by the step precede its reply
-            for chunk in chunks:
-                await self.stream.send_all(chunk)
 
 
 async def serve(socket_path: str, nonce: str, compute: ComputeThread | None = None) -> int:
