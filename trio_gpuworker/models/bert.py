@@ -11,6 +11,7 @@ import abc
 import math
 import pathlib
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -19,14 +20,10 @@ from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.nn.state import safe_load, safe_load_metadata
 
 from ._jitstate import restore_written_sets, written_sets
+from .shapes import BATCH_SIZES, buckets, plan_batches, sizes_for, tuned_shapes
 
 Progress = Callable[[int], None] | None
 
-# Few sequence lengths and batch sizes, so the kernel cache and TinyJit see few shapes.
-LENGTH_BUCKETS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
-BATCH_SIZES: tuple[int, ...] = (1, 4, 8, 16, 32)
-# Caps a micro-batch's tokens: bounds attention memory and keeps PROGRESS frequent on slow CPUs.
-MAX_BATCH_TOKENS = 4096
 _ACTS: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu": lambda x: x.gelu(approximate="none"),  # HF "gelu" is the exact erf form
     "gelu_new": lambda x: x.gelu(approximate="tanh"),
@@ -181,36 +178,23 @@ class BertBody:
     def __call__(self, ids: Tensor, token_types: Tensor, mask: Tensor) -> Tensor:
         (B, L), nh = ids.shape, self.cfg.num_attention_heads
         hd = self.cfg.hidden_size // nh
-        x = self._ln(self.word[ids] + self.pos[:L] + self.typ[token_types], self.emb_ln)
+        # Activations stay (B*L, hidden): the dense kernels (96% of the time) then depend on B*L alone, so
+        # micro-batch shapes with equal token counts share their compiled and BEAM-tuned kernels.
+        x = self._ln(self.word[ids] + self.pos[:L] + self.typ[token_types], self.emb_ln).reshape(B * L, -1)
         # Additive key mask as in HF (finfo.min there; any huge negative underflows exp() to exactly 0).
         bias = ((1.0 - mask.float()) * -1e9).reshape(B, 1, 1, L)
         for lw in self.layers:
-            q, k, v = _linear(x, lw["qkv_w"], lw["qkv_b"]).reshape(B, L, 3, nh, hd).permute(2, 0, 3, 1, 4)
+            q, k, v = _linear(x, lw["qkv_w"], lw["qkv_b"]).contiguous().reshape(B, L, 3, nh, hd).permute(2, 0, 3, 1, 4)
             s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
             s = (s - s.max(-1, keepdim=True)).exp()
             p = (s / s.sum(-1, keepdim=True)).contiguous()
-            ctx = (p @ v).permute(0, 2, 1, 3).reshape(B, L, nh * hd)
+            ctx = (p @ v).permute(0, 2, 1, 3).reshape(B * L, nh * hd)
             x = self._ln(x + _linear(ctx, lw["o_w"], lw["o_b"]), (lw["ln1_w"], lw["ln1_b"]))
             x = self._ln(
                 x + _linear(self.act(_linear(x, lw["i_w"], lw["i_b"])), lw["f_w"], lw["f_b"]),
                 (lw["ln2_w"], lw["ln2_b"]),
             )
-        return x
-
-
-def plan_batches(n: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
-    """Splits n rows into (real_rows, padded_batch) micro-batches using only ``sizes``.
-
-    Pads up to the next size when that wastes at most half the real rows, else takes the largest size that fits.
-    """
-    out: list[tuple[int, int]] = []
-    while n > 0:
-        down = max((s for s in sizes if s <= n), default=min(sizes))
-        up = min((s for s in sizes if s >= n), default=down)
-        take, pad = (n, up) if n <= up and up - n <= n / 2 else (min(down, n), down)
-        out.append((take, pad))
-        n -= take
-    return out
+        return x.reshape(B, L, -1)
 
 
 class BucketedBert(abc.ABC):
@@ -225,7 +209,7 @@ class BucketedBert(abc.ABC):
                 f"max_tokens {max_tokens} must be in [2, max_position_embeddings={cfg.max_position_embeddings}]"
             )
         self.cfg, self.body, self.max_tokens = cfg, BertBody(cfg, weights), max_tokens
-        self.buckets = (*(b for b in LENGTH_BUCKETS if b < max_tokens), max_tokens)
+        self.buckets = buckets(max_tokens)
         self._jits: dict[tuple[int, int], Callable[..., Tensor]] = {}  # one TinyJit per (length, batch)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -257,22 +241,30 @@ class BucketedBert(abc.ABC):
         return next(b for b in self.buckets if b >= n)
 
     def _sizes(self, length: int) -> tuple[int, ...]:
-        return tuple(s for s in self.SIZES if s * length <= MAX_BATCH_TOKENS) or self.SIZES[:1]
+        return sizes_for(length, self.SIZES)
 
     def all_shapes(self) -> list[tuple[int, int]]:
         """Every (length, batch) micro-batch shape this model can run, smallest first."""
         return [(L, B) for L in self.buckets for B in self._sizes(L)]
 
-    def warmup(self, shapes: Sequence[tuple[int, int]], progress: Progress = None) -> None:
+    @classmethod
+    def tuned_shapes(cls, max_tokens: int) -> list[tuple[int, int]]:
+        return tuned_shapes(max_tokens, cls.SIZES)
+
+    def warmup(self, shapes: Sequence[tuple[int, int]], progress: Progress = None,
+               around: Callable[[tuple[int, int]], AbstractContextManager[None]] | None = None) -> None:
         """Compiles and captures the TinyJits for ``shapes`` ((length, batch) pairs from ``all_shapes``) ahead of
-        traffic: on CPU tinygrad's first run of a new shape spends seconds generating kernels."""
+        traffic: on CPU tinygrad's first run of a new shape spends seconds generating kernels. ``around(shape)``
+        wraps a shape's compile and capture (the worker's BEAM search)."""
         for k, (L, B) in enumerate(shapes):
             if L not in self.buckets or B not in self._sizes(L):
                 raise ValueError(f"({L}, {B}) is not a micro-batch shape of this model")
             # Two runs: the first compiles, the second captures the JIT (later calls replay). A JIT restored
             # from the cache is captured already.
-            for _ in range(0 if self._captured((L, B)) else 2):
-                self._run([np.ones(L, np.int32)] * B, None, self._width(), None)
+            if not self._captured((L, B)):
+                with around((L, B)) if around is not None else nullcontext():
+                    for _ in range(2):
+                        self._run([np.ones(L, np.int32)] * B, None, self._width(), None)
             if progress is not None:
                 progress(k + 1)
 

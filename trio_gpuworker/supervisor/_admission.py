@@ -147,6 +147,15 @@ class Router:
         self.config.model(model)
         return choose_lane(model, self.lanes.values(), self._drained)
 
+    def idle(self, model: str) -> list[Lane]:
+        """Ready lanes serving `model` with nothing queued or running, not drained or quarantined: where the
+        rows of one large request can be spread (replicas)."""
+        if self.closed:
+            return []
+        return [ln for ln in self.lanes.values()
+                if model in ln.loads and ln.id not in self._drained and ln.cooldown_remaining() is None
+                and ln.state == LaneState.READY and not ln.queued and model not in ln.load_errors]
+
     def serving(self, model: str) -> int:
         """How many lanes may take the model's requests now (how many batches of it may be out at once)."""
         return sum(1 for ln in self.lanes.values() if model in ln.loads and ln.id not in self._drained)

@@ -1,18 +1,35 @@
-"""One EMBED_BATCH on the lane the router picks: what the Supervisor's API and its Batcher both send through,
-so neither calls back into the other."""
+"""One embedding job on the lanes the router picks: what the Supervisor's API and its Batcher both send through,
+so neither calls back into the other. A job large enough to share is spread over the model's idle replicas."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+import trio
 
 from .._errors import RemoteProtocolError
 from ._admission import Router
 
+if TYPE_CHECKING:
+    from ._lane import Lane
+
+# Fewer rows than this per replica are not worth a second worker: a split costs each worker a round trip and
+# smaller micro-batches.
+MIN_ROWS_PER_REPLICA = 8
+
+
+def split_rows(lengths: list[int], parts: int) -> list[np.ndarray]:
+    """Row indices for `parts` workers: dealt in order of length, so each part gets the same mix of lengths
+    (and of length buckets, hence of work)."""
+    order = np.argsort(np.asarray(lengths), kind="stable")
+    return [np.sort(order[k::parts]) for k in range(parts)]
+
 
 class EmbedDispatch:
-    """Sends checked token-id rows as one EMBED_BATCH and checks the VECTORS reply; remembers each model's dims."""
+    """Sends checked token-id rows as EMBED_BATCH requests and checks the VECTORS replies; remembers each
+    model's dims."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -21,11 +38,52 @@ class EmbedDispatch:
     async def __call__(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
                        timeout: float | None = None, on_settled: Callable[[], None] | None = None) -> np.ndarray:
         try:
-            lane = self.router.pick(model)
+            idle = self.router.idle(model)[: len(rows) // MIN_ROWS_PER_REPLICA]
+            lanes = idle if len(idle) > 1 else [self.router.pick(model)]
         except BaseException:
             if on_settled is not None:
                 on_settled()
             raise
+        if len(lanes) == 1:
+            return await self._one(lanes[0], rows, model, pooling, normalize, timeout, on_settled)
+        return await self._spread(lanes, rows, model, pooling, normalize, timeout, on_settled)
+
+    async def _spread(self, lanes: list[Lane], rows: list[np.ndarray], model: str, pooling: str, normalize: bool,
+                      timeout: float | None, on_settled: Callable[[], None] | None) -> np.ndarray:
+        """One part per lane, at once. The first failure is the job's (typed, not a group) and cancels the
+        other parts; `on_settled` fires once the last part has settled."""
+        parts = split_rows([len(r) for r in rows], len(lanes))
+        pending = len(parts)
+
+        def settled() -> None:
+            nonlocal pending
+            pending -= 1
+            if pending == 0 and on_settled is not None:
+                on_settled()
+
+        out: list[np.ndarray | None] = [None] * len(parts)
+        errors: list[Exception] = []
+
+        async def part(k: int, lane: Lane, cancel: trio.CancelScope) -> None:
+            try:
+                out[k] = await self._one(lane, [rows[i] for i in parts[k]], model, pooling, normalize, timeout,
+                                         settled)
+            except Exception as exc:
+                errors.append(exc)
+                cancel.cancel()
+
+        async with trio.open_nursery() as nursery:
+            for k, lane in enumerate(lanes):
+                nursery.start_soon(part, k, lane, nursery.cancel_scope)
+        if errors:
+            raise errors[0]
+        vecs = np.empty((len(rows), self.dims[model]), dtype=np.float32)
+        for idx, v in zip(parts, out, strict=True):
+            vecs[idx] = v
+        return vecs
+
+    async def _one(self, lane: Lane, rows: list[np.ndarray], model: str, pooling: str, normalize: bool,
+                   timeout: float | None, on_settled: Callable[[], None] | None) -> np.ndarray:
         items = [{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)]
         raw = (np.concatenate(rows) if rows else np.zeros(0)).astype("<i4").tobytes()
         reply = await lane.call("EMBED_BATCH", {"model_ref": model, "pooling": pooling, "normalize": normalize,

@@ -55,6 +55,7 @@ async def load_spec(model: ModelConfig, cache: DigestCache) -> LoadSpec:
     if not model.path.is_file():
         raise ConfigError(f"models.{model.id}.path: artifact {model.path} does not exist")
     digest = model.digest or await cache.digest(model.path)
-    rc = {"kind": model.kind, "max_tokens": model.max_tokens, **await trio.to_thread.run_sync(special_ids, model),
+    rc = {"kind": model.kind, "max_tokens": model.max_tokens, "beam": model.beam,
+          **await trio.to_thread.run_sync(special_ids, model),
           **model.runtime_config}
     return LoadSpec(model.id, model.path, digest.lower(), model.format, rc)

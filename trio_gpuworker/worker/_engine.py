@@ -161,7 +161,7 @@ class Engine:
                 raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
             return _Served(load_bert(kind, path, config, rc, digest, verify, warmed), kind, rc)
         if fmt == "gguf" and kind == "generate":
-            lm, detokenizer = load_llama(path, digest, verify, warmed)
+            lm, detokenizer = load_llama(path, rc, digest, verify, warmed)
             served = _Served(lm, kind, rc)
             served.detokenizer = detokenizer
             return served

@@ -15,6 +15,7 @@ import numpy as np
 
 from .._errors import GpuWorkerError
 from . import _jitcache
+from ._beam import BeamStats, beam_shape, check_beam
 
 ModelProgress = Callable[[int], None]
 
@@ -45,9 +46,17 @@ def _cached(path: Path, digest: str, kind: str, modules: tuple[str, ...], extra:
     return impl
 
 
+def _beam(rc: dict[str, Any]) -> int:
+    try:
+        return check_beam(rc.get("beam", 0))
+    except ValueError as exc:
+        raise LoadError("config_invalid", str(exc)) from exc
+
+
 def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any], digest: str,
               verify: Callable[[], None], progress: ModelProgress) -> Any:
-    """An encoder with the (length, batch) shapes of runtime_config `warmup_shapes` (default (16, 1)) captured."""
+    """An encoder with the (length, batch) shapes of runtime_config `warmup_shapes` captured (default: (16, 1),
+    or with `beam` > 0 the model's tuned_shapes, each compiled under a BEAM search of that width)."""
     if kind == "embedding":
         from ..models.bert import BertEncoder as cls
     elif kind == "rerank":
@@ -55,41 +64,56 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     else:
         raise LoadError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
     max_tokens = int(rc.get("max_tokens", 256))
+    beam = _beam(rc)
     try:
-        shapes = [(int(length), int(batch)) for length, batch in rc.get("warmup_shapes", [[16, 1]])]
-        if not shapes:
+        given = rc.get("warmup_shapes")
+        shapes = [(int(length), int(batch)) for length, batch in given] if given is not None else None
+        if shapes == []:
             raise ValueError("warmup_shapes is empty")
     except (ValueError, TypeError) as exc:
         raise LoadError("config_invalid", f"warmup_shapes: {exc}") from exc
+    # without an explicit list: one small shape, or with BEAM the shapes worth a search
+    warm = shapes if shapes is not None else (cls.tuned_shapes(max_tokens) if beam else [(16, 1)])
+    stats = BeamStats(beam)
 
     def build() -> Any:
         impl = cls.load(path, config, max_tokens=max_tokens)
-        impl.warmup(shapes, progress)
+        impl.warmup(warm, progress, around=lambda _shape: beam_shape(beam, stats))
+        if beam:
+            _log(f"worker: {kind} model {path.name}: {stats.describe()}")
         return impl
 
     def probe(impl: Any) -> np.ndarray:  # a fixed, non-trivial input in the first warm-up shape
-        length, batch = shapes[0]
+        length, batch = warm[0]
         rows = [(np.arange(length, dtype=np.int32) * 7 + 101 + j) % impl.cfg.vocab_size for j in range(batch)]
         return impl._run(rows, None, impl._width(), None)
 
-    extra = {"config": config, "max_tokens": max_tokens, "shapes": shapes}
+    extra = {"config": config, "max_tokens": max_tokens, "shapes": warm, "beam": beam}
     modules = (cls.__module__, "trio_gpuworker.models.bert", "trio_gpuworker.models._jitstate")
     return _cached(path, digest, kind, modules, extra, build, probe, verify)
 
 
-def load_llama(path: Path, digest: str, verify: Callable[[], None], progress: ModelProgress) -> tuple[Any, Any]:
-    """(decoder with its prefill and decode graphs captured, detokenizer): both restored from one entry."""
+def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[], None],
+               progress: ModelProgress) -> tuple[Any, Any]:
+    """(decoder with its prefill and decode graphs captured, detokenizer): both restored from one entry. With
+    `beam` > 0 both graphs are compiled under a BEAM search of that width."""
     from ..llm_tokenizer import ChatTokenizer
     from ..models.llama import DEFAULT_CONTEXT, LlamaLM
 
+    beam = _beam(rc)
+
     def build() -> tuple[Any, Any]:
         lm = LlamaLM.load(path, warmup=False)
-        lm.warmup(progress)
+        stats = BeamStats(beam)
+        with beam_shape(beam, stats):
+            lm.warmup(progress)
+        if beam:
+            _log(f"worker: generate model {path.name}: {stats.describe()}")
         return lm, ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization in the worker
 
     def probe(built: tuple[Any, Any]) -> np.ndarray:  # a restore must reproduce the decode graph's answer
         return np.asarray([built[0].probe()], dtype=np.int64)
 
-    extra = {"max_context": DEFAULT_CONTEXT}
+    extra = {"max_context": DEFAULT_CONTEXT, "beam": beam}
     modules = ("trio_gpuworker.models.llama", "trio_gpuworker.models._jitstate", "trio_gpuworker.llm_tokenizer")
     return _cached(path, digest, "generate", modules, extra, build, probe, verify)

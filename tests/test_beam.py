@@ -1,0 +1,146 @@
+"""BEAM-tuned kernels at LOAD (worker/_beam.py): a real worker searches once for its warm-up shapes, stores the
+results in the state directory's kernel cache, and a later worker (no captured-JIT entry to restore) finds every
+kernel there and searches nothing. A tiny random BERT keeps the search short; MiniLM's cost is in the README."""
+
+from __future__ import annotations
+
+import io
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from trio_gpuworker import ConfigError, Supervisor, SupervisorConfig
+from trio_gpuworker.daemon import ctl
+from trio_gpuworker.daemon.config import load_config, parse_config
+from trio_gpuworker.worker._beam import BeamStats, check_beam
+
+TINY = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 64, "max_position_embeddings": 32, "type_vocab_size": 2, "layer_norm_eps": 1e-12,
+        "hidden_act": "gelu", "model_type": "bert"}
+
+
+def write_tiny_bert(folder: Path) -> Path:
+    """A random BertModel checkpoint (safetensors + config.json) with TINY's dimensions."""
+    rng = np.random.default_rng(3)
+    h, i, L = TINY["hidden_size"], TINY["intermediate_size"], "encoder.layer.0."
+    shapes = {"embeddings.word_embeddings.weight": (TINY["vocab_size"], h),
+              "embeddings.position_embeddings.weight": (TINY["max_position_embeddings"], h),
+              "embeddings.token_type_embeddings.weight": (2, h),
+              "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,)}
+    for w in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+        shapes[L + w + ".weight"], shapes[L + w + ".bias"] = (h, h), (h,)
+    for ln in ("attention.output.LayerNorm", "output.LayerNorm"):
+        shapes[L + ln + ".weight"], shapes[L + ln + ".bias"] = (h,), (h,)
+    shapes |= {L + "intermediate.dense.weight": (i, h), L + "intermediate.dense.bias": (i,),
+               L + "output.dense.weight": (h, i), L + "output.dense.bias": (h,)}
+    header, blobs, at = {}, [], 0
+    for name, shape in shapes.items():
+        blob = (rng.standard_normal(shape) * 0.2).astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [at, at + len(blob)]}
+        blobs.append(blob)
+        at += len(blob)
+    meta = json.dumps(header).encode()
+    meta += b" " * (-len(meta) % 8)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    path.write_bytes(len(meta).to_bytes(8, "little") + meta + b"".join(blobs))
+    (folder / "config.json").write_text(json.dumps(TINY))
+    return path
+
+
+IDS = [np.array([1, 5, 9, 2], np.int32), np.array([1, 7, 7, 3, 11, 2], np.int32)]
+
+
+async def embed_on_fresh_worker(cfg: SupervisorConfig) -> tuple[np.ndarray, str]:
+    async with Supervisor(cfg) as sup:
+        vecs = await sup.embed_ids(IDS, model="tiny", pooling="mean", normalize=True)
+        return vecs, sup.lanes[sup.config.lanes[0].id].log.tail(8192)
+
+
+def tiny_daemon_config(tmp_path: Path, beam: int) -> Path:
+    """A daemon config serving the tiny model with `beam`, state (kernel and JIT caches) under tmp_path."""
+    model = write_tiny_bert(tmp_path / "model")
+    conf = tmp_path / f"beam{beam}.toml"
+    # BEAM_MIN_PROGRESS: one round of candidates per kernel, which keeps the real search short
+    conf.write_text(f"""
+[daemon]
+state_dir = "{tmp_path / "state"}"
+runtime_dir = "{tempfile.mkdtemp(prefix="gw-beam-")}"
+[models.tiny]
+path = "{model}"
+beam = {beam}
+runtime_config = {{ warmup_shapes = [[16, 1]] }}
+[[lanes]]
+id = "t"
+models = ["tiny"]
+replicas = 1
+env = {{ BEAM_MIN_PROGRESS = "1000000" }}
+""")
+    return conf
+
+
+def tune(conf: Path, *extra: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    rc = ctl.main(["tune", "tiny", "--config", str(conf), *extra], out=out, err=err)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.slow
+async def test_tune_then_workers_search_nothing(tmp_path: Path) -> None:
+    conf = tiny_daemon_config(tmp_path, 1)
+    # gpuworkerctl tune: a real search, with a progress bar by warm-up shape
+    rc, out, err = await trio.to_thread.run_sync(tune, conf)
+    assert rc == 0, err
+    assert "shape 1/1" in err and "done" in err and "beam 1 on CPU" in out, (out, err)
+    searched = int(out.split("beam 1 on CPU, beam 1: ")[1].split(" kernel(s)")[0])
+    assert searched > 0
+    cfg = load_config(conf).supervisor
+    # the daemon's next worker restores what tune captured: nothing compiled, nothing searched
+    tuned, log = await embed_on_fresh_worker(cfg)
+    assert "jit cache hit" in log and "beam 1:" not in log, log
+    # a worker that cannot restore the captured JITs compiles again, every BEAM result from CACHEDB
+    for entry in (tmp_path / "state" / "cache" / "jit").glob("*.jit"):
+        entry.unlink()
+    again, log = await embed_on_fresh_worker(cfg)
+    assert "jit cache miss" in log and "beam 1: every kernel from the cache" in log, log
+    np.testing.assert_allclose(again, tuned, rtol=0, atol=1e-6)
+    # tuned kernels compute what tinygrad's hand-coded ones do
+    plain, _ = await embed_on_fresh_worker(load_config(tiny_daemon_config(tmp_path, 0)).supervisor)
+    np.testing.assert_allclose(tuned, plain, rtol=0, atol=1e-5)
+    rc, out, _ = await trio.to_thread.run_sync(tune, conf)
+    assert rc == 0 and "already tuned" in out, out
+
+
+def test_tune_refuses_beam_zero_and_unknown_models(tmp_path: Path) -> None:
+    conf = tiny_daemon_config(tmp_path, 0)
+    rc, _, err = tune(conf)
+    assert rc == 1 and "models.tiny.beam is 0: nothing to tune" in err, err
+    out, err_io = io.StringIO(), io.StringIO()
+    assert ctl.main(["tune", "nope", "--config", str(conf)], out=out, err=err_io) == 1
+    assert "nope" in err_io.getvalue()
+
+
+def test_beam_values() -> None:
+    assert [check_beam(v) for v in (0, 1, 8)] == [0, 1, 8]
+    for bad in (-1, 9, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=r"beam must be an int within 0\.\.8"):
+            check_beam(bad)
+    assert "2 kernel(s) searched" in BeamStats(1, 2, 3.0).describe()
+    assert "every kernel from the cache" in BeamStats(1, 0, 0.1).describe()
+
+
+@pytest.mark.parametrize("value", ["-1", "9", "'2'", "true"])
+def test_beam_config_key(value: str) -> None:
+    text = f'[models.m]\npath = "/etc/hostname"\nbeam = {value}\n[[lanes]]\nid = "a"\nmodels = ["m"]\n'
+    with pytest.raises(ConfigError, match=r"models\.m\.beam"):
+        parse_config(text, Path.cwd(), {})
+
+
+def test_beam_config_default_and_value() -> None:
+    text = '[models.m]\npath = "/etc/hostname"\n{}[[lanes]]\nid = "a"\nmodels = ["m"]\n'
+    assert parse_config(text.format(""), Path.cwd(), {}).supervisor.models[0].beam == 0
+    assert parse_config(text.format("beam = 2\n"), Path.cwd(), {}).supervisor.models[0].beam == 2

@@ -1,0 +1,59 @@
+"""`gpuworkerctl tune MODEL`: BEAM-search a model's warm-up shapes ahead of time, on the operator's schedule.
+
+It runs what a lane's LOAD runs, without the daemon: one worker on the device of the first lane serving the
+model, with the daemon's state directory, so the search results land in the kernel cache (CACHEDB) and the
+captured JITs in the JIT cache that every later worker, restart and standby of the daemon reads. The daemon
+itself may keep serving meanwhile; its workers pick the results up at their next start.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from .._config import LaneConfig
+from .._errors import ConfigError
+from ..models.shapes import tuned_shapes
+from ..supervisor import Supervisor
+from .admin import LaneAdmin
+from .config import DaemonConfig
+
+TUNE_LANE = "tune"
+LLAMA_WARMUP_STEPS = 4  # models/llama.py warmup(): prefill and decode captures
+
+
+def planned_steps(cfg: DaemonConfig, model: str) -> int:
+    """How many PROGRESS steps after the first the tuning LOAD reports: one per warm-up shape."""
+    mc = cfg.supervisor.model(model)
+    if mc.kind == "generate":
+        return LLAMA_WARMUP_STEPS
+    given = mc.runtime_config.get("warmup_shapes")
+    return len(given) if isinstance(given, list) and given else len(tuned_shapes(mc.max_tokens))
+
+
+async def tune(cfg: DaemonConfig, model: str, beam: int | None = None,
+               on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Load `model` once with BEAM `beam` (default: its configured `beam`) into the daemon's caches."""
+    sc = cfg.supervisor
+    mc = sc.model(model)
+    width = mc.beam if beam is None else beam
+    if width < 1:
+        raise ConfigError(f"models.{model}.beam is 0: nothing to tune (set beam = N there, or pass --beam N)")
+    serving = next((ln for ln in sc.lanes if model in ln.models), None)
+    lane = LaneConfig(TUNE_LANE, (), device=serving.device if serving else "CPU",
+                      env=dict(serving.env) if serving else {})
+    tuned_cfg = replace(sc, lanes=(lane,), runtime_dir=Path(tempfile.mkdtemp(prefix="gw-tune-")),
+                        models=tuple(replace(m, beam=width) if m.id == model else m for m in sc.models))
+    t0 = time.monotonic()
+    async with Supervisor(tuned_cfg) as sup:
+        result = await LaneAdmin(sup).load_model(TUNE_LANE, model, on_progress=on_progress)
+        log = sup.lanes[TUNE_LANE].log.tail(1 << 16)
+    summary = next((ln.split(": ", 2)[-1] for ln in reversed(log.splitlines()) if f"beam {width}:" in ln),
+                   "already tuned: the captured JITs were restored from the cache, nothing was compiled")
+    return {"model": model, "beam": width, "configured_beam": mc.beam, "device": lane.device,
+            "seconds": round(time.monotonic() - t0, 1), "summary": summary, "state_dir": str(sc.state_dir),
+            "cold_load_ms": result.get("cold_load_ms")}
