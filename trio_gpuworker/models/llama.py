@@ -1,94 +1,35 @@
-"""Llama-architecture decoder (SmolLM2) in tinygrad: GGUF weights, KV cache, greedy generation.
+"""Llama-architecture decoder (SmolLM2) in tinygrad: packed GGUF weights, KV cache, greedy generation.
 
 Shapes are fixed so TinyJit can replay the kernels: prefill runs in chunks of PREFILL_CHUNK tokens (the
-last one padded) and decode runs one token at a time. Positions are bound symbolic variables, so one
-captured graph per phase serves every position up to max_context.
+last one padded) and decode runs one token at a time. Each call takes one int32 tensor, the chunk's ids
+followed by its start position and the row whose next token is wanted, so one captured graph per phase
+serves every position up to max_context with no symbolic shapes.
+
+Quantised matrices stay packed (quant.py): a decode step reads ~90 MB instead of 540 MB of float32, in
+62 kernels (embedding, an attention and an FFN kernel per layer, head + argmax).
 """
 
 from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp, dtypes, function
-from tinygrad.llm.gguf import gguf_load
-from tinygrad.uop.ops import resolve
+from tinygrad import Tensor, TinyJit, dtypes
 
 from trio_gpuworker.gguf_meta import end_of_generation_ids
 
+from . import quant
 from ._jitstate import restore_written_sets, written_sets
 
 MAX_NEW_TOKENS = 64
 PREFILL_CHUNK = 32
 DEFAULT_CONTEXT = 2048
-_SPLIT = 64
-
-
-def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return x * (x.square().mean(-1, keepdim=True) + eps).rsqrt() * w
-
-
-def _mv(x: Tensor, w: Tensor) -> Tensor:
-    """x (T, i) @ w (o, i).T. For one row, tinygrad's default CPU matvec kernel leaves bandwidth unused;
-    partial sums over 64-wide slices, reduced by a second kernel, decode ~25% faster here."""
-    o, i = w.shape
-    if resolve(x.shape[0] != 1) or i % _SPLIT:
-        return x @ w.T
-    s = i // _SPLIT
-    return (x.reshape(1, 1, s, _SPLIT) * w.reshape(1, o, s, _SPLIT)).sum(-1).contiguous().sum(-1)
-
-
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # GGUF llama Q/K rows are permuted for llama.cpp's "normal" RoPE, which rotates adjacent pairs.
-    *lead, hd = x.shape
-    x = x.reshape(*lead, hd // 2, 2)
-    x0, x1 = x[..., 0], x[..., 1]
-    return Tensor.stack(x0 * cos - x1 * sin, x0 * sin + x1 * cos, dim=-1).reshape(*lead, hd)
-
-
-@dataclass(frozen=True)
-class _Dims:
-    n_heads: int
-    n_kv: int
-    head_dim: int
-    eps: float
-
-
-# One traced body shared by all layers (weights are explicit inputs), so tinygrad schedules it once
-# instead of once per layer: that is most of the first-call cost.
-@function(precompile=True)
-def _block(
-    x: Tensor, cache: Tensor, cos: Tensor, sin: Tensor, start: UOp, d: _Dims,
-    attn_norm: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor,
-    ffn_norm: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, pos: Tensor,
-) -> Tensor:
-    T, (H, KV, hd) = x.shape[0], (d.n_heads, d.n_kv, d.head_dim)
-    h = _rms_norm(x, attn_norm, d.eps)
-    q = _rope(_mv(h, wq).reshape(T, H, hd).transpose(0, 1), cos, sin)
-    k = _rope(_mv(h, wk).reshape(T, KV, hd).transpose(0, 1), cos, sin)
-    v = _mv(h, wv).reshape(T, KV, hd).transpose(0, 1)
-    # Write this step's K/V into the cache and read it back in the same graph. Rows past the prompt in
-    # a padded chunk write junk beyond the prompt; decode overwrites each slot before a query can see it.
-    kv = Tensor(cache.uop.after(cache[:, :, start : start + T].uop.store(Tensor.stack(k, v).uop)))
-    ck, cv = kv[0, :, 0 : start + T], kv[1, :, 0 : start + T]
-    # GQA: each KV head serves H/KV query heads, grouped so K/V need no repeat.
-    att = (q.reshape(KV, H // KV, T, hd) @ ck.unsqueeze(1).transpose(-1, -2)) * (hd**-0.5)
-    if resolve(T != 1):
-        # Causal mask from a position table: a symbolic-shaped mask passed in or built with triu
-        # trips tinygrad's kernel-graph check inside a function.
-        future = pos[0 : start + T].reshape(1, -1) > pos[start : start + T].reshape(-1, 1)
-        att = att + future.where(float("-inf"), 0.0)
-    o = (att.softmax(-1) @ cv.unsqueeze(1)).reshape(H, T, hd).transpose(0, 1).reshape(T, H * hd)
-    x = x + _mv(o, wo)
-    h = _rms_norm(x, ffn_norm, d.eps)
-    return (x + _mv(_mv(h, wg).silu() * _mv(h, wu), wd)).contiguous()
 
 
 class LlamaLM:
-    def __init__(self, kv: dict[str, Any], sd: dict[str, Tensor], max_context: int) -> None:
+    def __init__(self, kv: dict[str, Any], raw: dict[str, quant.Raw], max_context: int) -> None:
         arch = kv["general.architecture"]
         if arch != "llama":
             raise ValueError(f"unsupported architecture {arch!r}")
@@ -102,33 +43,49 @@ class LlamaLM:
         self.max_context = min(max_context, int(g("context_length")))
         theta = float(g("rope.freq_base", 10000.0))
         self.eos_ids: set[int] = end_of_generation_ids(kv)
+        if self.dim % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
+            raise ValueError("dimensions must be multiples of the 32-element quant block")
 
-        # Dequantise once at load: a float32 matvec beats re-unpacking Q4_1 nibbles on every token here.
-        def w(name: str) -> Tensor:
-            return sd[name].float().contiguous()
+        def mat(*names: str, interleave: bool = False) -> tuple[int, Tensor]:
+            """Packed rows of one or more matrices of one GGML type, stacked (or row-interleaved)."""
+            types = {raw[n][0] for n in names}
+            if len(types) != 1:
+                raise ValueError(f"{names} mix GGML types {types}")
+            typ = types.pop()
+            parts = [quant.pack(typ, raw[n][2], raw[n][1][0]) for n in names]
+            packed = np.stack(parts, 1).reshape(-1, parts[0].shape[1]) if interleave else np.concatenate(parts)
+            return typ, Tensor(quant.group(typ, packed))
 
-        self.tok_embd = w("token_embd.weight")
-        self.vocab_size = int(self.tok_embd.shape[0])
-        self.output = w("output.weight") if "output.weight" in sd else self.tok_embd
-        self.out_norm = w("output_norm.weight")
-        self.layers = [
-            {k: w(f"blk.{i}.{k}.weight") for k in
-             ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
-            for i in range(self.n_layers)
-        ]
-        freqs = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        def vec(name: str) -> Tensor:
+            return Tensor(quant.f32(raw[name][0], raw[name][2]))
+
+        self.embd_type, self.tok_embd = mat("token_embd.weight")
+        self.vocab_size = int(raw["token_embd.weight"][1][0])
+        self.out_type, self.output = mat("output.weight") if "output.weight" in raw else (self.embd_type, self.tok_embd)
+        self.out_norm = vec("output_norm.weight")
+        self.ff = int(raw["blk.0.ffn_gate.weight"][1][0])
+        self.layers: list[dict[str, Tensor]] = []
+        self.types: dict[str, int] = {}
+        for i in range(self.n_layers):
+            b = f"blk.{i}."
+            (tq, wqkv), (to, wo) = mat(*(b + f"attn_{n}.weight" for n in "qkv")), mat(b + "attn_output.weight")
+            (tgu, wgu), (td, wd) = mat(b + "ffn_gate.weight", b + "ffn_up.weight", interleave=True), \
+                mat(b + "ffn_down.weight")
+            t = {"q": tq, "o": to, "gu": tgu, "d": td}
+            self.types = self.types or t
+            if t != self.types:
+                raise ValueError(f"layer {i}: quant types {t} differ from layer 0's {self.types}")
+            self.layers.append({"attn_norm": vec(b + "attn_norm.weight"), "wqkv": wqkv, "wo": wo,
+                                "ffn_norm": vec(b + "ffn_norm.weight"), "wgu": wgu, "wd": wd})
         # Slots past max_context absorb the padding of a final prefill chunk.
-        slots = self.max_context + PREFILL_CHUNK
-        ang = np.arange(slots, dtype=np.float64)[:, None] * freqs[None, :]
-        self.cos = Tensor(np.cos(ang).astype(np.float32)).contiguous()
-        self.sin = Tensor(np.sin(ang).astype(np.float32)).contiguous()
-        self.pos = Tensor.arange(slots, dtype=dtypes.int32).contiguous()
-        self.cache = [Tensor.zeros(2, self.n_kv, slots, self.head_dim).contiguous() for _ in self.layers]
-        Tensor.realize(self.tok_embd, self.output, self.out_norm, self.cos, self.sin, self.pos, *self.cache,
+        self.slots = self.max_context + PREFILL_CHUNK
+        # RoPE factors in float64, computed as the reference does (complex exponential of pos * inv_freq).
+        inv_freq = theta ** (-np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        rot = np.exp(1j * np.arange(self.slots)[:, None] * inv_freq[None, :])
+        self.rope = Tensor(np.concatenate([rot.real, rot.imag], axis=1).reshape(-1))
+        self.cache = [Tensor.zeros(2 * self.n_kv * self.slots * self.head_dim).contiguous() for _ in self.layers]
+        Tensor.realize(self.tok_embd, self.output, self.out_norm, self.rope, *self.cache,
                        *[t for lay in self.layers for t in lay.values()])
-        self.dims = _Dims(self.n_heads, self.n_kv, self.head_dim, self.eps)
-        self._start = UOp.variable("start_pos", 0, self.max_context - 1)
-        self._last = UOp.variable("last_row", 0, PREFILL_CHUNK - 1)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
 
@@ -143,14 +100,14 @@ class LlamaLM:
 
     def probe(self) -> int:
         """The greedy next token after one fixed token at position 0: a cheap replay of the decode graph."""
-        return int(self._decode(Tensor([7], dtype=dtypes.int32), self._start.bind(0)).item())
+        return int(self._decode(Tensor(np.array([7, 0, 0], dtype=np.int32))).item())
 
     @classmethod
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> LlamaLM:
-        """Dequantise the GGUF's weights to float32. `warmup` traces and captures both JIT graphs now
-        (seconds), so the first real request runs at steady speed."""
-        kv, sd = gguf_load(pathlib.Path(gguf_path))
-        lm = cls(kv, sd, max_context)
+        """Pack the GGUF's weights. `warmup` traces and captures both JIT graphs now (seconds), so the first
+        real request runs at steady speed."""
+        kv, raw = quant.gguf_raw(pathlib.Path(gguf_path))
+        lm = cls(kv, raw, max_context)
         if warmup:
             lm.warmup()
         return lm
@@ -161,17 +118,24 @@ class LlamaLM:
         # chunks and three decode steps reach replay on both graphs.
         self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, progress, ignore_eos=True)
 
-    def _forward(self, tokens: Tensor, start: UOp, last: UOp | None = None) -> Tensor:
-        """tokens (T,) int32 at positions start..start+T-1 -> greedy next id after row `last`, (1,) int32."""
-        T = tokens.shape[0]
-        x = self.tok_embd[tokens]
-        cos, sin = self.cos[start : start + T].reshape(1, T, -1), self.sin[start : start + T].reshape(1, T, -1)
+    def _forward(self, ids: Tensor) -> Tensor:
+        """ids (T + 2,) int32: T tokens, their start position, the row to predict from -> next id, (1,) int32."""
+        T, D, H, KV, HD = ids.shape[0] - 2, self.dim, self.n_heads, self.n_kv, self.head_dim
+        ty, nqkv = self.types, (H + 2 * KV) * HD
+        x = quant.kernel("embed", quant.embed_src(T, D, self.embd_type), [Tensor.empty(T * D)], [self.tok_embd, ids])[0]
+        attn = quant.attn_src(T, D, H, KV, HD, self.slots, self.eps, ty["q"], ty["o"])
+        ffn = quant.ffn_src(T, D, self.ff, self.eps, ty["gu"], ty["d"])
         for lay, cache in zip(self.layers, self.cache, strict=True):
-            x = _block(x, cache, cos, sin, start, self.dims, *lay.values(), self.pos)
-        if last is not None:
-            x = x[last : last + 1]
-        logits = _mv(_rms_norm(x, self.out_norm, self.eps), self.output)
-        return logits.argmax(-1).cast(dtypes.int32).realize()
+            x = quant.kernel("attn", attn, [Tensor.empty(T * D), Tensor.empty(T * (2 * D + nqkv)), cache],
+                             [x, lay["attn_norm"], lay["wqkv"], lay["wo"], self.rope, ids], inout=(2,),
+                             ops=2 * T * D * (nqkv + D), mem=lay["wqkv"].nbytes() + lay["wo"].nbytes())[0]
+            x = quant.kernel("ffn", ffn, [Tensor.empty(T * D), Tensor.empty(T * (D + 3 * self.ff))],
+                             [x, lay["ffn_norm"], lay["wgu"], lay["wd"]],
+                             ops=6 * T * D * self.ff, mem=lay["wgu"].nbytes() + lay["wd"].nbytes())[0]
+        head = quant.head_src(T, D, self.vocab_size, self.eps, self.out_type)
+        return quant.kernel("head", head, [Tensor.empty(1, dtype=dtypes.int32), Tensor.empty(self.vocab_size)],
+                            [x, self.out_norm, self.output, ids], ops=2 * D * self.vocab_size,
+                            mem=self.output.nbytes())[0].realize()
 
     def generate(
         self,
@@ -203,9 +167,9 @@ class LlamaLM:
         nxt = 0
         for s in range(0, n, PREFILL_CHUNK):
             r = min(PREFILL_CHUNK, n - s)
-            chunk = np.zeros(PREFILL_CHUNK, dtype=np.int32)
-            chunk[:r] = ids[s : s + r]
-            nxt = int(self._prefill(Tensor(chunk), self._start.bind(s), self._last.bind(r - 1)).item())
+            chunk = np.zeros(PREFILL_CHUNK + 2, dtype=np.int32)
+            chunk[:r], chunk[PREFILL_CHUNK:] = ids[s : s + r], (s, r - 1)
+            nxt = int(self._prefill(Tensor(chunk)).item())
         out_ids: list[int] = []
         pos = n
         while True:
@@ -216,5 +180,5 @@ class LlamaLM:
                 progress(len(out_ids))
             if len(out_ids) == max_tokens:
                 return out_ids, "length"
-            nxt = int(self._decode(Tensor([nxt], dtype=dtypes.int32), self._start.bind(pos)).item())
+            nxt = int(self._decode(Tensor(np.array([nxt, pos, 0], dtype=np.int32))).item())
             pos += 1

@@ -1,0 +1,237 @@
+"""Quantised GGUF weights kept packed on the device, and the C kernels that dequantise them in registers.
+
+tinygrad's own codegen reaches 1-2 GMAC/s on an unpacked-nibble matvec on this CPU, and every launch costs
+~40 us of Python dispatch, so the decoder's hot path is hand-written C compiled by tinygrad's clang pipeline
+(a PROGRAM body in a custom kernel): one kernel per attention half and per FFN half of each layer. Each
+32-element block is dequantised to the reference's exact float32 weights (q*d + m, product rounded first).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import numpy as np
+from tinygrad import Device, Tensor, UOp
+from tinygrad.llm.gguf import read_int32, read_int64, read_str, read_uint32, read_uint64, readers
+from tinygrad.renderer import Estimates
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
+
+F32, F16, Q4_1, Q8_0 = 0, 1, 3, 8
+# GGUF block (elements, bytes) -> packed bytes: f16 scales widened to f32 at load, so a kernel never converts.
+_GGUF_BLOCK = {F32: (1, 4), F16: (1, 2), Q4_1: (32, 20), Q8_0: (32, 34)}
+PACKED = {Q4_1: 24, Q8_0: 36}
+Raw = tuple[int, tuple[int, ...], np.ndarray]  # ggml type, shape outermost first, raw bytes
+G = 4  # rows per kernel tile, and per interleaved group of packed rows
+
+
+def gguf_raw(path: pathlib.Path) -> tuple[dict[str, Any], dict[str, Raw]]:
+    """(metadata, name -> Raw tensor) without dequantising anything."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF" or read_int32(f) not in (2, 3):
+            raise ValueError(f"{path} is not a GGUF v2/v3 file")
+        n_tensors, n_kv = read_int64(f), read_int64(f)
+        kv: dict[str, Any] = {}
+        for _ in range(n_kv):
+            k = read_str(f)
+            kv[k] = readers[read_int32(f)](f)
+        infos = [(read_str(f), tuple(read_uint64(f) for _ in range(read_uint32(f))), read_int32(f), read_uint64(f))
+                 for _ in range(n_tensors)]
+        align = kv.get("general.alignment", 32)
+        start = -(-f.tell() // align) * align
+    data = np.memmap(path, np.uint8, "r", offset=start).view(np.ndarray)
+    out = {}
+    for name, dims, typ, off in infos:
+        if typ not in _GGUF_BLOCK:
+            raise ValueError(f"{name}: GGML type {typ} is not supported")
+        el, nb = _GGUF_BLOCK[typ]
+        out[name] = (typ, tuple(int(d) for d in reversed(dims)), data[off : off + int(np.prod(dims)) // el * nb])
+    return kv, out
+
+
+def pack(typ: int, raw: np.ndarray, rows: int) -> np.ndarray:
+    """GGUF blocks -> (rows, row bytes) uint8: Q4_1 as {f32 d, f32 m, 16 nibble bytes}, Q8_0 as {f32 d, 32 int8}."""
+    if typ == Q4_1:
+        b = raw.reshape(-1, 20)
+        dm = b[:, :4].copy().view(np.float16).astype(np.float32).view(np.uint8)
+        return np.concatenate([dm, b[:, 4:]], axis=1).reshape(rows, -1)
+    if typ == Q8_0:
+        b = raw.reshape(-1, 34)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32).view(np.uint8)
+        return np.concatenate([d, b[:, 2:]], axis=1).reshape(rows, -1)
+    raise ValueError(f"GGML type {typ} cannot be a packed matrix (Q4_1 and Q8_0 can)")
+
+
+def group(typ: int, rows: np.ndarray) -> np.ndarray:
+    """(rows, row bytes) -> flat bytes with the blocks of each G consecutive rows side by side: a kernel
+    working on G rows at once then reads one sequential stream (G separate row streams ran 3x slower)."""
+    if rows.shape[0] % G:
+        raise ValueError(f"matrix rows ({rows.shape[0]}) must be a multiple of {G}")
+    return np.ascontiguousarray(rows.reshape(rows.shape[0] // G, G, -1, PACKED[typ]).transpose(0, 2, 1, 3)).reshape(-1)
+
+
+def f32(typ: int, raw: np.ndarray) -> np.ndarray:
+    if typ == F32:
+        return raw.view(np.float32).copy()
+    if typ == F16:
+        return raw.view(np.float16).astype(np.float32)
+    raise ValueError(f"GGML type {typ} is not a float vector")
+
+
+_HEAD = """typedef float v16 __attribute__((ext_vector_type(16), aligned(4)));
+typedef float v8 __attribute__((ext_vector_type(8)));
+typedef float v4 __attribute__((ext_vector_type(4)));
+typedef unsigned char u16 __attribute__((ext_vector_type(16), aligned(1)));
+typedef signed char s16 __attribute__((ext_vector_type(16), aligned(1)));
+#define INL static inline __attribute__((always_inline))
+INL float hsum(v16 a) { v8 b = a.lo + a.hi; v4 c = b.lo + b.hi; return (c.x + c.y) + (c.z + c.w); }
+INL void dq3(const unsigned char *p, v16 *lo, v16 *hi) {
+  float d = ((const float *)p)[0], m = ((const float *)p)[1];
+  u16 q = *(const u16 *)(p + 8);
+  v16 a = __builtin_convertvector(q & 15, v16) * d, b = __builtin_convertvector(q >> 4, v16) * d;
+  *lo = a + m; *hi = b + m;  /* two statements: clang may not fuse them into an FMA, the reference rounds q*d first */
+}
+INL void dq8(const unsigned char *p, v16 *lo, v16 *hi) {
+  float d = *(const float *)p;
+  *lo = __builtin_convertvector(*(const s16 *)(p + 4), v16) * d;
+  *hi = __builtin_convertvector(*(const s16 *)(p + 20), v16) * d;
+}
+INL void rmsnorm(float *restrict h, const float *restrict x, const float *restrict w) {
+  double ss = 0; for (int i = 0; i < D; i++) ss += (double)x[i] * x[i];
+  float s = __builtin_sqrtf((float)(ss / D) + EPS);
+  for (int i = 0; i < D; i++) h[i] = x[i] / s * w[i];
+}
+"""
+
+
+def _mm(name: str, typ: int, NT: int) -> str:
+    """y[t*ys + o] = x[t] . W[o] for t < n (a multiple of NT), o < O (a multiple of G). A G x NT tile of
+    accumulators hides the FMA latency; each dequantised block is reused for NT rows of x."""
+    bs = PACKED[typ]
+    return f"""INL void {name}(float *restrict y, int ys, const float *restrict x, int xs,
+                    const unsigned char *restrict w, int O, int nb, int n) {{
+  for (int o = 0; o < O; o += {G}) for (int t = 0; t < n; t += {NT}) {{
+    const unsigned char *g = w + (long)o * nb * {bs};
+    v16 acc[{G}][{NT}];
+    for (int r = 0; r < {G}; r++) for (int j = 0; j < {NT}; j++) acc[r][j] = (v16)0;
+    for (int b = 0; b < nb; b++) {{
+      v16 wl[{G}], wh[{G}];
+      for (int r = 0; r < {G}; r++) dq{typ}(g + (b * {G} + r) * {bs}, &wl[r], &wh[r]);
+      for (int j = 0; j < {NT}; j++) {{
+        const float *xp = x + (t + j) * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
+        for (int r = 0; r < {G}; r++) acc[r][j] += wl[r] * xl + wh[r] * xh;
+      }}
+    }}
+    for (int r = 0; r < {G}; r++) for (int j = 0; j < {NT}; j++) y[(t + j) * ys + o + r] = hsum(acc[r][j]);
+  }}
+}}
+"""
+
+
+def _src(name: str, defs: dict[str, Any], mms: dict[str, int], rows: int, body: str) -> str:
+    NT = 4 if rows % 4 == 0 else 1
+    return ("".join(f"#define {k} {v}\n" for k, v in defs.items()) + _HEAD
+            + "".join(_mm(n, typ, NT) for n, typ in mms.items()) + f"void {name}{body}")
+
+
+def attn_src(T: int, D: int, H: int, KV: int, HD: int, S: int, eps: float, tq: int, to: int) -> str:
+    """x + attention(rmsnorm(x)) @ Wo for T rows at positions ids[T].., writing their K/V into the cache."""
+    body = """(float *restrict xo, float *restrict scr, float *restrict cache, const float *restrict x,
+    const float *restrict nw, const unsigned char *restrict wqkv, const unsigned char *restrict wo,
+    const double *restrict rope, const int *restrict ids) {
+  int start = ids[T];
+  float *h = scr, *qkv = scr + T * D, *ao = qkv + T * NQKV;
+  for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, nw);
+  mmq(qkv, NQKV, h, D, wqkv, NQKV, D / 32, T);
+  for (int t = 0; t < T; t++) {
+    int pos = start + t; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD;
+    const double *cs = rope + (long)pos * HD;
+    /* q and k heads are adjacent; rotate pairs (2i, 2i+1) in double like the reference's complex128 RoPE */
+    for (int i = 0; i < (H + KV) * HD / 2; i++) {
+      #pragma clang fp contract(off)
+      double a = q[2 * i], b = q[2 * i + 1], c = cs[i % (HD / 2)], s = cs[HD / 2 + i % (HD / 2)];
+      q[2 * i] = (float)(a * c - b * s); q[2 * i + 1] = (float)(a * s + b * c);
+    }
+    for (int g = 0; g < KV; g++) for (int i = 0; i < HD; i++) {
+      cache[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i];
+      cache[((long)(KV + g) * S + pos) * HD + i] = v[g * HD + i];
+    }
+  }
+  double sc[S];
+  for (int t = 0; t < T; t++) for (int hh = 0; hh < H; hh++) {
+    int pos = start + t, g = hh / (H / KV); const float *q = qkv + t * NQKV + hh * HD;
+    /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
+    double mx = -__builtin_inf(), sum = 0, o[HD];
+    for (int j = 0; j <= pos; j++) {
+      const float *k = cache + ((long)g * S + j) * HD; v16 a = (v16)0;
+      for (int i = 0; i < HD; i += 16) a += *(const v16 *)(q + i) * *(const v16 *)(k + i);
+      sc[j] = hsum(a) / SQRT_HD; mx = sc[j] > mx ? sc[j] : mx;
+    }
+    for (int j = 0; j <= pos; j++) { sc[j] = __builtin_exp(sc[j] - mx); sum += sc[j]; }
+    for (int i = 0; i < HD; i++) o[i] = 0;
+    for (int j = 0; j <= pos; j++) {
+      const float *vv = cache + ((long)(KV + g) * S + j) * HD; double p = sc[j] / sum;
+      for (int i = 0; i < HD; i++) o[i] += p * vv[i];
+    }
+    for (int i = 0; i < HD; i++) ao[t * D + hh * HD + i] = (float)o[i];
+  }
+  mmo(xo, D, ao, D, wo, D, D / 32, T);
+  for (int i = 0; i < T * D; i++) xo[i] += x[i];
+}
+"""
+    defs = {"T": T, "D": D, "H": H, "KV": KV, "HD": HD, "S": S, "EPS": f"{eps!r}f", "NQKV": (H + 2 * KV) * HD,
+            "SQRT_HD": f"{float(np.sqrt(HD))!r}"}
+    return _src("attn", defs, {"mmq": tq, "mmo": to}, T, body)
+
+
+def ffn_src(T: int, D: int, FF: int, eps: float, tgu: int, td: int) -> str:
+    """x + (silu(h @ Wg) * (h @ Wu)) @ Wd with h = rmsnorm(x); gate and up rows interleaved in one matrix."""
+    body = """(float *restrict xo, float *restrict scr, const float *restrict x, const float *restrict nw,
+    const unsigned char *restrict wgu, const unsigned char *restrict wd) {
+  float *h = scr, *gu = scr + T * D, *a = gu + T * 2 * FF;
+  for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, nw);
+  mmgu(gu, 2 * FF, h, D, wgu, 2 * FF, D / 32, T);
+  for (int i = 0; i < T * FF; i++) { float g = gu[2 * i]; a[i] = g / (1.0f + __builtin_expf(-g)) * gu[2 * i + 1]; }
+  mmd(xo, D, a, FF, wd, D, FF / 32, T);
+  for (int i = 0; i < T * D; i++) xo[i] += x[i];
+}
+"""
+    return _src("ffn", {"T": T, "D": D, "FF": FF, "EPS": f"{eps!r}f"}, {"mmgu": tgu, "mmd": td}, T, body)
+
+
+def head_src(T: int, D: int, V: int, eps: float, tw: int) -> str:
+    """argmax(rmsnorm(x[ids[T+1]]) @ W.T): the greedy next id, first index on ties like numpy."""
+    body = """(int *restrict out, float *restrict lg, const float *restrict x, const float *restrict nw,
+    const unsigned char *restrict w, const int *restrict ids) {
+  float h[D]; rmsnorm(h, x + ids[T + 1] * D, nw);
+  mmh(lg, V, h, D, w, V, D / 32, 1);
+  int best = 0; for (int i = 1; i < V; i++) if (lg[i] > lg[best]) best = i;
+  out[0] = best;
+}
+"""
+    return _src("head", {"T": T, "D": D, "V": V, "EPS": f"{eps!r}f"}, {"mmh": tw}, 1, body)
+
+
+def embed_src(T: int, D: int, typ: int) -> str:
+    body = f"""(float *restrict x, const unsigned char *restrict w, const int *restrict ids) {{
+  for (int t = 0; t < T; t++) for (int b = 0; b < D / 32; b++) {{
+    v16 lo, hi; dq{typ}(w + (((long)(ids[t] / {G}) * (D / 32) + b) * {G} + ids[t] % {G}) * {PACKED[typ]}, &lo, &hi);
+    *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
+  }}
+}}
+"""
+    return _src("embed", {"T": T, "D": D, "EPS": "0.0f"}, {}, T, body)
+
+
+def kernel(name: str, src: str, outs: list[Tensor], ins: list[Tensor], inout: tuple[int, ...] = (),
+           ops: int = 0, mem: int = 0) -> list[Tensor]:
+    """Run C `src` (one function taking the buffers of outs then ins, in order) as a tinygrad kernel."""
+    n, target = len(outs) + len(ins), Device[outs[0].device].renderer.target
+
+    def fxn(*ps: UOp) -> UOp:
+        sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=ops, lds=mem, mem=mem)))
+        info = ProgramInfo(name, (1, 1, 1), (1, 1, 1), (), tuple(range(n)), tuple(range(len(outs))) + inout,
+                           tuple(range(len(outs), n)), target)
+        return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=ps), UOp(Ops.SOURCE, arg=src)), arg=info)
+
+    return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
