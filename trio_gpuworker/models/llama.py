@@ -5,8 +5,9 @@ last one padded) and decode runs one token at a time. Each call takes one int32 
 followed by its start position and the row whose next token is wanted, so one captured graph per phase
 serves every position up to max_context with no symbolic shapes.
 
-Quantised matrices stay packed (quant.py): a decode step reads ~90 MB instead of 540 MB of float32, in
-62 kernels (embedding, an attention and an FFN kernel per layer, head + argmax).
+Quantised matrices stay packed and are dequantised in registers (quant.py), so a decode step reads ~95 MB
+instead of 540 MB of float32. The whole forward pass is one C kernel: a tinygrad launch costs ~80 us of
+Python here, which was a third of a step even at one kernel per layer half.
 """
 
 from __future__ import annotations
@@ -27,6 +28,70 @@ MAX_NEW_TOKENS = 64
 PREFILL_CHUNK = 32
 DEFAULT_CONTEXT = 2048
 
+# Layer weights are stacked: layer l's block of a kind starts at l * its size. Scratch: x, h, then either
+# q|k|v + attention output, or gate/up pairs + their product; logits last.
+_FORWARD = """(int *restrict out, float *restrict scr, float *restrict cache, const int *restrict ids,
+    const unsigned char *restrict embd, const float *restrict an, const unsigned char *restrict wqkv,
+    const unsigned char *restrict wo, const float *restrict fn, const unsigned char *restrict wgu,
+    const unsigned char *restrict wd, const double *restrict rope, const float *restrict on,
+    const unsigned char *restrict wout) {
+  int start = ids[T];
+  float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
+  float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
+  double sc[S];
+  for (int t = 0; t < T; t++) for (int b = 0; b < D / 32; b++) {
+    v16 lo, hi; dqe(embd + (((long)(ids[t] / G) * (D / 32) + b) * G + ids[t] % G) * BSE, &lo, &hi);
+    *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
+  }
+  for (int l = 0; l < NL; l++) {
+    float *kc = cache + (long)l * 2 * KV * S * HD, *vc = kc + (long)KV * S * HD;
+    for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, an + l * D);
+    mmq(qkv, NQKV, h, D, wqkv + (long)l * SZQKV, NQKV, D / 32, T);
+    for (int t = 0; t < T; t++) {
+      int pos = start + t; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD;
+      const double *cs = rope + (long)pos * HD;
+      /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
+      for (int i = 0; i < (H + KV) * HD / 2; i++) {
+        #pragma clang fp contract(off)
+        double re = q[2 * i], im = q[2 * i + 1], c = cs[i % (HD / 2)], s = cs[HD / 2 + i % (HD / 2)];
+        q[2 * i] = (float)(re * c - im * s); q[2 * i + 1] = (float)(re * s + im * c);
+      }
+      for (int g = 0; g < KV; g++) for (int i = 0; i < HD; i++) {
+        kc[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i]; vc[((long)g * S + pos) * HD + i] = v[g * HD + i];
+      }
+    }
+    for (int t = 0; t < T; t++) for (int hh = 0; hh < H; hh++) {
+      int pos = start + t, g = hh / (H / KV); const float *q = qkv + t * NQKV + hh * HD;
+      /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
+      double mx = -__builtin_inf(), sum = 0, o[HD];
+      for (int j = 0; j <= pos; j++) {
+        const float *k = kc + ((long)g * S + j) * HD; v16 d = (v16)0;
+        for (int i = 0; i < HD; i += 16) d += *(const v16 *)(q + i) * *(const v16 *)(k + i);
+        sc[j] = hsum(d) / SQRT_HD; mx = sc[j] > mx ? sc[j] : mx;
+      }
+      for (int j = 0; j <= pos; j++) { sc[j] = __builtin_exp(sc[j] - mx); sum += sc[j]; }
+      for (int i = 0; i < HD; i++) o[i] = 0;
+      for (int j = 0; j <= pos; j++) {
+        const float *vv = vc + ((long)g * S + j) * HD; double p = sc[j] / sum;
+        for (int i = 0; i < HD; i++) o[i] += p * vv[i];
+      }
+      for (int i = 0; i < HD; i++) ao[t * D + hh * HD + i] = (float)o[i];
+    }
+    mmo(h, D, ao, D, wo + (long)l * SZO, D, D / 32, T);
+    for (int i = 0; i < T * D; i++) x[i] = x[i] + h[i];
+    for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, fn + l * D);
+    mmgu(gu, 2 * FF, h, D, wgu + (long)l * SZGU, 2 * FF, D / 32, T);
+    for (int i = 0; i < T * FF; i++) { float g = gu[2 * i]; a[i] = g / (1.0f + __builtin_expf(-g)) * gu[2 * i + 1]; }
+    mmd(h, D, a, FF, wd + (long)l * SZD, D, FF / 32, T);
+    for (int i = 0; i < T * D; i++) x[i] = x[i] + h[i];
+  }
+  rmsnorm(h, x + ids[T + 1] * D, on);
+  mmh(lg, V, h, D, wout, V, D / 32, 1);
+  int best = 0; for (int i = 1; i < V; i++) if (lg[i] > lg[best]) best = i;  /* first max, like numpy */
+  out[0] = best;
+}
+"""
+
 
 class LlamaLM:
     def __init__(self, kv: dict[str, Any], raw: dict[str, quant.Raw], max_context: int) -> None:
@@ -43,49 +108,54 @@ class LlamaLM:
         self.max_context = min(max_context, int(g("context_length")))
         theta = float(g("rope.freq_base", 10000.0))
         self.eos_ids: set[int] = end_of_generation_ids(kv)
-        if self.dim % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
+        self.ff = int(raw["blk.0.ffn_gate.weight"][1][0])
+        if self.dim % 32 or self.ff % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
             raise ValueError("dimensions must be multiples of the 32-element quant block")
 
-        def mat(*names: str, interleave: bool = False) -> tuple[int, Tensor]:
+        def mat(*names: str, interleave: bool = False) -> tuple[int, np.ndarray]:
             """Packed rows of one or more matrices of one GGML type, stacked (or row-interleaved)."""
             types = {raw[n][0] for n in names}
             if len(types) != 1:
                 raise ValueError(f"{names} mix GGML types {types}")
             typ = types.pop()
             parts = [quant.pack(typ, raw[n][2], raw[n][1][0]) for n in names]
-            packed = np.stack(parts, 1).reshape(-1, parts[0].shape[1]) if interleave else np.concatenate(parts)
-            return typ, Tensor(quant.group(typ, packed))
+            return typ, quant.group(typ, np.stack(parts, 1).reshape(-1, parts[0].shape[1]) if interleave
+                                    else np.concatenate(parts))
 
-        def vec(name: str) -> Tensor:
-            return Tensor(quant.f32(raw[name][0], raw[name][2]))
+        def vec(name: str) -> np.ndarray:
+            return quant.f32(raw[name][0], raw[name][2])
 
-        self.embd_type, self.tok_embd = mat("token_embd.weight")
-        self.vocab_size = int(raw["token_embd.weight"][1][0])
-        self.out_type, self.output = mat("output.weight") if "output.weight" in raw else (self.embd_type, self.tok_embd)
-        self.out_norm = vec("output_norm.weight")
-        self.ff = int(raw["blk.0.ffn_gate.weight"][1][0])
-        self.layers: list[dict[str, Tensor]] = []
+        def stacked(kind: str, *names: str, interleave: bool = False) -> Tensor:
+            """One matrix kind of every layer back to back; the kernel needs one GGML type per kind."""
+            got = [mat(*(f"blk.{i}.{n}.weight" for n in names), interleave=interleave) for i in range(self.n_layers)]
+            if len(types := {t for t, _ in got}) != 1:
+                raise ValueError(f"{kind} matrices mix GGML types {types}")
+            self.types[kind] = types.pop()
+            return Tensor(np.concatenate([w for _, w in got]))
+
         self.types: dict[str, int] = {}
-        for i in range(self.n_layers):
-            b = f"blk.{i}."
-            (tq, wqkv), (to, wo) = mat(*(b + f"attn_{n}.weight" for n in "qkv")), mat(b + "attn_output.weight")
-            (tgu, wgu), (td, wd) = mat(b + "ffn_gate.weight", b + "ffn_up.weight", interleave=True), \
-                mat(b + "ffn_down.weight")
-            t = {"q": tq, "o": to, "gu": tgu, "d": td}
-            self.types = self.types or t
-            if t != self.types:
-                raise ValueError(f"layer {i}: quant types {t} differ from layer 0's {self.types}")
-            self.layers.append({"attn_norm": vec(b + "attn_norm.weight"), "wqkv": wqkv, "wo": wo,
-                                "ffn_norm": vec(b + "ffn_norm.weight"), "wgu": wgu, "wd": wd})
+        self.embd_type, embd = mat("token_embd.weight")
+        self.vocab_size = int(raw["token_embd.weight"][1][0])
+        self.out_type, out = mat("output.weight") if "output.weight" in raw else (self.embd_type, embd)
+        self.tok_embd = Tensor(embd)
+        self.output = Tensor(out) if out is not embd else self.tok_embd
+        self.out_norm = Tensor(vec("output_norm.weight"))
+        self.attn_norm = Tensor(np.concatenate([vec(f"blk.{i}.attn_norm.weight") for i in range(self.n_layers)]))
+        self.ffn_norm = Tensor(np.concatenate([vec(f"blk.{i}.ffn_norm.weight") for i in range(self.n_layers)]))
+        self.wqkv = stacked("q", "attn_q", "attn_k", "attn_v")
+        self.wo = stacked("o", "attn_output")
+        self.wgu = stacked("gu", "ffn_gate", "ffn_up", interleave=True)
+        self.wd = stacked("d", "ffn_down")
         # Slots past max_context absorb the padding of a final prefill chunk.
         self.slots = self.max_context + PREFILL_CHUNK
         # RoPE factors in float64, computed as the reference does (complex exponential of pos * inv_freq).
         inv_freq = theta ** (-np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
         rot = np.exp(1j * np.arange(self.slots)[:, None] * inv_freq[None, :])
         self.rope = Tensor(np.concatenate([rot.real, rot.imag], axis=1).reshape(-1))
-        self.cache = [Tensor.zeros(2 * self.n_kv * self.slots * self.head_dim).contiguous() for _ in self.layers]
-        Tensor.realize(self.tok_embd, self.output, self.out_norm, self.rope, *self.cache,
-                       *[t for lay in self.layers for t in lay.values()])
+        self.cache = Tensor.zeros(self.n_layers * 2 * self.n_kv * self.slots * self.head_dim).contiguous()
+        self.weights = [self.tok_embd, self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.wgu, self.wd,
+                        self.rope, self.out_norm, self.output]
+        Tensor.realize(self.cache, *self.weights)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
 
@@ -121,21 +191,19 @@ class LlamaLM:
     def _forward(self, ids: Tensor) -> Tensor:
         """ids (T + 2,) int32: T tokens, their start position, the row to predict from -> next id, (1,) int32."""
         T, D, H, KV, HD = ids.shape[0] - 2, self.dim, self.n_heads, self.n_kv, self.head_dim
-        ty, nqkv = self.types, (H + 2 * KV) * HD
-        x = quant.kernel("embed", quant.embed_src(T, D, self.embd_type), [Tensor.empty(T * D)], [self.tok_embd, ids])[0]
-        attn = quant.attn_src(T, D, H, KV, HD, self.slots, self.eps, ty["q"], ty["o"])
-        ffn = quant.ffn_src(T, D, self.ff, self.eps, ty["gu"], ty["d"])
-        for lay, cache in zip(self.layers, self.cache, strict=True):
-            x = quant.kernel("attn", attn, [Tensor.empty(T * D), Tensor.empty(T * (2 * D + nqkv)), cache],
-                             [x, lay["attn_norm"], lay["wqkv"], lay["wo"], self.rope, ids], inout=(2,),
-                             ops=2 * T * D * (nqkv + D), mem=lay["wqkv"].nbytes() + lay["wo"].nbytes())[0]
-            x = quant.kernel("ffn", ffn, [Tensor.empty(T * D), Tensor.empty(T * (D + 3 * self.ff))],
-                             [x, lay["ffn_norm"], lay["wgu"], lay["wd"]],
-                             ops=6 * T * D * self.ff, mem=lay["wgu"].nbytes() + lay["wd"].nbytes())[0]
-        head = quant.head_src(T, D, self.vocab_size, self.eps, self.out_type)
-        return quant.kernel("head", head, [Tensor.empty(1, dtype=dtypes.int32), Tensor.empty(self.vocab_size)],
-                            [x, self.out_norm, self.output, ids], ops=2 * D * self.vocab_size,
-                            mem=self.output.nbytes())[0].realize()
+        FF, V = self.ff, self.vocab_size
+        nqkv, nt, ty = (H + 2 * KV) * HD, 4 if T % 4 == 0 else 1, self.types
+        defs = {"T": T, "D": D, "H": H, "KV": KV, "HD": HD, "FF": FF, "V": V, "S": self.slots, "NL": self.n_layers,
+                "NQKV": nqkv, "EPS": f"{self.eps!r}f", "SQRT_HD": f"{float(np.sqrt(HD))!r}", "G": quant.G,
+                "dqe": f"dq{self.embd_type}", "BSE": quant.PACKED[self.embd_type],
+                **{f"SZ{k.upper()}": getattr(self, f"w{k}").nbytes() // self.n_layers for k in ("qkv", "o", "gu", "d")}}
+        src = quant.c_source("forward", defs, {"mmq": (ty["q"], nt), "mmo": (ty["o"], nt), "mmgu": (ty["gu"], nt),
+                                               "mmd": (ty["d"], nt), "mmh": (self.out_type, 1)}, _FORWARD)
+        scratch = Tensor.empty(T * 2 * D + T * max(nqkv + D, 3 * FF) + V)
+        macs = T * self.n_layers * D * (nqkv + D + 3 * FF) + D * V
+        mem = sum(w.nbytes() for w in (self.wqkv, self.wo, self.wgu, self.wd, self.output))
+        return quant.kernel("forward", src, [Tensor.empty(1, dtype=dtypes.int32), scratch, self.cache],
+                            [ids, *self.weights], inout=(2,), ops=2 * macs, mem=mem)[0].realize()
 
     def generate(
         self,

@@ -85,11 +85,20 @@ typedef unsigned char u16 __attribute__((ext_vector_type(16), aligned(1)));
 typedef signed char s16 __attribute__((ext_vector_type(16), aligned(1)));
 #define INL static inline __attribute__((always_inline))
 INL float hsum(v16 a) { v8 b = a.lo + a.hi; v4 c = b.lo + b.hi; return (c.x + c.y) + (c.z + c.w); }
+typedef int i16 __attribute__((ext_vector_type(16)));
 INL void dq3(const unsigned char *p, v16 *lo, v16 *hi) {
   float d = ((const float *)p)[0], m = ((const float *)p)[1];
+#ifdef __AVX512F__
+  /* the block's 16 possible weights, looked up by nibble (vpermps reads the low 4 bits of each index) */
+  const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  v16 tab = iota * d; tab = tab + m;  /* two statements: no FMA, the reference rounds q*d before adding m */
+  i16 q = __builtin_convertvector(*(const u16 *)(p + 8), i16);
+  *lo = __builtin_ia32_permvarsf512(tab, q); *hi = __builtin_ia32_permvarsf512(tab, q >> 4);
+#else
   u16 q = *(const u16 *)(p + 8);
   v16 a = __builtin_convertvector(q & 15, v16) * d, b = __builtin_convertvector(q >> 4, v16) * d;
-  *lo = a + m; *hi = b + m;  /* two statements: clang may not fuse them into an FMA, the reference rounds q*d first */
+  *lo = a + m; *hi = b + m;
+#endif
 }
 INL void dq8(const unsigned char *p, v16 *lo, v16 *hi) {
   float d = *(const float *)p;
@@ -112,115 +121,29 @@ def _mm(name: str, typ: int, NT: int) -> str:
                     const unsigned char *restrict w, int O, int nb, int n) {{
   for (int o = 0; o < O; o += {G}) for (int t = 0; t < n; t += {NT}) {{
     const unsigned char *g = w + (long)o * nb * {bs};
-    v16 acc[{G}][{NT}];
-    for (int r = 0; r < {G}; r++) for (int j = 0; j < {NT}; j++) acc[r][j] = (v16)0;
+    v16 acc[{G}][{NT}], acc2[{G}][{NT}];
+    for (int r = 0; r < {G}; r++) for (int j = 0; j < {NT}; j++) acc[r][j] = acc2[r][j] = (v16)0;
     for (int b = 0; b < nb; b++) {{
       v16 wl[{G}], wh[{G}];
       for (int r = 0; r < {G}; r++) dq{typ}(g + (b * {G} + r) * {bs}, &wl[r], &wh[r]);
       for (int j = 0; j < {NT}; j++) {{
         const float *xp = x + (t + j) * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
-        for (int r = 0; r < {G}; r++) acc[r][j] += wl[r] * xl + wh[r] * xh;
+        /* one row of x: lo and hi halves get their own accumulators, for twice the independent FMA chains */
+        for (int r = 0; r < {G}; r++) if ({NT} == 1) {{ acc[r][j] += wl[r] * xl; acc2[r][j] += wh[r] * xh; }}
+                                      else acc[r][j] += wl[r] * xl + wh[r] * xh;
       }}
     }}
-    for (int r = 0; r < {G}; r++) for (int j = 0; j < {NT}; j++) y[(t + j) * ys + o + r] = hsum(acc[r][j]);
+    for (int r = 0; r < {G}; r++) for (int j = 0; j < {NT}; j++) y[(t + j) * ys + o + r] = hsum(acc[r][j] + acc2[r][j]);
   }}
 }}
 """
 
 
-def _src(name: str, defs: dict[str, Any], mms: dict[str, int], rows: int, body: str) -> str:
-    NT = 4 if rows % 4 == 0 else 1
+def c_source(name: str, defs: dict[str, Any], mms: dict[str, tuple[int, int]], body: str) -> str:
+    """A kernel's C: `#define`s, the helpers above, matmuls `name: (ggml type, rows per x tile)`, then
+    `void name` + body. Everything but the entry point is inlined, so it is the first code in the image."""
     return ("".join(f"#define {k} {v}\n" for k, v in defs.items()) + _HEAD
-            + "".join(_mm(n, typ, NT) for n, typ in mms.items()) + f"void {name}{body}")
-
-
-def attn_src(T: int, D: int, H: int, KV: int, HD: int, S: int, eps: float, tq: int, to: int) -> str:
-    """x + attention(rmsnorm(x)) @ Wo for T rows at positions ids[T].., writing their K/V into the cache."""
-    body = """(float *restrict xo, float *restrict scr, float *restrict cache, const float *restrict x,
-    const float *restrict nw, const unsigned char *restrict wqkv, const unsigned char *restrict wo,
-    const double *restrict rope, const int *restrict ids) {
-  int start = ids[T];
-  float *h = scr, *qkv = scr + T * D, *ao = qkv + T * NQKV;
-  for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, nw);
-  mmq(qkv, NQKV, h, D, wqkv, NQKV, D / 32, T);
-  for (int t = 0; t < T; t++) {
-    int pos = start + t; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD;
-    const double *cs = rope + (long)pos * HD;
-    /* q and k heads are adjacent; rotate pairs (2i, 2i+1) in double like the reference's complex128 RoPE */
-    for (int i = 0; i < (H + KV) * HD / 2; i++) {
-      #pragma clang fp contract(off)
-      double a = q[2 * i], b = q[2 * i + 1], c = cs[i % (HD / 2)], s = cs[HD / 2 + i % (HD / 2)];
-      q[2 * i] = (float)(a * c - b * s); q[2 * i + 1] = (float)(a * s + b * c);
-    }
-    for (int g = 0; g < KV; g++) for (int i = 0; i < HD; i++) {
-      cache[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i];
-      cache[((long)(KV + g) * S + pos) * HD + i] = v[g * HD + i];
-    }
-  }
-  double sc[S];
-  for (int t = 0; t < T; t++) for (int hh = 0; hh < H; hh++) {
-    int pos = start + t, g = hh / (H / KV); const float *q = qkv + t * NQKV + hh * HD;
-    /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
-    double mx = -__builtin_inf(), sum = 0, o[HD];
-    for (int j = 0; j <= pos; j++) {
-      const float *k = cache + ((long)g * S + j) * HD; v16 a = (v16)0;
-      for (int i = 0; i < HD; i += 16) a += *(const v16 *)(q + i) * *(const v16 *)(k + i);
-      sc[j] = hsum(a) / SQRT_HD; mx = sc[j] > mx ? sc[j] : mx;
-    }
-    for (int j = 0; j <= pos; j++) { sc[j] = __builtin_exp(sc[j] - mx); sum += sc[j]; }
-    for (int i = 0; i < HD; i++) o[i] = 0;
-    for (int j = 0; j <= pos; j++) {
-      const float *vv = cache + ((long)(KV + g) * S + j) * HD; double p = sc[j] / sum;
-      for (int i = 0; i < HD; i++) o[i] += p * vv[i];
-    }
-    for (int i = 0; i < HD; i++) ao[t * D + hh * HD + i] = (float)o[i];
-  }
-  mmo(xo, D, ao, D, wo, D, D / 32, T);
-  for (int i = 0; i < T * D; i++) xo[i] += x[i];
-}
-"""
-    defs = {"T": T, "D": D, "H": H, "KV": KV, "HD": HD, "S": S, "EPS": f"{eps!r}f", "NQKV": (H + 2 * KV) * HD,
-            "SQRT_HD": f"{float(np.sqrt(HD))!r}"}
-    return _src("attn", defs, {"mmq": tq, "mmo": to}, T, body)
-
-
-def ffn_src(T: int, D: int, FF: int, eps: float, tgu: int, td: int) -> str:
-    """x + (silu(h @ Wg) * (h @ Wu)) @ Wd with h = rmsnorm(x); gate and up rows interleaved in one matrix."""
-    body = """(float *restrict xo, float *restrict scr, const float *restrict x, const float *restrict nw,
-    const unsigned char *restrict wgu, const unsigned char *restrict wd) {
-  float *h = scr, *gu = scr + T * D, *a = gu + T * 2 * FF;
-  for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, nw);
-  mmgu(gu, 2 * FF, h, D, wgu, 2 * FF, D / 32, T);
-  for (int i = 0; i < T * FF; i++) { float g = gu[2 * i]; a[i] = g / (1.0f + __builtin_expf(-g)) * gu[2 * i + 1]; }
-  mmd(xo, D, a, FF, wd, D, FF / 32, T);
-  for (int i = 0; i < T * D; i++) xo[i] += x[i];
-}
-"""
-    return _src("ffn", {"T": T, "D": D, "FF": FF, "EPS": f"{eps!r}f"}, {"mmgu": tgu, "mmd": td}, T, body)
-
-
-def head_src(T: int, D: int, V: int, eps: float, tw: int) -> str:
-    """argmax(rmsnorm(x[ids[T+1]]) @ W.T): the greedy next id, first index on ties like numpy."""
-    body = """(int *restrict out, float *restrict lg, const float *restrict x, const float *restrict nw,
-    const unsigned char *restrict w, const int *restrict ids) {
-  float h[D]; rmsnorm(h, x + ids[T + 1] * D, nw);
-  mmh(lg, V, h, D, w, V, D / 32, 1);
-  int best = 0; for (int i = 1; i < V; i++) if (lg[i] > lg[best]) best = i;
-  out[0] = best;
-}
-"""
-    return _src("head", {"T": T, "D": D, "V": V, "EPS": f"{eps!r}f"}, {"mmh": tw}, 1, body)
-
-
-def embed_src(T: int, D: int, typ: int) -> str:
-    body = f"""(float *restrict x, const unsigned char *restrict w, const int *restrict ids) {{
-  for (int t = 0; t < T; t++) for (int b = 0; b < D / 32; b++) {{
-    v16 lo, hi; dq{typ}(w + (((long)(ids[t] / {G}) * (D / 32) + b) * {G} + ids[t] % {G}) * {PACKED[typ]}, &lo, &hi);
-    *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
-  }}
-}}
-"""
-    return _src("embed", {"T": T, "D": D, "EPS": "0.0f"}, {}, T, body)
+            + "".join(_mm(n, typ, nt) for n, (typ, nt) in mms.items()) + f"void {name}{body}")
 
 
 def kernel(name: str, src: str, outs: list[Tensor], ins: list[Tensor], inout: tuple[int, ...] = (),
