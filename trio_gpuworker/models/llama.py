@@ -35,19 +35,20 @@ _FORWARD = """(int *restrict out, float *restrict scr, float *restrict cache, co
     const unsigned char *restrict wo, const float *restrict fn, const unsigned char *restrict wgu,
     const unsigned char *restrict wd, const double *restrict rope, const float *restrict on,
     const unsigned char *restrict wout) {
-  int start = ids[T];
+  /* rows past the one predicted from are padding: skip them, up to the matmul tile */
+  int start = ids[T], n = (ids[T + 1] + NT) / NT * NT;
   float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
   float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
   double sc[S];
-  for (int t = 0; t < T; t++) for (int b = 0; b < D / 32; b++) {
+  for (int t = 0; t < n; t++) for (int b = 0; b < D / 32; b++) {
     v16 lo, hi; dqe(embd + (((long)(ids[t] / G) * (D / 32) + b) * G + ids[t] % G) * BSE, &lo, &hi);
     *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
   }
   for (int l = 0; l < NL; l++) {
     float *kc = cache + (long)l * 2 * KV * S * HD, *vc = kc + (long)KV * S * HD;
-    for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, an + l * D);
-    mmq(qkv, NQKV, h, D, wqkv + (long)l * SZQKV, NQKV, D / 32, T);
-    for (int t = 0; t < T; t++) {
+    for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, an + l * D);
+    mmq(qkv, NQKV, h, D, wqkv + (long)l * SZQKV, NQKV, D / 32, n);
+    for (int t = 0; t < n; t++) {
       int pos = start + t; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD;
       const double *cs = rope + (long)pos * HD;
       /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
@@ -60,7 +61,7 @@ _FORWARD = """(int *restrict out, float *restrict scr, float *restrict cache, co
         kc[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i]; vc[((long)g * S + pos) * HD + i] = v[g * HD + i];
       }
     }
-    for (int t = 0; t < T; t++) for (int hh = 0; hh < H; hh++) {
+    for (int t = 0; t < n; t++) for (int hh = 0; hh < H; hh++) {
       int pos = start + t, g = hh / (H / KV); const float *q = qkv + t * NQKV + hh * HD;
       /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
       double mx = -__builtin_inf(), sum = 0, o[HD];
@@ -77,13 +78,13 @@ _FORWARD = """(int *restrict out, float *restrict scr, float *restrict cache, co
       }
       for (int i = 0; i < HD; i++) ao[t * D + hh * HD + i] = (float)o[i];
     }
-    mmo(h, D, ao, D, wo + (long)l * SZO, D, D / 32, T);
-    for (int i = 0; i < T * D; i++) x[i] = x[i] + h[i];
-    for (int t = 0; t < T; t++) rmsnorm(h + t * D, x + t * D, fn + l * D);
-    mmgu(gu, 2 * FF, h, D, wgu + (long)l * SZGU, 2 * FF, D / 32, T);
-    for (int i = 0; i < T * FF; i++) { float g = gu[2 * i]; a[i] = g / (1.0f + __builtin_expf(-g)) * gu[2 * i + 1]; }
-    mmd(h, D, a, FF, wd + (long)l * SZD, D, FF / 32, T);
-    for (int i = 0; i < T * D; i++) x[i] = x[i] + h[i];
+    mmo(h, D, ao, D, wo + (long)l * SZO, D, D / 32, n);
+    for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
+    for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, fn + l * D);
+    mmgu(gu, 2 * FF, h, D, wgu + (long)l * SZGU, 2 * FF, D / 32, n);
+    for (int i = 0; i < n * FF; i++) { float g = gu[2 * i]; a[i] = g / (1.0f + __builtin_expf(-g)) * gu[2 * i + 1]; }
+    mmd(h, D, a, FF, wd + (long)l * SZD, D, FF / 32, n);
+    for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
   }
   rmsnorm(h, x + ids[T + 1] * D, on);
   mmh(lg, V, h, D, wout, V, D / 32, 1);
@@ -158,6 +159,9 @@ class LlamaLM:
         Tensor.realize(self.cache, *self.weights)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
+        # Persistent JIT inputs, written in place: a fresh Tensor(ids) and .item() schedule a copy each, which
+        # cost ~2.5 ms of Python per decode step here.
+        self._ids = {n: Tensor.zeros(n + 2, dtype=dtypes.int32).contiguous().realize() for n in (PREFILL_CHUNK, 1)}
 
     def __getstate__(self) -> dict[str, Any]:
         """Weights, KV caches and both captured graphs, for the JIT cache (worker/_jitcache.py)."""
@@ -170,7 +174,7 @@ class LlamaLM:
 
     def probe(self) -> int:
         """The greedy next token after one fixed token at position 0: a cheap replay of the decode graph."""
-        return int(self._decode(Tensor(np.array([7, 0, 0], dtype=np.int32))).item())
+        return self._step(self._decode, [7], 0, 0)
 
     @classmethod
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> LlamaLM:
@@ -188,13 +192,21 @@ class LlamaLM:
         # chunks and three decode steps reach replay on both graphs.
         self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, progress, ignore_eos=True)
 
+    def _step(self, jit: TinyJit, tokens: Any, start: int, last: int) -> int:
+        ids = self._ids[PREFILL_CHUNK if jit is self._prefill else 1]
+        view = np.frombuffer(ids.uop.buffer.as_memoryview(force_zero_copy=True), np.int32)
+        view[:] = 0
+        view[: len(tokens)], view[-2:] = tokens, (start, last)
+        out = jit(ids).uop.buffer.as_memoryview(force_zero_copy=True)
+        return int(np.frombuffer(out, np.int32)[0])
+
     def _forward(self, ids: Tensor) -> Tensor:
         """ids (T + 2,) int32: T tokens, their start position, the row to predict from -> next id, (1,) int32."""
         T, D, H, KV, HD = ids.shape[0] - 2, self.dim, self.n_heads, self.n_kv, self.head_dim
         FF, V = self.ff, self.vocab_size
         nqkv, nt, ty = (H + 2 * KV) * HD, 4 if T % 4 == 0 else 1, self.types
         defs = {"T": T, "D": D, "H": H, "KV": KV, "HD": HD, "FF": FF, "V": V, "S": self.slots, "NL": self.n_layers,
-                "NQKV": nqkv, "EPS": f"{self.eps!r}f", "SQRT_HD": f"{float(np.sqrt(HD))!r}", "G": quant.G,
+                "NQKV": nqkv, "NT": nt, "EPS": f"{self.eps!r}f", "SQRT_HD": f"{float(np.sqrt(HD))!r}", "G": quant.G,
                 "dqe": f"dq{self.embd_type}", "BSE": quant.PACKED[self.embd_type],
                 **{f"SZ{k.upper()}": getattr(self, f"w{k}").nbytes() // self.n_layers for k in ("qkv", "o", "gu", "d")}}
         src = quant.c_source("forward", defs, {"mmq": (ty["q"], nt), "mmo": (ty["o"], nt), "mmgu": (ty["gu"], nt),
@@ -234,10 +246,7 @@ class LlamaLM:
             raise ValueError(f"prompt holds token ids outside 0..{self.vocab_size - 1}")
         nxt = 0
         for s in range(0, n, PREFILL_CHUNK):
-            r = min(PREFILL_CHUNK, n - s)
-            chunk = np.zeros(PREFILL_CHUNK + 2, dtype=np.int32)
-            chunk[:r], chunk[PREFILL_CHUNK:] = ids[s : s + r], (s, r - 1)
-            nxt = int(self._prefill(Tensor(chunk)).item())
+            nxt = self._step(self._prefill, ids[s : s + PREFILL_CHUNK], s, min(PREFILL_CHUNK, n - s) - 1)
         out_ids: list[int] = []
         pos = n
         while True:
@@ -248,5 +257,5 @@ class LlamaLM:
                 progress(len(out_ids))
             if len(out_ids) == max_tokens:
                 return out_ids, "length"
-            nxt = int(self._decode(Tensor(np.array([nxt, pos, 0], dtype=np.int32))).item())
+            nxt = self._step(self._decode, [nxt], pos, 0)
             pos += 1

@@ -130,7 +130,7 @@ def _mm(name: str, typ: int, NT: int) -> str:
         const float *xp = x + (t + j) * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
         /* one row of x: lo and hi halves get their own accumulators, for twice the independent FMA chains */
         for (int r = 0; r < {G}; r++) if ({NT} == 1) {{ acc[r][j] += wl[r] * xl; acc2[r][j] += wh[r] * xh; }}
-                                      else acc[r][j] += wl[r] * xl + wh[r] * xh;
+                                      else {{ acc[r][j] += wl[r] * xl; acc[r][j] += wh[r] * xh; }}
       }}
     }}
     for (int r = 0; r < {G}; r++) for (int j = 0; j < {NT}; j++) y[(t + j) * ys + o + r] = hsum(acc[r][j] + acc2[r][j]);
