@@ -1,9 +1,11 @@
-"""Quantised GGUF weights kept packed on the device, and the C kernels that dequantise them in registers.
+"""Quantised GGUF weights kept packed on the device, and the C helpers that dequantise them in registers.
 
-tinygrad's own codegen reaches 1-2 GMAC/s on an unpacked-nibble matvec on this CPU, and every launch costs
-~40 us of Python dispatch, so the decoder's hot path is hand-written C compiled by tinygrad's clang pipeline
-(a PROGRAM body in a custom kernel): one kernel per attention half and per FFN half of each layer. Each
-32-element block is dequantised to the reference's exact float32 weights (q*d + m, product rounded first).
+tinygrad's own codegen reaches 1-2 GMAC/s on an unpacked-nibble matvec on this CPU and each launch costs
+~40-80 us of Python, so the decoder's kernels are hand-written C compiled by tinygrad's clang pipeline (a
+PROGRAM body in a custom kernel, `kernel` below): dequantise-and-multiply tiles, RMSNorm, and the GGUF
+reading and re-packing they need. Each 32-element block dequantises to the reference's exact float32
+weights: q*d is exact in float32 (a 4- or 8-bit q times an f16 scale), so q*d + m rounds once, as the
+reference's does (tests/test_llama_quant.py checks it bit for bit).
 """
 
 from __future__ import annotations
@@ -91,13 +93,12 @@ INL void dq3(const unsigned char *p, v16 *lo, v16 *hi) {
 #ifdef __AVX512F__
   /* the block's 16 possible weights, looked up by nibble (vpermps reads the low 4 bits of each index) */
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  v16 tab = iota * d; tab = tab + m;  /* two statements: no FMA, the reference rounds q*d before adding m */
+  v16 tab = iota * d + m;  /* q*d is exact in float32 (4-bit q, f16 d): with or without FMA, the reference's weights */
   i16 q = __builtin_convertvector(*(const u16 *)(p + 8), i16);
   *lo = __builtin_ia32_permvarsf512(tab, q); *hi = __builtin_ia32_permvarsf512(tab, q >> 4);
 #else
   u16 q = *(const u16 *)(p + 8);
-  v16 a = __builtin_convertvector(q & 15, v16) * d, b = __builtin_convertvector(q >> 4, v16) * d;
-  *lo = a + m; *hi = b + m;
+  *lo = __builtin_convertvector(q & 15, v16) * d + m; *hi = __builtin_convertvector(q >> 4, v16) * d + m;
 #endif
 }
 INL void dq8(const unsigned char *p, v16 *lo, v16 *hi) {
