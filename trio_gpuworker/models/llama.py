@@ -39,7 +39,7 @@ _FORWARD = """(int *restrict out, float *restrict scr, float *restrict cache, co
   int start = ids[T], n = (ids[T + 1] + NT) / NT * NT;
   float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
   float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
-  double sc[S];
+  double sc[GQ][S + 8];
   for (int t = 0; t < n; t++) for (int b = 0; b < D / 32; b++) {
     v16 lo, hi; dqe(embd + (((long)(ids[t] / G) * (D / 32) + b) * G + ids[t] % G) * BSE, &lo, &hi);
     *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
@@ -61,22 +61,33 @@ _FORWARD = """(int *restrict out, float *restrict scr, float *restrict cache, co
         kc[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i]; vc[((long)g * S + pos) * HD + i] = v[g * HD + i];
       }
     }
-    for (int t = 0; t < n; t++) for (int hh = 0; hh < H; hh++) {
-      int pos = start + t, g = hh / (H / KV); const float *q = qkv + t * NQKV + hh * HD;
+    /* the H / KV query heads sharing a KV head go together: each cached K and V row is read once */
+    for (int t = 0; t < n; t++) for (int g = 0; g < KV; g++) {
+      int pos = start + t; const float *q = qkv + t * NQKV + g * GQ * HD;
       /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
-      double mx = -__builtin_inf(), sum = 0, o[HD];
+      double mx[GQ], sum[GQ], o[GQ][HD];
+      for (int r = 0; r < GQ; r++) { mx[r] = -__builtin_inf(); sum[r] = 0; for (int i = 0; i < HD; i++) o[r][i] = 0; }
       for (int j = 0; j <= pos; j++) {
-        const float *k = kc + ((long)g * S + j) * HD; v16 d = (v16)0;
-        for (int i = 0; i < HD; i += 16) d += *(const v16 *)(q + i) * *(const v16 *)(k + i);
-        sc[j] = hsum(d) / SQRT_HD; mx = sc[j] > mx ? sc[j] : mx;
+        const float *k = kc + ((long)g * S + j) * HD;
+        for (int r = 0; r < GQ; r++) {
+          v16 d = (v16)0;
+          for (int i = 0; i < HD; i += 16) d += *(const v16 *)(q + r * HD + i) * *(const v16 *)(k + i);
+          sc[r][j] = hsum(d) / SQRT_HD; mx[r] = sc[r][j] > mx[r] ? sc[r][j] : mx[r];
+        }
       }
-      for (int j = 0; j <= pos; j++) { sc[j] = __builtin_exp(sc[j] - mx); sum += sc[j]; }
-      for (int i = 0; i < HD; i++) o[i] = 0;
+      for (int r = 0; r < GQ; r++) {
+        for (int j = pos + 1; j < pos + 8; j++) sc[r][j] = mx[r];
+        for (int j = 0; j <= pos; j += 8) *(v8d *)(sc[r] + j) = vexp(*(v8d *)(sc[r] + j) - mx[r]);
+        for (int j = 0; j <= pos; j++) sum[r] += sc[r][j];
+      }
       for (int j = 0; j <= pos; j++) {
-        const float *vv = vc + ((long)g * S + j) * HD; double p = sc[j] / sum;
-        for (int i = 0; i < HD; i++) o[i] += p * vv[i];
+        const float *vv = vc + ((long)g * S + j) * HD;
+        for (int r = 0; r < GQ; r++) {
+          double p = sc[r][j] / sum[r];
+          for (int i = 0; i < HD; i++) o[r][i] += p * vv[i];
+        }
       }
-      for (int i = 0; i < HD; i++) ao[t * D + hh * HD + i] = (float)o[i];
+      for (int r = 0; r < GQ; r++) for (int i = 0; i < HD; i++) ao[t * D + (g * GQ + r) * HD + i] = (float)o[r][i];
     }
     mmo(h, D, ao, D, wo + (long)l * SZO, D, D / 32, n);
     for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
@@ -206,7 +217,8 @@ class LlamaLM:
         FF, V = self.ff, self.vocab_size
         nqkv, nt, ty = (H + 2 * KV) * HD, 4 if T % 4 == 0 else 1, self.types
         defs = {"T": T, "D": D, "H": H, "KV": KV, "HD": HD, "FF": FF, "V": V, "S": self.slots, "NL": self.n_layers,
-                "NQKV": nqkv, "NT": nt, "EPS": f"{self.eps!r}f", "SQRT_HD": f"{float(np.sqrt(HD))!r}", "G": quant.G,
+                "NQKV": nqkv, "NT": nt, "GQ": H // KV, "EPS": f"{self.eps!r}f", "SQRT_HD": f"{float(np.sqrt(HD))!r}",
+                "G": quant.G,
                 "dqe": f"dq{self.embd_type}", "BSE": quant.PACKED[self.embd_type],
                 **{f"SZ{k.upper()}": getattr(self, f"w{k}").nbytes() // self.n_layers for k in ("qkv", "o", "gu", "d")}}
         src = quant.c_source("forward", defs, {"mmq": (ty["q"], nt), "mmo": (ty["o"], nt), "mmgu": (ty["gu"], nt),

@@ -106,6 +106,19 @@ INL void dq8(const unsigned char *p, v16 *lo, v16 *hi) {
   *lo = __builtin_convertvector(*(const s16 *)(p + 4), v16) * d;
   *hi = __builtin_convertvector(*(const s16 *)(p + 20), v16) * d;
 }
+typedef double v8d __attribute__((ext_vector_type(8), aligned(8)));
+typedef long v8l __attribute__((ext_vector_type(8)));
+/* exp(x) of 8 softmax terms (x <= 0) to ~1 ulp: x = k ln2 + r, |r| <= ln2/2, degree-12 Taylor series of e^r;
+   a libm call per term was most of the attention time */
+INL v8d vexp(v8d x) {
+  v8l under = x < -708.0;
+  x = (v8d)(((v8l)x & ~under) | ((v8l)(v8d)-708.0 & under));
+  v8d k = (x * 1.4426950408889634 + 6755399441055744.0) - 6755399441055744.0;
+  v8d r = x - k * 6.93147180369123816490e-01 - k * 1.90821492927058770002e-10, p = (v8d)(1.0 / 479001600.0);
+  for (int i = 11; i >= 1; i--) { double f = 1; for (int j = 2; j <= i; j++) f *= j; p = p * r + 1.0 / f; }
+  p = p * r + 1.0;
+  return p * (v8d)((__builtin_convertvector(k, v8l) + 1023) << 52);
+}
 INL void rmsnorm(float *restrict h, const float *restrict x, const float *restrict w) {
   double ss = 0; for (int i = 0; i < D; i++) ss += (double)x[i] * x[i];
   float s = __builtin_sqrtf((float)(ss / D) + EPS);
