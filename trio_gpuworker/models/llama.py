@@ -5,7 +5,7 @@ last one padded) and decode runs one token at a time. Each call takes one int32 
 followed by its start position and the row whose next token is wanted, so one captured graph per phase
 serves every position up to max_context with no symbolic shapes.
 
-Quantised matrices stay packed and are dequantised in registers (quant.py), so a decode step reads ~95 MB
+Quantised matrices stay packed and are dequantised in registers (quant.py), so a decode step reads ~110 MB
 instead of 540 MB of float32. The whole forward pass is one C kernel: a tinygrad launch costs ~80 us of
 Python here, which was a third of a step even at one kernel per layer half.
 """
@@ -203,7 +203,8 @@ class LlamaLM:
         # chunks and three decode steps reach replay on both graphs.
         self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, progress, ignore_eos=True)
 
-    def _step(self, jit: TinyJit, tokens: Any, start: int, last: int) -> int:
+    def _step(self, jit: TinyJit, tokens: np.ndarray | list[int], start: int, last: int) -> int:
+        """One replay: `tokens` at positions start.., the next id after row `last`."""
         ids = self._ids[PREFILL_CHUNK if jit is self._prefill else 1]
         view = np.frombuffer(ids.uop.buffer.as_memoryview(force_zero_copy=True), np.int32)
         view[:] = 0
@@ -218,8 +219,7 @@ class LlamaLM:
         nqkv, nt, ty = (H + 2 * KV) * HD, 4 if T % 4 == 0 else 1, self.types
         defs = {"T": T, "D": D, "H": H, "KV": KV, "HD": HD, "FF": FF, "V": V, "S": self.slots, "NL": self.n_layers,
                 "NQKV": nqkv, "NT": nt, "GQ": H // KV, "EPS": f"{self.eps!r}f", "SQRT_HD": f"{float(np.sqrt(HD))!r}",
-                "G": quant.G,
-                "dqe": f"dq{self.embd_type}", "BSE": quant.PACKED[self.embd_type],
+                "G": quant.G, "dqe": f"dq{self.embd_type}", "BSE": quant.PACKED[self.embd_type],
                 **{f"SZ{k.upper()}": getattr(self, f"w{k}").nbytes() // self.n_layers for k in ("qkv", "o", "gu", "d")}}
         src = quant.c_source("forward", defs, {"mmq": (ty["q"], nt), "mmo": (ty["o"], nt), "mmgu": (ty["gu"], nt),
                                                "mmd": (ty["d"], nt), "mmh": (self.out_type, 1)}, _FORWARD)

@@ -162,13 +162,14 @@ def c_source(name: str, defs: dict[str, Any], mms: dict[str, tuple[int, int]], b
 
 def kernel(name: str, src: str, outs: list[Tensor], ins: list[Tensor], inout: tuple[int, ...] = (),
            ops: int = 0, mem: int = 0) -> list[Tensor]:
-    """Run C `src` (one function taking the buffers of outs then ins, in order) as a tinygrad kernel."""
+    """Run C `src` (one function taking the buffers of outs then ins, in order) as a tinygrad kernel; `inout`
+    are the indices of outs that it also reads (a KV cache). `ops`/`mem` are the estimates DEBUG=2 shows."""
     n, target = len(outs) + len(ins), Device[outs[0].device].renderer.target
 
     def fxn(*ps: UOp) -> UOp:
         sink = UOp.sink(arg=KernelInfo(name, estimates=Estimates(ops=ops, lds=mem, mem=mem)))
-        info = ProgramInfo(name, (1, 1, 1), (1, 1, 1), (), tuple(range(n)), tuple(range(len(outs))) + inout,
-                           tuple(range(len(outs), n)), target)
+        info = ProgramInfo(name, (1, 1, 1), (1, 1, 1), (), tuple(range(n)), tuple(range(len(outs))),
+                           inout + tuple(range(len(outs), n)), target)
         return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.LINEAR, src=ps), UOp(Ops.SOURCE, arg=src)), arg=info)
 
     return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
