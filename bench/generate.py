@@ -79,9 +79,10 @@ def reference_run(ids: list[np.ndarray], n: int) -> list[tuple[float, float, int
     return out
 
 
-def summary(rows: list[tuple[float, float, int]]) -> tuple[float, float]:
-    """(tokens/s over all prompts, median time to first token in ms)."""
-    return sum(r[2] for r in rows) / sum(r[1] for r in rows), statistics.median(r[0] for r in rows) * 1000
+def summary(rows: list[tuple[float, float, int]]) -> tuple[float, float, float]:
+    """(tokens/s over all prompts, median time to first token in ms, median ms per token after the first)."""
+    return (sum(r[2] for r in rows) / sum(r[1] for r in rows), statistics.median(r[0] for r in rows) * 1000,
+            statistics.median((r[1] - r[0]) / max(r[2] - 1, 1) for r in rows) * 1000)
 
 
 def main() -> None:
@@ -97,11 +98,12 @@ def main() -> None:
     base = summary(results["in-process tinygrad (LlamaLM.generate)"])[0]
     print(f"SmolLM2-135M-Instruct Q4_1, greedy, {len(ids)} chat prompts of {[len(i) for i in ids]} tokens, "
           f"max_tokens {args.max_tokens}, {os.cpu_count()} CPUs, DEV={os.environ['DEV']}")
-    print(f"{'path':<42}{'tokens/s':>10}{'TTFT ms':>10}{'ratio':>8}")
+    print(f"{'path':<42}{'tokens/s':>10}{'TTFT ms':>10}{'ms/token':>10}{'ratio':>8}")
     for name, rows in results.items():
-        rate, ttft = summary(rows)
-        print(f"{name:<42}{rate:>10.2f}{ttft:>10.0f}{rate / base:>7.2f}x")
-    print("(ratio = tokens/s / in-process tinygrad; TTFT includes the prompt's prefill)")
+        rate, ttft, step = summary(rows)
+        print(f"{name:<42}{rate:>10.2f}{ttft:>10.0f}{step:>10.1f}{rate / base:>7.2f}x")
+    print("(ratio = tokens/s / in-process tinygrad; TTFT includes the prompt's prefill; tokens/s counts it too;"
+          " ms/token = (total - TTFT) / (tokens - 1))")
 
 
 if __name__ == "__main__":
