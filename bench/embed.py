@@ -1,7 +1,11 @@
 """Embedding throughput, one run, same sentences: HTTP daemon, Supervisor API, in-process tinygrad,
 sentence-transformers (when installed). Prints sentences/s and ratios against in-process tinygrad.
 
-    .venv/bin/python bench/embed.py [--n 256] [--batch 32]
+    .venv/bin/python bench/embed.py [--n 256] [--batch 32] [--words W] [--replicas N] [--beam N]
+
+--words W makes every sentence W words (W + 2 tokens: `--n 32 --batch 32 --words 126` is one 32 x 128 batch);
+--replicas sets the daemon lane's replicas (default: the config default, one per core); --beam the model's
+BEAM width (its kernels are searched once, at the first start, into .state/cache).
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ def batches(texts: list[str], size: int) -> list[list[str]]:
     return [texts[i:i + size] for i in range(0, len(texts), size)]
 
 
-async def bench_daemon(texts: list[str], size: int) -> tuple[float, float, np.ndarray]:
-    """Returns (http sentences/s, supervisor sentences/s, supervisor vectors)."""
-    cfg = minilm_daemon_config("127.0.0.1:18421")
+async def bench_daemon(texts: list[str], size: int, replicas: int | None,
+                       beam: int) -> tuple[float, float, np.ndarray, int]:
+    """Returns (http sentences/s, supervisor sentences/s, supervisor vectors, lanes)."""
+    cfg = minilm_daemon_config("127.0.0.1:18421", f"replicas = {replicas}" if replicas else "", f"beam = {beam}")
     async with trio.open_nursery() as nursery:
         sup = (await nursery.start(run_daemon, cfg)).sup
         async with httpx.AsyncClient(base_url="http://127.0.0.1:18421", timeout=600) as client:
@@ -49,7 +54,7 @@ async def bench_daemon(texts: list[str], size: int) -> tuple[float, float, np.nd
                 r.raise_for_status()
             t_http = time.perf_counter() - t0
         nursery.cancel_scope.cancel()
-    return len(texts) / t_http, len(texts) / t_sup, vecs
+    return len(texts) / t_http, len(texts) / t_sup, vecs, len(cfg.supervisor.lanes)
 
 
 def bench_inprocess(texts: list[str], size: int) -> tuple[float, np.ndarray]:
@@ -89,20 +94,24 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--words", type=int, default=None, help="every sentence this many words (default 6..48)")
+    p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--beam", type=int, default=0)
     args = p.parse_args()
-    texts = sentences(args.n)
-    http_rate, sup_rate, sup_vecs = trio.run(bench_daemon, texts, args.batch)
+    texts = sentences(args.n) if args.words is None else sentences(args.n, lo=args.words, hi=args.words)
+    http_rate, sup_rate, sup_vecs, lanes = trio.run(bench_daemon, texts, args.batch, args.replicas, args.beam)
     inproc_rate, inproc_vecs = bench_inprocess(texts, args.batch)
     rows = [("in-process tinygrad (BertEncoder.embed)", inproc_rate, "sentences/s"),
-            ("Supervisor.embed (worker process, UDS)", sup_rate, "sentences/s"),
-            ("HTTP POST /v1/embeddings (hypercorn)", http_rate, "sentences/s")]
+            (f"Supervisor.embed ({lanes} worker process(es), UDS)", sup_rate, "sentences/s"),
+            (f"HTTP POST /v1/embeddings ({lanes} worker(s))", http_rate, "sentences/s")]
     st = bench_sentence_transformers(texts, args.batch)
     if st is not None:
         rows.append(("sentence-transformers (torch CPU)", st[0], "sentences/s"))
         cos = (sup_vecs * st[1]).sum(1) / np.linalg.norm(st[1], axis=1)
         print(f"fidelity vs sentence-transformers: min cosine {cos.min():.6f}, "
               f"max abs diff {np.abs(sup_vecs - st[1]).max():.2e}")
-    print(f"inputs: {args.n} sentences, batches of {args.batch}, {os.cpu_count()} CPUs, DEV={os.environ['DEV']}")
+    print(f"inputs: {args.n} sentences of {args.words or '6-48'} words, batches of {args.batch}, "
+          f"{os.cpu_count()} CPUs, DEV={os.environ['DEV']}; daemon: {lanes} replica(s), beam {args.beam}")
     print(table("embedding throughput", rows, "in-process tinygrad (BertEncoder.embed)"))
     np.testing.assert_allclose(sup_vecs, inproc_vecs, atol=1e-5)
 

@@ -1,5 +1,6 @@
 """Greedy generation with SmolLM2-135M-Instruct (Q4_1 GGUF), same prompts, one run: tokens/s and time
-to first token of the daemon (Supervisor -> worker process), of an in-process tinygrad run, and of the
+to first token of the daemon (Supervisor -> worker process, its device's default decoder), of both decoders
+in process (fused: CPU's default; graph: tinygrad-generated kernels, what other devices run), and of the
 independent numpy reference decoder (tests/reference_llama.py).
 
     .venv/bin/python bench/generate.py [--max-tokens 32]
@@ -53,10 +54,11 @@ async def daemon_run(ids: list[np.ndarray], max_tokens: int) -> list[tuple[float
     return out
 
 
-def inprocess_run(ids: list[np.ndarray], max_tokens: int) -> list[tuple[float, float, int]]:
+def inprocess_run(ids: list[np.ndarray], max_tokens: int, decoder: str) -> list[tuple[float, float, int]]:
     from trio_gpuworker.models.llama import LlamaLM
+    from trio_gpuworker.models.llama_fused import FusedLlamaLM
 
-    lm = LlamaLM.load(gguf_path())  # warms up: captures the prefill and decode graphs
+    lm = (FusedLlamaLM if decoder == "fused" else LlamaLM).load(gguf_path())  # warms up: captures both graphs
     out = []
     for p in ids:
         first: list[float] = []
@@ -91,18 +93,19 @@ def main() -> None:
     args = p.parse_args()
     ids = prompts(ChatTokenizer.from_gguf(gguf_path()))
     results = {
-        "in-process tinygrad (LlamaLM.generate)": inprocess_run(ids, args.max_tokens),
+        "in-process, fused decoder (CPU default)": inprocess_run(ids, args.max_tokens, "fused"),
+        "in-process, graph decoder (other devices)": inprocess_run(ids, args.max_tokens, "graph"),
         "daemon (Supervisor -> worker, UDS)": trio.run(daemon_run, ids, args.max_tokens),
         "numpy reference decoder": reference_run(ids, min(args.max_tokens, 16)),
     }
-    base = summary(results["in-process tinygrad (LlamaLM.generate)"])[0]
+    base = summary(results["numpy reference decoder"])[0]
     print(f"SmolLM2-135M-Instruct Q4_1, greedy, {len(ids)} chat prompts of {[len(i) for i in ids]} tokens, "
           f"max_tokens {args.max_tokens}, {os.cpu_count()} CPUs, DEV={os.environ['DEV']}")
     print(f"{'path':<42}{'tokens/s':>10}{'TTFT ms':>10}{'ms/token':>10}{'ratio':>8}")
     for name, rows in results.items():
         rate, ttft, step = summary(rows)
         print(f"{name:<42}{rate:>10.2f}{ttft:>10.0f}{step:>10.1f}{rate / base:>7.2f}x")
-    print("(ratio = tokens/s / in-process tinygrad; TTFT includes the prompt's prefill; tokens/s counts it too;"
+    print("(ratio = tokens/s / numpy reference; TTFT includes the prompt's prefill; tokens/s counts it too;"
           " ms/token = (total - TTFT) / (tokens - 1))")
 
 

@@ -1,5 +1,6 @@
 """SmolLM2-135M (Q4_1 GGUF) in tinygrad against an independent numpy forward of the same file.
 
+Both decoders are checked: the CPU default (llama_fused.py) and the tinygrad-generated one (llama.py).
 The reference shares no code with trio_gpuworker: weights come from the `gguf` package's reader and
 dequantiser, RoPE is done with complex rotations, attention recomputes from a plain list cache.
 """
@@ -15,7 +16,9 @@ gguf = pytest.importorskip("gguf")
 
 from tests.reference_llama import NumpyLlama, gguf_path  # noqa: E402
 from trio_gpuworker.llm_tokenizer import ChatTokenizer  # noqa: E402
-from trio_gpuworker.models.llama import MAX_NEW_TOKENS, LlamaLM  # noqa: E402
+from trio_gpuworker.models.greedy import MAX_NEW_TOKENS, GreedyDecoder  # noqa: E402
+from trio_gpuworker.models.llama import LlamaLM  # noqa: E402
+from trio_gpuworker.models.llama_fused import FusedLlamaLM  # noqa: E402
 
 N_CHECK = 16
 
@@ -28,9 +31,10 @@ def tok() -> ChatTokenizer:
     return ChatTokenizer.from_gguf(GGUF)
 
 
-@pytest.fixture(scope="module")
-def lm() -> LlamaLM:
-    return LlamaLM.load(GGUF)
+@pytest.fixture(scope="module", params=["fused", "graph"])
+def lm(request: pytest.FixtureRequest) -> GreedyDecoder:
+    """Both decoders: the CPU default (one C kernel per step) and the tinygrad-generated one other devices use."""
+    return (FusedLlamaLM if request.param == "fused" else LlamaLM).load(GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ PROMPTS = [
 
 @pytest.mark.parametrize("messages", PROMPTS, ids=["capital", "haiku", "two-chunks"])
 def test_greedy_matches_numpy_reference(
-    lm: LlamaLM, ref: NumpyLlama, tok: ChatTokenizer, messages: list[dict[str, str]]
+    lm: GreedyDecoder, ref: NumpyLlama, tok: ChatTokenizer, messages: list[dict[str, str]]
 ) -> None:
     ids = tok.encode(tok.apply_chat_template(messages))
     # A reference stop token ends our generation early; compare only what both sides produce.
@@ -65,7 +69,7 @@ def test_greedy_matches_numpy_reference(
         assert stop >= 4, "prompt ends too early to be a useful check"
 
 
-def test_plain_prompt_and_progress(lm: LlamaLM, ref: NumpyLlama, tok: ChatTokenizer) -> None:
+def test_plain_prompt_and_progress(lm: GreedyDecoder, ref: NumpyLlama, tok: ChatTokenizer) -> None:
     ids = tok.encode("def fibonacci(n):")
     seen: list[int] = []
     got, reason = lm.generate(np.array(ids, dtype=np.int32), N_CHECK, seen.append)
@@ -73,7 +77,7 @@ def test_plain_prompt_and_progress(lm: LlamaLM, ref: NumpyLlama, tok: ChatTokeni
     assert seen == list(range(1, N_CHECK + 1))
 
 
-def test_stop_excludes_eos_and_reports_stop(lm: LlamaLM, tok: ChatTokenizer) -> None:
+def test_stop_excludes_eos_and_reports_stop(lm: GreedyDecoder, tok: ChatTokenizer) -> None:
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
     seen: list[int] = []
     got, reason = lm.generate(np.array(ids, dtype=np.int32), MAX_NEW_TOKENS, seen.append)
@@ -83,18 +87,18 @@ def test_stop_excludes_eos_and_reports_stop(lm: LlamaLM, tok: ChatTokenizer) -> 
     assert "Paris" in tok.decode(got)
 
 
-def test_length_limit(lm: LlamaLM, tok: ChatTokenizer) -> None:
+def test_length_limit(lm: GreedyDecoder, tok: ChatTokenizer) -> None:
     got, reason = lm.generate(np.array(tok.encode("Once upon a time"), dtype=np.int32), 1)
     assert reason == "length" and len(got) == 1
 
 
 @pytest.mark.parametrize("bad", [0, -1, MAX_NEW_TOKENS + 1])
-def test_max_tokens_bounds(lm: LlamaLM, bad: int) -> None:
+def test_max_tokens_bounds(lm: GreedyDecoder, bad: int) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         lm.generate(np.array([1, 2, 3], dtype=np.int32), bad)
 
 
-def test_prompt_validation(lm: LlamaLM) -> None:
+def test_prompt_validation(lm: GreedyDecoder) -> None:
     with pytest.raises(ValueError, match="context"):
         lm.generate(np.ones(lm.max_context, dtype=np.int32), 1)
     with pytest.raises(ValueError, match="empty"):
@@ -109,5 +113,5 @@ def test_prompt_validation(lm: LlamaLM) -> None:
         lm.generate(np.array([1.0, 5.0]), 1)
 
 
-def test_eos_ids(lm: LlamaLM, tok: ChatTokenizer) -> None:
+def test_eos_ids(lm: GreedyDecoder, tok: ChatTokenizer) -> None:
     assert lm.eos_ids == tok.eos_ids == {0, 2}  # <|endoftext|>, <|im_end|> (the GGUF's declared EOS)

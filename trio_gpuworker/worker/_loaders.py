@@ -93,17 +93,38 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     return _cached(path, digest, kind, modules, extra, build, probe, verify)
 
 
+DECODERS = ("fused", "graph")
+
+
+def decoder_for(rc: dict[str, Any], device: str) -> str:
+    """runtime_config `decoder`: "fused" (one C kernel per step, CPU only) or "graph" (tinygrad-generated
+    kernels, any device). Default: fused on CPU, graph elsewhere."""
+    choice = rc.get("decoder", "fused" if device.split(":")[0] == "CPU" else "graph")
+    if choice not in DECODERS:
+        raise LoadError("config_invalid", f"decoder must be one of {', '.join(DECODERS)}, got {choice!r}")
+    if choice == "fused" and device.split(":")[0] != "CPU":
+        raise LoadError("config_invalid", f"decoder 'fused' runs on CPU only, not on {device}: use 'graph'")
+    return choice
+
+
 def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[], None],
                progress: ModelProgress) -> tuple[Any, Any]:
     """(decoder with its prefill and decode graphs captured, detokenizer): both restored from one entry. With
-    `beam` > 0 both graphs are compiled under a BEAM search of that width."""
-    from ..llm_tokenizer import ChatTokenizer
-    from ..models.llama import DEFAULT_CONTEXT, LlamaLM
+    `beam` > 0 both graphs are compiled under a BEAM search of that width (it tunes tinygrad-generated
+    kernels: the graph decoder's)."""
+    from tinygrad import Device
 
-    beam = _beam(rc)
+    from ..llm_tokenizer import ChatTokenizer
+    from ..models.greedy import DEFAULT_CONTEXT
+
+    beam, decoder = _beam(rc), decoder_for(rc, Device.DEFAULT)
+    if decoder == "fused":
+        from ..models.llama_fused import FusedLlamaLM as cls
+    else:
+        from ..models.llama import LlamaLM as cls
 
     def build() -> tuple[Any, Any]:
-        lm = LlamaLM.load(path, warmup=False)
+        lm = cls.load(path, warmup=False)
         stats = BeamStats(beam)
         with beam_shape(beam, stats):
             lm.warmup(progress)
@@ -114,6 +135,7 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
     def probe(built: tuple[Any, Any]) -> np.ndarray:  # a restore must reproduce the decode graph's answer
         return np.asarray([built[0].probe()], dtype=np.int64)
 
-    extra = {"max_context": DEFAULT_CONTEXT, "beam": beam}
-    modules = ("trio_gpuworker.models.llama", "trio_gpuworker.models._jitstate", "trio_gpuworker.llm_tokenizer")
+    extra = {"max_context": DEFAULT_CONTEXT, "beam": beam, "decoder": decoder}
+    modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.models._jitstate",
+               "trio_gpuworker.llm_tokenizer", *(("trio_gpuworker.models.quant",) if decoder == "fused" else ()))
     return _cached(path, digest, "generate", modules, extra, build, probe, verify)

@@ -1,0 +1,23 @@
+"""Which SmolLM2 decoder a worker builds (runtime_config `decoder`): fused on CPU, tinygrad-generated elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from trio_gpuworker.worker._loaders import LoadError, decoder_for
+
+
+def test_defaults_follow_the_device() -> None:
+    assert decoder_for({}, "CPU") == "fused"
+    assert decoder_for({}, "CUDA") == "graph" and decoder_for({}, "NV:1") == "graph"
+    assert decoder_for({"decoder": "graph"}, "CPU") == "graph"
+
+
+@pytest.mark.parametrize(("rc", "device", "match"), [
+    ({"decoder": "turbo"}, "CPU", "decoder must be one of fused, graph, got 'turbo'"),
+    ({"decoder": "fused"}, "CUDA", "decoder 'fused' runs on CPU only, not on CUDA"),
+])
+def test_bad_choices_are_config_errors(rc: dict[str, str], device: str, match: str) -> None:
+    with pytest.raises(LoadError, match=match) as info:
+        decoder_for(rc, device)
+    assert info.value.code == "config_invalid"

@@ -1,0 +1,79 @@
+"""Greedy generation shared by the decoders: prompt checks, chunked prefill, the decode loop, stop tokens.
+
+A decoder supplies two replays of its captured graphs: `_prefill_step` (a PREFILL_CHUNK-row chunk, padded)
+and `_decode_step` (one token); both return the greedy next id.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import numpy as np
+
+MAX_NEW_TOKENS = 64
+PREFILL_CHUNK = 32
+DEFAULT_CONTEXT = 2048
+
+
+class GreedyDecoder(abc.ABC):
+    max_context: int
+    vocab_size: int
+    eos_ids: set[int]
+
+    @abc.abstractmethod
+    def _prefill_step(self, tokens: np.ndarray, start: int, last: int) -> int:
+        """`tokens` (at most PREFILL_CHUNK) at positions start.. -> the greedy next id after row `last`."""
+
+    @abc.abstractmethod
+    def _decode_step(self, token: int, pos: int) -> int:
+        """`token` at position `pos` -> the greedy next id."""
+
+    def warmup(self, progress: Callable[[int], None] | None = None) -> None:
+        """Trace and capture both JIT graphs. `progress` sees 1..4 after the (slow) first prefill calls."""
+        # TinyJit runs eagerly once, captures on the second call and replays from the third: two prefill
+        # chunks and three decode steps reach replay on both graphs.
+        self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, progress, ignore_eos=True)
+
+    def generate(
+        self,
+        prompt_ids: np.ndarray,
+        max_tokens: int,
+        progress: Callable[[int], None] | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> tuple[list[int], str]:
+        """Greedy continuation of `prompt_ids`: (generated ids without the stop token, "stop" | "length").
+
+        `progress(n)` is called after each generated token (n = 1, 2, ...). `ignore_eos` keeps going past
+        end-of-generation tokens (warm-up, benchmarks). ValueError when max_tokens is outside
+        1..MAX_NEW_TOKENS, or the prompt is empty, not integers, holds an id outside the vocabulary, or
+        prompt + max_tokens exceeds max_context."""
+        if not 1 <= max_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_tokens must be 1..{MAX_NEW_TOKENS}, got {max_tokens}")
+        ids = np.asarray(prompt_ids).reshape(-1)
+        n = len(ids)
+        if n == 0:
+            raise ValueError("empty prompt")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt ids must be integers, got {ids.dtype}")
+        if n + max_tokens > self.max_context:
+            raise ValueError(f"prompt of {n} tokens + {max_tokens} new exceeds the {self.max_context}-token context")
+        # An out-of-range id would index past the embedding table rather than fail.
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt holds token ids outside 0..{self.vocab_size - 1}")
+        nxt = 0
+        for s in range(0, n, PREFILL_CHUNK):
+            nxt = self._prefill_step(ids[s : s + PREFILL_CHUNK].astype(np.int32), s, min(PREFILL_CHUNK, n - s) - 1)
+        out_ids: list[int] = []
+        pos = n
+        while True:
+            if nxt in self.eos_ids and not ignore_eos:
+                return out_ids, "stop"
+            out_ids.append(nxt)
+            if progress is not None:
+                progress(len(out_ids))
+            if len(out_ids) == max_tokens:
+                return out_ids, "length"
+            nxt = self._decode_step(nxt, pos)
+            pos += 1
