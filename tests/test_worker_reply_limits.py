@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers import embedded_default
 from trio_gpuworker import Supervisor, WorkerError
-from trio_gpuworker.daemon.config import DEFAULT_MODEL, EMBEDDED_DEFAULT, parse_config
+from trio_gpuworker.daemon.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 STATE = Path(__file__).resolve().parent.parent / ".state"
@@ -19,7 +20,7 @@ MAX_FRAME = 64 * 1024
 
 async def test_oversized_vectors_reply_is_a_typed_error_and_no_strike() -> None:
     env = {"GPUWORKER_STATE_DIR": str(STATE), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-reply-")}
-    cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor
+    cfg = embedded_default(env).supervisor
     lanes = tuple(lane for lane in cfg.lanes if DEFAULT_MODEL in lane.models)
     cfg = dataclasses.replace(cfg, lanes=lanes, models=tuple(m for m in cfg.models if m.id == DEFAULT_MODEL),
                               max_frame=MAX_FRAME, max_batch_items=16)

