@@ -89,7 +89,7 @@ def test_scores_match_transformers(single: tuple) -> None:
     want = _torch_out(model, ids, tts).logits[:, 0].numpy()
     assert got.dtype == np.float32 and got.shape == (len(ids),)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    assert seen == [8, 11]  # one PROGRESS per micro-batch: (16 tokens x 8 rows), then (64 x 4, one row padding)
+    assert seen == [4, 11]  # one PROGRESS per micro-batch, longest first: (64 tokens x 4), (16 x 8, one padding)
     # Replays of the now-captured TinyJits give the same numbers.
     for _ in range(2):
         np.testing.assert_array_equal(ce.score(ids, tts), got)

@@ -102,7 +102,7 @@ def test_mean_normalized_matches_sentence_transformers(st_model: Any, enc: BertE
     got = enc.embed(rows, "mean", True, progress=seen.append)
     assert enc.dims == 384
     _close(got, want)
-    assert seen == [6, 7, 8]  # one PROGRESS per micro-batch: 16 x 8 (6 real rows), 64 x 1, 256 x 1
+    assert seen == [1, 2, 8]  # one PROGRESS per micro-batch, longest first: 256 x 1, 64 x 1, 16 x 8 (6 real rows)
 
 
 def test_cls_and_unnormalized_match_bert_model(enc: BertEncoder, rows: list[np.ndarray], hidden: tuple) -> None:

@@ -307,31 +307,33 @@ class BucketedBert(abc.ABC):
             if bad := [i for i, (a, t) in enumerate(zip(ids, tts, strict=True)) if len(a) != len(t)]:
                 raise ValueError(f"token_type_ids[{bad[0]}] length differs from its row")
         out = np.zeros((len(ids), width), np.float32)
-        by_bucket: dict[int, list[int]] = {}
-        for i, a in enumerate(ids):
-            by_bucket.setdefault(self._bucket(len(a)), []).append(i)
+        # Longest rows first: a micro-batch is planned for the rows of the longest bucket left, and the slots it
+        # would pad are filled with the next (shorter) rows instead, so short rows ride in a longer bucket's
+        # (often BEAM-tuned) batch rather than in small batches of their own.
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        buckets = [self._bucket(len(ids[i])) for i in order]
         done = 0
-        for L in sorted(by_bucket):
-            idx = by_bucket[L]
-            start = 0
-            for take, B in plan_batches(len(idx), self._sizes(L), self._tuned.get(L)):
-                sel = idx[start : start + take]
-                x, t, m = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
-                for j, i in enumerate(sel):
-                    n = len(ids[i])
-                    x[j, :n], m[j, :n] = ids[i], 1
-                    if types is not None:
-                        t[j, :n] = tts[i]
-                # Padded rows attend to one token so no softmax row is all-masked; their output is dropped.
-                m[take:, 0] = 1
-                if (jit := self._jits.get((L, B))) is None:
-                    jit = self._jits[(L, B)] = TinyJit(self._forward)
-                res = jit(*(Tensor(a, device=Device.DEFAULT) for a in (x, t, m))).numpy()
-                out[sel] = res[:take].reshape(take, width)
-                start += take
-                done += take
-                if progress is not None:
-                    progress(done)
+        while done < len(order):
+            L = buckets[done]
+            same = buckets[done:].count(L)
+            _, B = plan_batches(same, self._sizes(L), self._tuned.get(L))[0]
+            take = min(B, len(order) - done)
+            sel = order[done : done + take]
+            x, t, m = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
+            for j, i in enumerate(sel):
+                n = len(ids[i])
+                x[j, :n], m[j, :n] = ids[i], 1
+                if types is not None:
+                    t[j, :n] = tts[i]
+            # Padded rows attend to one token so no softmax row is all-masked; their output is dropped.
+            m[take:, 0] = 1
+            if (jit := self._jits.get((L, B))) is None:
+                jit = self._jits[(L, B)] = TinyJit(self._forward)
+            res = jit(*(Tensor(a, device=Device.DEFAULT) for a in (x, t, m))).numpy()
+            out[sel] = res[:take].reshape(take, width)
+            done += take
+            if progress is not None:
+                progress(done)
         return out
 
 

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
+
+from ..gguf_meta import end_of_generation_ids
+from ._jitstate import restore_written_sets, written_sets
 
 MAX_NEW_TOKENS = 64
 PREFILL_CHUNK = 32
@@ -20,6 +24,38 @@ class GreedyDecoder(abc.ABC):
     max_context: int
     vocab_size: int
     eos_ids: set[int]
+    _prefill: Any  # the TinyJits of a chunk and of one token
+    _decode: Any
+
+    def _hparams(self, kv: dict[str, Any], max_context: int) -> float:
+        """The GGUF's llama hyperparameters, onto self; returns RoPE's base frequency."""
+        arch = kv["general.architecture"]
+        if arch != "llama":
+            raise ValueError(f"unsupported architecture {arch!r}")
+        g = lambda k, d=None: kv.get(f"{arch}.{k}", d)  # noqa: E731
+        self.n_layers, self.dim = int(g("block_count")), int(g("embedding_length"))
+        self.n_heads, self.n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv"))
+        self.head_dim = int(g("attention.key_length", self.dim // self.n_heads))
+        if int(g("rope.dimension_count", self.head_dim)) != self.head_dim:
+            raise ValueError("partial RoPE is not supported")
+        self.eps = float(g("attention.layer_norm_rms_epsilon"))
+        self.max_context = min(max_context, int(g("context_length")))
+        self.eos_ids = end_of_generation_ids(kv)
+        return float(g("rope.freq_base", 10000.0))
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Weights, KV caches and both captured graphs (`_prefill`, `_decode`), for the JIT cache
+        (worker/_jitcache.py)."""
+        return {**self.__dict__, "_written": written_sets({"p": self._prefill, "d": self._decode})}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        written = state.pop("_written", {})
+        self.__dict__.update(state)
+        restore_written_sets({"p": self._prefill, "d": self._decode}, written)
+
+    def probe(self) -> int:
+        """The greedy next token after one fixed token at position 0: a cheap replay of the decode graph."""
+        return self._decode_step(7, 0)
 
     @abc.abstractmethod
     def _prefill_step(self, tokens: np.ndarray, start: int, last: int) -> int:

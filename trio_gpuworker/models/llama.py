@@ -20,9 +20,6 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes, function
 from tinygrad.llm.gguf import gguf_load
 from tinygrad.uop.ops import resolve
 
-from trio_gpuworker.gguf_meta import end_of_generation_ids
-
-from ._jitstate import restore_written_sets, written_sets
 from .greedy import DEFAULT_CONTEXT, PREFILL_CHUNK, GreedyDecoder
 
 _SPLIT = 64
@@ -90,19 +87,7 @@ def _block(
 
 class LlamaLM(GreedyDecoder):
     def __init__(self, kv: dict[str, Any], sd: dict[str, Tensor], max_context: int) -> None:
-        arch = kv["general.architecture"]
-        if arch != "llama":
-            raise ValueError(f"unsupported architecture {arch!r}")
-        g = lambda k, d=None: kv.get(f"{arch}.{k}", d)  # noqa: E731
-        self.n_layers, self.dim = int(g("block_count")), int(g("embedding_length"))
-        self.n_heads, self.n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv"))
-        self.head_dim = int(g("attention.key_length", self.dim // self.n_heads))
-        if int(g("rope.dimension_count", self.head_dim)) != self.head_dim:
-            raise ValueError("partial RoPE is not supported")
-        self.eps = float(g("attention.layer_norm_rms_epsilon"))
-        self.max_context = min(max_context, int(g("context_length")))
-        theta = float(g("rope.freq_base", 10000.0))
-        self.eos_ids: set[int] = end_of_generation_ids(kv)
+        theta = self._hparams(kv, max_context)
 
         # Dequantise once at load: a float32 matvec beats re-unpacking Q4_1 nibbles on every token here.
         def w(name: str) -> Tensor:
@@ -132,19 +117,6 @@ class LlamaLM(GreedyDecoder):
         self._last = UOp.variable("last_row", 0, PREFILL_CHUNK - 1)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Weights, KV caches and both captured graphs, for the JIT cache (worker/_jitcache.py)."""
-        return {**self.__dict__, "_written": written_sets({"p": self._prefill, "d": self._decode})}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        written = state.pop("_written", {})
-        self.__dict__.update(state)
-        restore_written_sets({"p": self._prefill, "d": self._decode}, written)
-
-    def probe(self) -> int:
-        """The greedy next token after one fixed token at position 0: a cheap replay of the decode graph."""
-        return int(self._decode(Tensor([7], dtype=dtypes.int32), self._start.bind(0)).item())
 
     @classmethod
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> LlamaLM:

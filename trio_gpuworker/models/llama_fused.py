@@ -22,10 +22,7 @@ from typing import Any
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 
-from trio_gpuworker.gguf_meta import end_of_generation_ids
-
 from . import quant
-from ._jitstate import restore_written_sets, written_sets
 from .greedy import DEFAULT_CONTEXT, PREFILL_CHUNK, GreedyDecoder
 
 # Layer weights are stacked: layer l's block of a kind starts at l * its size. Scratch: x, h, then either
@@ -107,19 +104,7 @@ _FORWARD = """(int *restrict out, float *restrict scr, float *restrict cache, co
 
 class FusedLlamaLM(GreedyDecoder):
     def __init__(self, kv: dict[str, Any], raw: dict[str, quant.Raw], max_context: int) -> None:
-        arch = kv["general.architecture"]
-        if arch != "llama":
-            raise ValueError(f"unsupported architecture {arch!r}")
-        g = lambda k, d=None: kv.get(f"{arch}.{k}", d)  # noqa: E731
-        self.n_layers, self.dim = int(g("block_count")), int(g("embedding_length"))
-        self.n_heads, self.n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv"))
-        self.head_dim = int(g("attention.key_length", self.dim // self.n_heads))
-        if int(g("rope.dimension_count", self.head_dim)) != self.head_dim:
-            raise ValueError("partial RoPE is not supported")
-        self.eps = float(g("attention.layer_norm_rms_epsilon"))
-        self.max_context = min(max_context, int(g("context_length")))
-        theta = float(g("rope.freq_base", 10000.0))
-        self.eos_ids: set[int] = end_of_generation_ids(kv)
+        theta = self._hparams(kv, max_context)
         self.ff = int(raw["blk.0.ffn_gate.weight"][1][0])
         if self.dim % 32 or self.ff % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
             raise ValueError("dimensions must be multiples of the 32-element quant block")
@@ -173,19 +158,6 @@ class FusedLlamaLM(GreedyDecoder):
         # Persistent JIT inputs, written in place: a fresh Tensor(ids) and .item() schedule a copy each, which
         # cost ~2.5 ms of Python per decode step here.
         self._ids = {n: Tensor.zeros(n + 2, dtype=dtypes.int32).contiguous().realize() for n in (PREFILL_CHUNK, 1)}
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Weights, KV caches and both captured graphs, for the JIT cache (worker/_jitcache.py)."""
-        return {**self.__dict__, "_written": written_sets({"p": self._prefill, "d": self._decode})}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        written = state.pop("_written", {})
-        self.__dict__.update(state)
-        restore_written_sets({"p": self._prefill, "d": self._decode}, written)
-
-    def probe(self) -> int:
-        """The greedy next token after one fixed token at position 0: a cheap replay of the decode graph."""
-        return self._step(self._decode, [7], 0, 0)
 
     @classmethod
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> FusedLlamaLM:

@@ -12,7 +12,7 @@ BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 # depend on the token count alone, so full micro-batches of every length share them, BEAM-tuned ones too.
 MAX_BATCH_TOKENS = 512
 # BEAM searches full micro-batches up to this length by default: each searched shape costs minutes, once.
-TUNED_MAX_LENGTH = 64
+TUNED_MAX_LENGTH = 128
 # A tuned shape runs ~3x faster than tinygrad's hand-coded kernels on this kind of CPU: a remainder of a
 # third of a tuned batch or more is padded up to it.
 TUNED_PAD = 3
