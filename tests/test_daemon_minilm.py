@@ -43,19 +43,26 @@ async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp
     env = {"GPUWORKER_STATE_DIR": str(repo_state), "GPUWORKER_RUNTIME_DIR": str(tmp_path / "run"),
            "GPUWORKER_LISTEN": "127.0.0.1:0"}
     cfg = embedded_default(env)
-    sup = dataclasses.replace(cfg.supervisor, lanes=cfg.supervisor.lanes[:1], models=cfg.supervisor.models[:1])
-    cfg = dataclasses.replace(cfg, supervisor=sup)  # the embedding lane alone: generation has its own tests
+    # the embedding lane as two replicas, whatever the core count: generation has its own tests
+    embed = cfg.supervisor.lanes[0]
+    lanes = (embed, dataclasses.replace(embed, id=embed.id + "-1"))
+    cfg = dataclasses.replace(cfg, supervisor=dataclasses.replace(cfg.supervisor, lanes=lanes,
+                                                                  models=cfg.supervisor.models[:1]))
     async with trio.open_nursery() as nursery:
         daemon = await nursery.start(run_daemon, cfg)
         sup, binds = daemon.sup, daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=600) as client:
-            r = await client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": SENTENCES})
-            assert r.status_code == 200, r.text
-            got = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+            got = []
+            # one replica each, then one request spread over both (4 x 5 rows), then each again
+            for inputs in (SENTENCES, SENTENCES, SENTENCES * 4, SENTENCES):
+                r = await client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": inputs})
+                assert r.status_code == 200, r.text
+                got.append(np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32))
             h = (await client.get("/healthz")).json()
-            assert h["lanes"][0]["state"] == "ready" and h["lanes"][0]["generation"] == 1
+            assert [(ln["state"], ln["generation"]) for ln in h["lanes"]] == [("ready", 1)] * 2
         nursery.cancel_scope.cancel()
-    assert got.shape == (len(SENTENCES), 384)
-    cos = (got * reference).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(reference, axis=1))
+    want, got_all = np.tile(reference, (7, 1)), np.concatenate(got)
+    assert got_all.shape == (7 * len(SENTENCES), 384) and want.shape == got_all.shape
+    cos = (got_all * want).sum(1) / (np.linalg.norm(got_all, axis=1) * np.linalg.norm(want, axis=1))
     assert cos.min() >= 0.9999, cos
-    assert np.abs(got - reference).max() <= 1e-4
+    assert np.abs(got_all - want).max() <= 1e-4
