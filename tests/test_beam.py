@@ -99,20 +99,14 @@ async def test_tune_then_workers_search_nothing(tmp_path: Path) -> None:
     searched = int(out.split("beam 1 on CPU, beam 1: ")[1].split(" kernel(s)")[0])
     assert searched > 0
     cfg = load_config(conf).supervisor
-    # the daemon's next worker restores what tune captured: nothing compiled, nothing searched
+    # the daemon's next worker compiles its warm-up shapes with every BEAM result from CACHEDB: no search
     tuned, log = await embed_on_fresh_worker(cfg)
-    assert "jit cache hit" in log and "beam 1:" not in log, log
-    # a worker that cannot restore the captured JITs compiles again, every BEAM result from CACHEDB
-    for entry in (tmp_path / "state" / "cache" / "jit").glob("*.jit"):
-        entry.unlink()
-    again, log = await embed_on_fresh_worker(cfg)
-    assert "jit cache miss" in log and "beam 1: every kernel from the cache" in log, log
-    np.testing.assert_allclose(again, tuned, rtol=0, atol=1e-6)
+    assert "beam 1: every kernel from the cache" in log, log
     # tuned kernels compute what tinygrad's hand-coded ones do
     plain, _ = await embed_on_fresh_worker(load_config(tiny_daemon_config(tmp_path, 0)).supervisor)
     np.testing.assert_allclose(tuned, plain, rtol=0, atol=1e-5)
     rc, out, _ = await trio.to_thread.run_sync(tune, conf)
-    assert rc == 0 and "already tuned" in out, out
+    assert rc == 0 and "every kernel from the cache" in out, out
 
 
 def test_tune_refuses_beam_zero_and_unknown_models(tmp_path: Path) -> None:

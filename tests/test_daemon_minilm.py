@@ -50,7 +50,7 @@ async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp
                                                                   models=cfg.supervisor.models[:1]))
     async with trio.open_nursery() as nursery:
         daemon = await nursery.start(run_daemon, cfg)
-        sup, binds = daemon.sup, daemon.binds
+        binds = daemon.binds
         async with httpx.AsyncClient(base_url=binds[0], timeout=600) as client:
             got = []
             # one replica each, then one request spread over both (4 x 5 rows), then each again
