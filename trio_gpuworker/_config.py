@@ -29,6 +29,9 @@ class ModelConfig:
     beam: int = 0  # BEAM search width for the warm-up shapes at LOAD (0: tinygrad's hand-coded kernels)
 
 
+MAX_BEAM = 8  # the widest `beam` the daemon accepts and a worker runs
+
+
 @dataclass(frozen=True)
 class Windows:
     """Watchdog silence windows and kill grace, in seconds (reference defaults)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .._config import (
+    MAX_BEAM,
     MODEL_KINDS,
     POOLINGS,
     AdmissionPolicy,
@@ -210,7 +211,6 @@ _ARENA_KEYS = {"size_mib"}
 _BATCHING_KEYS = {"max_delay_ms"}
 MAX_BATCH_DELAY_MS = 1000.0
 MAX_REPLICAS = 64
-MAX_BEAM = 8  # the worker's limit too (worker/_beam.py)
 UNIX_PATH_MAX = 107
 
 

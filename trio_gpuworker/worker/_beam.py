@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_BEAM = 8
+from .._config import MAX_BEAM
+
 LOCK_WAIT_S = 300.0
 _POLL_S = 0.25
 

@@ -6,7 +6,6 @@ Runs on the compute thread; tinygrad is imported here, on the first LOAD.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,10 +37,7 @@ def _cached(path: Path, digest: str, kind: str, modules: tuple[str, ...], extra:
     from tinygrad import Device
 
     sources = [Path(sys.modules[m].__file__ or "") for m in (*modules, __name__, _jitcache.__name__)]
-    # One entry per lane: two replicas running at once from one restored entry returned wrong vectors
-    # (tests/test_daemon_minilm.py); a lane's standby and active worker never compute at the same time.
-    lane = os.environ.get("GPUWORKER_LANE_ID", "")
-    key = _jitcache.cache_key(digest, Device.DEFAULT, sources, {"kind": kind, "lane": lane, **extra})
+    key = _jitcache.cache_key(digest, Device.DEFAULT, sources, {"kind": kind, **extra})
     try:
         impl, outcome = _jitcache.load_or_build(key, build, probe, _log, verify)
     except (ValueError, KeyError, TypeError) as exc:
