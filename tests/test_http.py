@@ -55,7 +55,11 @@ async def test_healthz_lanes_models(http: httpx.AsyncClient) -> None:
     ({"json": [1, 2]}, 400, "invalid_request"),
     ({"json": {"model": MODEL}}, 400, "invalid_request"),
     ({"json": {"model": MODEL, "input": []}}, 400, "invalid_request"),
-    ({"json": {"model": MODEL, "input": [1, 2]}}, 400, "invalid_request"),
+    ({"json": {"model": MODEL, "input": [1, "a"]}}, 400, "invalid_request"),  # neither texts nor token ids
+    ({"json": {"model": MODEL, "input": [[1, 2], "a"]}}, 400, "invalid_request"),
+    ({"json": {"model": MODEL, "input": [1, 30522]}}, 400, "invalid_request"),  # past MiniLM's vocabulary
+    ({"json": {"model": MODEL, "input": [[]]}}, 400, "invalid_request"),
+    ({"json": {"model": MODEL, "input": "x", "temperature": 0}}, 400, "unsupported_field"),
     ({"json": {"model": 7, "input": "x"}}, 400, "invalid_request"),
     ({"json": {"model": "nope", "input": "x"}}, 404, "model_not_found"),
     ({"json": {"model": MODEL, "input": "x", "encoding_format": "int8"}}, 400, "invalid_request"),

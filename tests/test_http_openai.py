@@ -49,12 +49,31 @@ async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatToke
             out["chat"] = client.chat.completions.create(
                 model=DEFAULT_LM, max_tokens=8, messages=[{"role": "user", "content": "Say hi"}])
             out["models"] = client.models.list()
+            # greedy no-ops are accepted at the value that changes nothing
+            out["greedy"] = client.chat.completions.create(
+                model=DEFAULT_LM, max_tokens=8, temperature=0, top_p=1, n=1, stream=False, presence_penalty=0,
+                messages=[{"role": "user", "content": "Say hi"}])
+            out["ids"] = client.embeddings.create(model=MODEL, input=[[101, 7592, 102], [101, 102]])
             for name, kwargs in (("stream", {"stream": True}), ("too_long", {"max_tokens": 65}),
-                                 ("grammar", {"extra_body": {"grammar": "root ::= x"}})):
+                                 ("grammar", {"extra_body": {"grammar": "root ::= x"}}), ("temperature",
+                                 {"temperature": 0.8}), ("seed", {"seed": 1}), ("stop", {"stop": ["\n"]}),
+                                 ("top_p", {"top_p": 0.9}), ("n", {"n": 2}), ("logprobs", {"logprobs": 1}),
+                                 ("top_k", {"extra_body": {"top_k": 5}})):
                 try:
                     client.completions.create(model=DEFAULT_LM, prompt="x", **kwargs)
                 except openai.BadRequestError as exc:
                     out[name] = exc
+            for name, kwargs in (("chat_stream", {"stream": True}), ("chat_temperature", {"temperature": 1.0}),
+                                 ("chat_tools", {"tools": [{"type": "function", "function": {"name": "f"}}]})):
+                try:
+                    client.chat.completions.create(model=DEFAULT_LM, messages=[{"role": "user", "content": "x"}],
+                                                   **kwargs)
+                except openai.BadRequestError as exc:
+                    out[name] = exc
+            try:
+                client.embeddings.create(model=MODEL, input="x", dimensions=2)
+            except openai.BadRequestError as exc:
+                out["dimensions"] = exc
             try:
                 client.embeddings.create(model="nope", input="x")
             except openai.NotFoundError as exc:
@@ -84,7 +103,16 @@ async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatToke
     assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 3
 
     assert {m.id for m in out["models"].data} == {MODEL, DEFAULT_LM}
-    for name in ("stream", "too_long"):
-        assert out[name].status_code == 400 and out[name].body["code"] == "invalid_request", name
+    assert out["greedy"].choices[0].message.content == chat.choices[0].message.content
+    # token ids are embedded as given: the fake's columns are sum(ids) and n_tokens
+    assert [d.embedding[:2] for d in out["ids"].data] == [[101 + 7592 + 102, 3.0], [203.0, 2.0]]
+    assert out["ids"].usage.prompt_tokens == 5
+    assert out["too_long"].status_code == 400 and out["too_long"].body["code"] == "invalid_request"
+    for name in ("stream", "temperature", "seed", "stop", "top_p", "n", "logprobs", "top_k", "chat_stream",
+                 "chat_temperature", "chat_tools"):
+        err = out[name]
+        assert err.status_code == 400 and err.body["code"] == "unsupported_field", name
+        assert err.body["param"] == name.removeprefix("chat_"), name  # the field is named
+    assert out["dimensions"].body["code"] == "invalid_request" and "matryoshka" in out["dimensions"].body["message"]
     assert out["grammar"].body["code"] == "grammar_unsupported"
     assert out["missing"].body["code"] == "model_not_found"

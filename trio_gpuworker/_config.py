@@ -27,6 +27,8 @@ class ModelConfig:
     tokenizer_path: Path | None = None  # default: tokenizer.json beside the artifact
     runtime_config: dict[str, Any] = field(default_factory=dict)
     beam: int = 0  # BEAM search width for the warm-up shapes at LOAD (0: tinygrad's hand-coded kernels)
+    # Leading sizes an embedding model was trained to be cut to (Matryoshka); what `dimensions` may ask for
+    matryoshka_dims: tuple[int, ...] = ()
 
 
 MAX_BEAM = 8  # the widest `beam` the daemon accepts and a worker runs

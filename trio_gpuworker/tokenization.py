@@ -23,7 +23,12 @@ class EmbeddingTokenizer:
         self._tok.no_padding()
         self._tok.enable_truncation(max_length=max_tokens, strategy="longest_first", stride=0, direction="right")
         # A pair needs room for 3 specials plus at least one token of each side, else tokenizers raises per call.
-        self._pair_specials = self._tok.num_special_tokens_to_add(is_pair=True)
+        self.pair_specials = self._tok.num_special_tokens_to_add(is_pair=True)
+        self.single_specials = self._tok.num_special_tokens_to_add(is_pair=False)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # truncation is a setting of the Tokenizer object, shared across threads: /tokenize's untruncated
+        # encodings use a copy of its own, made on first use
+        self._untruncated: Tokenizer | None = None
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -55,6 +60,30 @@ class EmbeddingTokenizer:
             return []
         return [np.asarray(e.ids, dtype=np.int32) for e in self._tok.encode_batch(texts, add_special_tokens=True)]
 
+    def encode_checked(self, texts: list[str], *, special: bool = True) -> tuple[list[np.ndarray], list[int]]:
+        """`encode` (or `encode_plain` without specials), and the indices of the texts that truncation cut."""
+        texts = self._strs(texts, "texts")
+        if not texts:
+            return [], []
+        enc = self._tok.encode_batch(texts, add_special_tokens=special)
+        return [np.asarray(e.ids, dtype=np.int32) for e in enc], [i for i, e in enumerate(enc) if e.overflowing]
+
+    def encode_full(self, texts: list[str], *, special: bool = True) -> list[np.ndarray]:
+        """Token ids without truncation (what /tokenize reports)."""
+        texts = self._strs(texts, "texts")
+        if self._untruncated is None:
+            tok = Tokenizer.from_str(self._tok.to_str())
+            tok.no_truncation()
+            self._untruncated = tok
+        if not texts:
+            return []
+        enc = self._untruncated.encode_batch(texts, add_special_tokens=special)
+        return [np.asarray(e.ids, dtype=np.int32) for e in enc]
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included (as /detokenize returns it)."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
     def encode_plain(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids without [CLS]/[SEP], at most ``max_tokens`` each: what RERANK sends, since the worker
         composes (and truncates) the query/document pairs itself."""
@@ -68,7 +97,7 @@ class EmbeddingTokenizer:
         if not isinstance(query, str):
             raise TypeError(f"query is {type(query).__name__}, expected str")
         docs = self._strs(docs, "docs")
-        if self.max_tokens < self._pair_specials + 2:
+        if self.max_tokens < self.pair_specials + 2:
             raise ValueError(f"max_tokens {self.max_tokens} is too small for a pair")
         if not docs:
             return [], []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -24,8 +23,8 @@ from .._config import (
     Windows,
 )
 from .._errors import ConfigError
+from .http_config import DEFAULT_LISTEN, HttpConfig, parse_http
 
-DEFAULT_LISTEN = "127.0.0.1:8421"
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 DEFAULT_LM = "SmolLM2-135M-Instruct"
 # The embedded default: what `make run` serves when no config file is given. Rerank requests to the
@@ -53,19 +52,6 @@ models = ["{DEFAULT_LM}"]
 """
 
 
-@dataclass(frozen=True)
-class HttpConfig:
-    listen: str = DEFAULT_LISTEN  # host:port on loopback; "" disables TCP
-    unix_socket: str = ""  # path of a Unix-socket listener (mode 0660); "" disables it
-    admin_on_tcp: bool = False  # admin routes (reload, drain, load, unload) on the TCP listener too
-    allow_remote: bool = False  # let `listen` name a non-loopback address (the API has no authentication)
-    max_body_bytes: int = 8 << 20
-    request_timeout_s: float = 120.0
-    max_inputs: int = 2048
-    body_timeout_s: float = 30.0  # the whole request body must arrive within this (408 and close otherwise)
-    max_connections_per_client: int = 128  # POST requests in flight per client address on TCP (429 beyond)
-
-
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -76,6 +62,7 @@ class DaemonConfig:
     log_format: str = "plain"
     log_level: str = "info"
     drain_s: float = 30.0  # SIGTERM: how long requests in flight may take to finish before workers are stopped
+    shutdown_delay_s: float = 0.0  # SIGTERM: readiness fails at once, requests are still admitted this long
     admission: AdmissionPolicy = field(default_factory=AdmissionPolicy)
     batching: BatchPolicy = field(default_factory=BatchPolicy)
 
@@ -138,9 +125,10 @@ def _model(mid: str, raw: Any, base: Path) -> ModelConfig:
     tok = raw.pop("tokenizer_path", None)
     rc = raw.pop("runtime_config", {})
     _check_type(f"{key}.runtime_config", rc, dict)
+    dims = _matryoshka(key, raw.pop("matryoshka_dims", []), raw.get("kind", "embedding"))
     if "format" not in raw:
         raw["format"] = "gguf" if path.suffix == ".gguf" else "safetensors"
-    m = _table(key, raw, ModelConfig, id=mid, path=path, runtime_config=rc,
+    m = _table(key, raw, ModelConfig, id=mid, path=path, runtime_config=rc, matryoshka_dims=dims,
                tokenizer_path=resolve_artifact(f"{key}.tokenizer_path", tok, base) if tok else None)
     if m.kind not in MODEL_KINDS:
         raise ConfigError(f"{key}.kind: {m.kind!r} is not one of {', '.join(MODEL_KINDS)}")
@@ -155,6 +143,18 @@ def _model(mid: str, raw: Any, base: Path) -> ModelConfig:
     if not 2 <= m.max_tokens <= 512:
         raise ConfigError(f"{key}.max_tokens: must be within 2..512, got {m.max_tokens}")
     return m
+
+
+def _matryoshka(key: str, dims: Any, kind: Any) -> tuple[int, ...]:
+    """The sizes `dimensions` may ask for, largest first."""
+    key = f"{key}.matryoshka_dims"
+    if not isinstance(dims, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims):
+        raise ConfigError(f"{key}: expected a list of positive integers, got {dims!r}")
+    if len(set(dims)) != len(dims):
+        raise ConfigError(f"{key}: {dims!r} lists a size twice")
+    if dims and kind != "embedding":
+        raise ConfigError(f"{key}: only an embedding model has Matryoshka sizes (kind is {kind!r})")
+    return tuple(sorted(dims, reverse=True))
 
 
 def default_replicas(lane: LaneConfig, models: dict[str, ModelConfig]) -> int:
@@ -206,12 +206,11 @@ def _lane(i: int, raw: Any, models: dict[str, ModelConfig], seen: set[str]) -> l
 
 _TOP = {"daemon", "http", "windows", "quarantine", "restart", "arena", "admission", "batching", "models", "lanes"}
 _DAEMON_KEYS = {"state_dir", "runtime_dir", "max_frame_mib", "log_format", "log_level", "log_ring_bytes",
-                "log_tail_bytes", "max_batch_items", "drain_s"}
+                "log_tail_bytes", "max_batch_items", "drain_s", "shutdown_delay_s"}
 _ARENA_KEYS = {"size_mib"}
 _BATCHING_KEYS = {"max_delay_ms"}
 MAX_BATCH_DELAY_MS = 1000.0
 MAX_REPLICAS = 64
-UNIX_PATH_MAX = 107
 
 
 def _keys(section: str, raw: Any, known: set[str]) -> dict[str, Any]:
@@ -220,22 +219,6 @@ def _keys(section: str, raw: Any, known: set[str]) -> dict[str, Any]:
         if k not in known:
             raise ConfigError(f"{section}.{k}: unknown key (known: {', '.join(sorted(known))})")
     return dict(raw)
-
-
-def _check_listen(listen: str, allow_remote: bool) -> None:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536 or not host:  # 0: any free port
-        raise ConfigError(f"http.listen: {listen!r} is not host:port")
-    if allow_remote:
-        return
-    bare = host.strip("[]")
-    try:
-        loopback = bare == "localhost" or ipaddress.ip_address(bare).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ConfigError(f"http.listen: {listen!r} is not a loopback address; the API has no authentication "
-                          "(set http.allow_remote = true to listen there anyway)")
 
 
 def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> DaemonConfig:
@@ -267,6 +250,9 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
     drain_s = _check_type("daemon.drain_s", d.get("drain_s", 30.0), float)
     if not 0 < drain_s <= 3600:
         raise ConfigError(f"daemon.drain_s: must be within (0, 3600], got {drain_s!r}")
+    shutdown_delay_s = _check_type("daemon.shutdown_delay_s", d.get("shutdown_delay_s", 0.0), float)
+    if not 0 <= shutdown_delay_s <= 3600:
+        raise ConfigError(f"daemon.shutdown_delay_s: must be within 0..3600, got {shutdown_delay_s!r}")
     ints = {k: _check_type(f"daemon.{k}", d[k], int) for k in ("max_frame_mib", "log_ring_bytes", "log_tail_bytes",
                                                                  "max_batch_items") if k in d}
     if not 1 <= ints.get("max_frame_mib", 64) <= 1024:
@@ -311,35 +297,13 @@ def parse_config(text: str, base: Path, env: dict[str, str] | None = None) -> Da
     if quarantine.strikes < 1:
         raise ConfigError("quarantine.strikes: must be >= 1")
     restart = _table("restart", raw.get("restart", {}), RestartPolicy)
-    http = _table("http", raw.get("http", {}), HttpConfig)
-    http = HttpConfig(**{**http.__dict__, "listen": env.get("GPUWORKER_LISTEN", http.listen),
-                         "unix_socket": env.get("GPUWORKER_UNIX_SOCKET", http.unix_socket)})
-    if http.listen:
-        _check_listen(http.listen, http.allow_remote)
-    if http.unix_socket:
-        if len(os.fsencode(http.unix_socket)) > UNIX_PATH_MAX:
-            raise ConfigError(f"http.unix_socket: {http.unix_socket!r} is longer than the {UNIX_PATH_MAX}-byte "
-                              "limit of a Unix socket path")
-        if not os.path.isabs(http.unix_socket):
-            http = HttpConfig(**{**http.__dict__, "unix_socket": os.fspath(base / http.unix_socket)})
-    if not http.listen and not http.unix_socket:
-        raise ConfigError("http: set listen and/or unix_socket")
-    if http.max_body_bytes < 1024:
-        raise ConfigError(f"http.max_body_bytes: must be >= 1024, got {http.max_body_bytes}")
-    if http.request_timeout_s <= 0:
-        raise ConfigError(f"http.request_timeout_s: must be > 0, got {http.request_timeout_s}")
-    if http.max_inputs < 1:
-        raise ConfigError(f"http.max_inputs: must be >= 1, got {http.max_inputs}")
-    if http.body_timeout_s <= 0:
-        raise ConfigError(f"http.body_timeout_s: must be > 0, got {http.body_timeout_s}")
-    if http.max_connections_per_client < 1:
-        raise ConfigError(f"http.max_connections_per_client: must be >= 1, got {http.max_connections_per_client}")
+    http = parse_http(raw.get("http", {}), base, env, _table)
     sup = SupervisorConfig(
         lanes=lanes, models=tuple(models.values()), state_dir=state_dir, runtime_dir=runtime_dir,
         max_frame=ints.get("max_frame_mib", 64) << 20, windows=windows, quarantine=quarantine, restart=restart,
         arena_bytes=arena_mib << 20, **{k: v for k, v in ints.items() if k != "max_frame_mib"})
     return DaemonConfig(supervisor=sup, http=http, log_format=log_format, log_level=log_level, drain_s=drain_s,
-                        admission=admission, batching=batching)
+                        shutdown_delay_s=shutdown_delay_s, admission=admission, batching=batching)
 
 
 def load_config(path: Path | None, env: dict[str, str] | None = None) -> DaemonConfig:

@@ -1,9 +1,12 @@
 """The HTTP API as a plain ASGI app (served by hypercorn on trio).
 
 One `Api` serves every listener; `api.listener(admin=True)` is the app for the Unix socket, where the admin
-routes live (on TCP only with http.admin_on_tcp). Errors are JSON bodies `{"error": {"code", "message",
-"detail"?}}` whose `code` is stable. A request whose client disconnects is cancelled, so its work is dropped
-before it reaches a worker if it has not yet.
+routes live (on TCP only with http.admin_on_tcp). With API keys configured, a TCP request other than to an open
+route (the probes and /metrics by default) needs `Authorization: Bearer <key>`; the Unix socket is guarded by
+its file mode instead. Every route names the body fields and query parameters it takes, and anything else gets
+400 `unsupported_field`. Errors are JSON bodies `{"error": {"code", "message", "detail"?, "param"?}}` whose
+`code` is stable. A request whose client disconnects is cancelled, so its work is dropped before it reaches a
+worker if it has not yet.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import logging
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +24,12 @@ import trio
 from .._errors import (
     GpuWorkerError,
 )
-from ..supervisor import LaneState, Supervisor
+from ..supervisor import Supervisor
+from . import http_fields as spec
 from .admin import LaneAdmin
 from .config import HttpConfig
 from .http_admin import AdminRoutes
+from .http_auth import bearer_token, challenge, key_matches
 from .http_common import (
     DRAIN_RETRY_AFTER_S,
     ClientGone,
@@ -37,7 +43,10 @@ from .http_common import (
     error_body,
     error_status,
 )
-from .http_serving import ServingRoutes
+from .http_fields import UnsupportedField, check_fields
+from .http_rerank import RerankRoutes
+from .http_state import StateRoutes
+from .http_tokens import TokenRoutes
 
 if TYPE_CHECKING:
     from .metrics import Metrics
@@ -48,40 +57,50 @@ JSON_INLINE_BYTES = 64 * 1024  # bodies up to this size decode on the loop (well
 JSON_THREADS = 2  # large bodies decoding at once
 
 
-class Api(AdminRoutes, ServingRoutes):
+class Api(AdminRoutes, StateRoutes, RerankRoutes, TokenRoutes):
     def __init__(self, sup: Supervisor, http: HttpConfig, *, metrics: Metrics | None = None,
-                 reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+                 reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 liveness: Callable[[], tuple[bool, str]] | None = None) -> None:
         self.sup = sup
         self.http = http
         self.metrics = metrics
         self.admin = LaneAdmin(sup)
         self.reload_config = reload_config
+        self.liveness = liveness or (lambda: (not sup.router.closed, "the supervisor is closed"))
         self.admitting = True
+        self.draining = False
         self.inflight = 0
         self.served = 0
         self._idle = trio.Event()
         self._idle.set()
         lane = r"(?P<lane>[A-Za-z0-9_-]+)"
-        table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool]] = [
-            ("GET", "/healthz", self.healthz, False, False),
-            ("GET", "/metrics", self.prometheus, False, False),
-            ("GET", "/v1/models", self.models, False, False),
-            ("GET", "/v1/lanes", self.lanes, False, False),
-            ("GET", "/v1/lanes/{lane}", self.lane, False, False),
-            ("POST", "/v1/embeddings", self.embeddings, False, True),
-            ("POST", "/v1/rerank", self.rerank, False, True),
-            ("POST", "/v1/completions", self.completions, False, True),
-            ("POST", "/v1/chat/completions", self.chat_completions, False, True),
-            ("POST", "/v1/lanes/{lane}/reload", self.lane_reload, True, True),
-            ("POST", "/v1/lanes/{lane}/drain", self.lane_drain, True, True),
-            ("POST", "/v1/lanes/{lane}/resume", self.lane_resume, True, True),
-            ("POST", "/v1/lanes/{lane}/load", self.lane_load, True, True),
-            ("POST", "/v1/lanes/{lane}/unload", self.lane_unload, True, True),
-            ("POST", "/v1/config/reload", self.config_reload, True, True),
+        # method, path, handler, admin, tracked, body fields (None: no body), query parameters
+        table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool, spec.Spec | None, tuple[str, ...]]] = [
+            ("GET", "/livez", self.livez, False, False, None, ()),
+            ("GET", "/readyz", self.readyz, False, False, None, ("model",)),
+            ("GET", "/healthz", self.healthz, False, False, None, ()),
+            ("GET", "/metrics", self.prometheus, False, False, None, ()),
+            ("GET", "/v1/models", self.models, False, False, None, ()),
+            ("GET", "/v1/lanes", self.lanes, False, False, None, ()),
+            ("GET", "/v1/lanes/{lane}", self.lane, False, False, None, ()),
+            ("POST", "/v1/embeddings", self.embeddings, False, True, spec.EMBEDDINGS, ()),
+            ("POST", "/v1/rerank", self.rerank, False, True, spec.RERANK, ()),
+            ("POST", "/v2/rerank", self.rerank, False, True, spec.RERANK, ()),
+            ("POST", "/rerank", self.rerank_tei, False, True, spec.RERANK_TEI, ()),
+            ("POST", "/tokenize", self.tokenize, False, True, spec.TOKENIZE, ()),
+            ("POST", "/detokenize", self.detokenize, False, True, spec.DETOKENIZE, ()),
+            ("POST", "/v1/completions", self.completions, False, True, spec.COMPLETIONS, ()),
+            ("POST", "/v1/chat/completions", self.chat_completions, False, True, spec.CHAT, ()),
+            ("POST", "/v1/lanes/{lane}/reload", self.lane_reload, True, True, spec.ADMIN["reload"], ()),
+            ("POST", "/v1/lanes/{lane}/drain", self.lane_drain, True, True, spec.ADMIN["drain"], ()),
+            ("POST", "/v1/lanes/{lane}/resume", self.lane_resume, True, True, spec.ADMIN["resume"], ()),
+            ("POST", "/v1/lanes/{lane}/load", self.lane_load, True, True, spec.ADMIN["load"], ()),
+            ("POST", "/v1/lanes/{lane}/unload", self.lane_unload, True, True, spec.ADMIN["unload"], ()),
+            ("POST", "/v1/config/reload", self.config_reload, True, True, spec.ADMIN["config"], ()),
         ]
         # matched with fullmatch: `$` would also match before a trailing newline (/v1/lanes/embed-0%0a)
-        self.routes = [Route(m, re.compile(p.replace("{lane}", lane)), p, h, admin, tracked)
-                       for m, p, h, admin, tracked in table]
+        self.routes = [Route(m, re.compile(p.replace("{lane}", lane)), p, h, admin, tracked, fields, query)
+                       for m, p, h, admin, tracked, fields, query in table]
         self._per_client: dict[str, int] = {}
         self._json_cpu = trio.CapacityLimiter(JSON_THREADS)
 
@@ -123,6 +142,17 @@ class Api(AdminRoutes, ServingRoutes):
         if allowed:
             raise HttpError(405, "method_not_allowed", f"{method} is not allowed on {path}")
         raise HttpError(404, "not_found", f"no route {path}")
+
+    def _authorize(self, route: Route, scope: Scope) -> None:
+        """TCP requests need one of the API keys when keys are configured, except to the open routes."""
+        keys = self.http.api_keys
+        if not keys or route.label in self.http.open_routes:
+            return
+        token = bearer_token(scope.get("headers", ()))
+        if not key_matches(token, keys):
+            raise HttpError(401, "unauthorized", "a valid API key is required: Authorization: Bearer <key>"
+                            if token is None else "the API key is not valid",
+                            {"www-authenticate": challenge(token is not None)})
 
     def _model_label(self, body: Any) -> str:
         model = body.get("model") if isinstance(body, dict) else None
@@ -174,6 +204,9 @@ class Api(AdminRoutes, ServingRoutes):
                                 {"retry-after": "1", "connection": "close"})
             route, params = self._match(method, path)
             label = route.label
+            if not admin:
+                self._authorize(route, scope)
+            params |= _query(scope, route)
             if route.admin and not (admin or self.http.admin_on_tcp):
                 raise HttpError(403, "admin_only", f"{route.label} is served on the Unix socket only "
                                                    "(http.admin_on_tcp)")
@@ -182,6 +215,8 @@ class Api(AdminRoutes, ServingRoutes):
                                 {"retry-after": str(DRAIN_RETRY_AFTER_S), "connection": "close"})
             body = await self._json_body(scope, receive) if method == "POST" else None
             model = self._model_label(body)
+            if route.fields is not None and body is not None:
+                check_fields(body, route.fields)
             if route.tracked:
                 self._enter()
                 tracked = True
@@ -300,8 +335,8 @@ class Api(AdminRoutes, ServingRoutes):
             await result.produce(emit)
             await send({"type": "http.response.body", "body": b""})
             return 200
-        status, payload = result
-        await self._respond(send, status, payload, {})
+        status, payload, *headers = result  # (status, payload) or (status, payload, headers)
+        await self._respond(send, status, payload, headers[0] if headers else {})
         return status
 
     @staticmethod
@@ -312,42 +347,22 @@ class Api(AdminRoutes, ServingRoutes):
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": body})
 
-    # --- read-only routes ----------------------------------------------------------------------
 
-    async def healthz(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
-        """Cached lane state only: never waits on a worker."""
-        lanes = [{k: s[k] for k in ("lane_id", "state", "pid", "generation", "strikes", "cooldown_remaining_s")}
-                 for s in self.sup.status()]
-        serving = any(ln["state"] in (LaneState.READY.value, LaneState.BUSY.value) for ln in lanes)
-        healthy = all(ln["state"] in (LaneState.READY.value, LaneState.BUSY.value) for ln in lanes)
-        if not self.admitting:
-            return 503, {"status": "draining", "lanes": lanes}
-        return (200 if serving else 503), {"status": "ok" if healthy else "degraded" if serving else "unavailable",
-                                           "lanes": lanes}
-
-    async def prometheus(self, _: dict[str, str], __: Any) -> Raw:
-        if self.metrics is None:
-            raise HttpError(404, "not_found", "metrics are not enabled")
-        from .metrics import CONTENT_TYPE
-
-        return Raw(200, self.metrics.render(), CONTENT_TYPE)
-
-    def _lane_status(self, s: dict[str, Any]) -> dict[str, Any]:
-        lane = self.sup.lanes.get(s["lane_id"])
-        return {**s, "configured_models": list(lane.loads) if lane is not None else []}
-
-    async def lanes(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
-        return 200, {"object": "list", "data": [self._lane_status(s) for s in self.sup.status()]}
-
-    async def lane(self, params: dict[str, str], _: Any) -> tuple[int, Any]:
-        return 200, self._lane_status(self.sup.lane_status(self.admin.lane(params["lane"])))
-
-    async def models(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
-        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "trio-gpuworker", "kind": m.kind,
-                 "lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.loads],
-                 "ready_lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.models_loaded]}
-                for m in self.sup.config.models]
-        return 200, {"object": "list", "data": data}
+def _query(scope: Scope, route: Route) -> dict[str, str]:
+    """The route's query parameters; one it does not take (or one given twice) is refused."""
+    raw = scope.get("query_string", b"").decode("latin-1")
+    try:
+        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=bool(raw))
+    except ValueError:
+        raise HttpError(400, "invalid_request", f"the query string {raw[:64]!r} is malformed") from None
+    out: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in route.query:
+            raise UnsupportedField(name, f"is not a query parameter of {route.label}")
+        if name in out:
+            raise HttpError(400, "invalid_request", f"query parameter {name!r} is given twice")
+        out[name] = value
+    return out
 
 
 def _content_length(scope: Scope) -> int | None:

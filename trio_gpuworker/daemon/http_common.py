@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,5 +99,7 @@ class Route:
     handler: Callable[[dict[str, str], Any], Awaitable[Any]]
     admin: bool = False
     tracked: bool = False  # counted in flight and refused while draining
+    fields: Mapping[str, Any] | None = None  # the body's fields (http_fields.Spec); None: no body is read
+    query: tuple[str, ...] = ()  # the query parameters it takes
 
 

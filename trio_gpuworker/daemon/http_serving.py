@@ -1,4 +1,4 @@
-"""The serving routes (embeddings, rerank, completions), mixed into `Api`.
+"""The serving routes (embeddings, completions, chat completions), mixed into `Api`.
 
 They only parse the OpenAI-shaped bodies and shape the answers: the Supervisor checks, admits, tokenizes and
 splits every request, once, with the same typed errors as the Python API.
@@ -10,6 +10,7 @@ import base64
 import json
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import trio
 
 from .._errors import InvalidRequest
 from .http_common import Raw
+from .http_fields import CONTENT_PART, MESSAGE, check_fields
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
 ENCODING_FORMATS = ("float", "base64")
 INLINE_FLOATS = 16 * 1024  # an answer with more floats than this is encoded in a thread
 DEFAULT_GEN_TOKENS = 16
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 class ServingRoutes:
@@ -51,9 +57,13 @@ class ServingRoutes:
             raise InvalidRequest(f"'{key}' must be an integer {bound}, got {value!r}")
         return value
 
-    def _inputs(self, value: Any, key: str) -> list[str]:
-        if not isinstance(value, list) or not value or not all(isinstance(x, str) for x in value):
-            raise InvalidRequest(f"'{key}' must be a string or a non-empty list of strings")
+    def _inputs(self, value: Any, key: str, *, ids: bool = False) -> list[Any]:
+        """A non-empty list of strings (or, with `ids`, of token-id lists, checked by the Supervisor), capped at
+        http.max_inputs."""
+        if not isinstance(value, list) or not value or not (
+                all(isinstance(x, str) for x in value) or (ids and all(isinstance(x, list) for x in value))):
+            raise InvalidRequest(f"'{key}' must be a string or a non-empty list of strings"
+                                 + (", a list of token ids or a non-empty list of them" if ids else ""))
         if len(value) > self.http.max_inputs:
             raise InvalidRequest(f"'{key}' has {len(value)} items; at most {self.http.max_inputs} per request "
                                  "(http.max_inputs)")
@@ -62,15 +72,20 @@ class ServingRoutes:
     async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | Raw:
         model = self._model(body, ("embedding",), "embeddings")
         inputs = body.get("input")
-        inputs = self._inputs([inputs] if isinstance(inputs, str) else inputs, "input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(_is_id(x) for x in inputs)):
+            inputs = [inputs]  # one text, or one input of token ids
+        inputs = self._inputs(inputs, "input", ids=True)
         fmt = body.get("encoding_format", "float")
         if fmt is None:
             fmt = "float"
         if not isinstance(fmt, str) or fmt not in ENCODING_FORMATS:
             raise InvalidRequest(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
-        if body.get("dimensions") is not None:
-            raise InvalidRequest("'dimensions' is not supported: the model's own dimensions are returned")
-        vecs, n_tokens = await self.sup.embed_counted(inputs, model=model, timeout=self.http.request_timeout_s)
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise InvalidRequest("'user' must be a string")
+        vecs, n_tokens = await self.sup.embed_counted(
+            inputs, model=model, timeout=self.http.request_timeout_s, pooling=body.get("pooling"),
+            normalize=body.get("normalize"), truncate=body.get("truncate"), dimensions=body.get("dimensions"))
 
         def encode(v: np.ndarray) -> Any:
             return base64.b64encode(v.astype("<f4").tobytes()).decode() if fmt == "base64" else v.tolist()
@@ -85,40 +100,25 @@ class ServingRoutes:
 
         if vecs.size <= INLINE_FLOATS:
             return 200, answer()
-        # thousands of vectors take tens of milliseconds to encode as JSON: not on the loop
+        return await self._encoded(answer)
+
+    async def _encoded(self, answer: Callable[[], Any]) -> Raw:
+        """Thousands of vectors (or ids) take tens of milliseconds to encode as JSON: not on the loop."""
         body = await trio.to_thread.run_sync(lambda: json.dumps(answer(), separators=(",", ":")).encode(),
                                              limiter=self._json_cpu)
         return Raw(200, body, "application/json")
 
-    async def rerank(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body, ("rerank", "embedding"), "rerank")
-        query, docs = body.get("query"), body.get("documents")
-        if not isinstance(query, str) or not query:
-            raise InvalidRequest("'query' must be a non-empty string")
-        if isinstance(docs, list) and docs and all(isinstance(d, dict) and isinstance(d.get("text"), str)
-                                                   for d in docs):
-            docs = [d["text"] for d in docs]  # [{"text": ...}] as some rerank APIs send
-        docs = self._inputs(docs, "documents")
-        top_n = self._int(body, "top_n", None, 1) or len(docs)
-        return_documents = body.get("return_documents", False)
-        if not isinstance(return_documents, bool):
-            raise InvalidRequest("'return_documents' must be a boolean")
-        scores, method = await self.sup.rerank(query, docs, model=model, timeout=self.http.request_timeout_s)
-        order = sorted(range(len(docs)), key=lambda i: (-float(scores[i]), i))[:top_n]
-        results = [{"index": i, "relevance_score": float(scores[i]),
-                    **({"document": {"text": docs[i]}} if return_documents else {})} for i in order]
-        return 200, {"id": f"rerank-{secrets.token_hex(12)}", "object": "rerank", "model": model, "method": method,
-                     "results": results}
-
     def _generation_args(self, body: dict[str, Any]) -> dict[str, Any]:
-        if body.get("stream"):
-            raise InvalidRequest("streaming is not supported: send stream=false")
-        if self._int(body, "n", 1, 1, 1) != 1:
-            raise InvalidRequest("'n' must be 1")
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = body.get(key)  # checked by the Supervisor, as for the Python API
+        """What a completion takes; the fields it does not implement were refused by the route's spec."""
+        both = body.get("max_tokens"), body.get("max_completion_tokens")
+        if None not in both and both[0] != both[1]:
+            raise InvalidRequest("max_tokens and max_completion_tokens differ: give one of them")
+        max_tokens = both[1] if both[1] is not None else both[0]  # checked by the Supervisor, as for the Python API
         if max_tokens is None:
             max_tokens = DEFAULT_GEN_TOKENS
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise InvalidRequest("'user' must be a string")
         grammar = body.get("grammar")
         if grammar is not None and not isinstance(grammar, str):
             raise InvalidRequest("'grammar' must be a string")
@@ -150,8 +150,13 @@ class ServingRoutes:
             raise InvalidRequest("'messages' must be a non-empty list")
         messages: list[dict[str, str]] = []
         for i, m in enumerate(raw):
+            if isinstance(m, dict):
+                check_fields(m, MESSAGE, f"messages[{i}].")
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):  # content parts: text only
+                for k, part in enumerate(content):
+                    if isinstance(part, dict):
+                        check_fields(part, CONTENT_PART, f"messages[{i}].content[{k}].")
                 if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                            for p in content):
                     raise InvalidRequest(f"messages[{i}].content: only text parts are supported")

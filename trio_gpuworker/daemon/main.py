@@ -4,8 +4,9 @@ Life of the process:
   start    lanes spawn and load (STATUS= says so), listeners bind, READY=1
   serve    WATCHDOG=1 every WATCHDOG_USEC/2 while the event loop and every lane task are alive; SIGHUP
            reloads lanes and models (RELOADING=1 ... READY=1)
-  SIGTERM  STOPPING=1; stop admitting (503 shutting_down) and accepting; requests in flight finish within
-           daemon.drain_s; workers get SHUTDOWN, then the kill path; exit 0
+  SIGTERM  STOPPING=1 and /readyz 503 at once; after daemon.shutdown_delay_s (default 0) stop admitting
+           (503 shutting_down); requests in flight finish within daemon.drain_s while the listeners stay
+           open; then the listeners close, workers get SHUTDOWN, then the kill path; exit 0
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Daemon:
         self.env = os.environ if env is None else env
         self.notifier = notifier or Notifier(None)
         self.metrics = Metrics(sup)
-        self.api = Api(sup, cfg.http, metrics=self.metrics, reload_config=self.reload_config)
+        self.api = Api(sup, cfg.http, metrics=self.metrics, reload_config=self.reload_config, liveness=self.health)
         self.binds: list[str] = []
         self.specs: dict[str, LoadSpec] = {s.model_ref: s for ln in sup.lanes.values() for s in ln.loads.values()}
         self.stopping = False
@@ -283,11 +284,16 @@ class Daemon:
             self.removing.discard(lane_id)
 
     async def drain(self) -> None:
-        """Stop admitting and accepting; wait (bounded) for the requests in flight."""
+        """Readiness fails first, so load balancers stop sending work; after shutdown_delay_s no new request is
+        admitted; the listeners stay open (probes answer, late requests get a typed 503) until the requests in
+        flight are done, bounded by drain_s; then they close."""
         self.stopping = True
-        self.api.admitting = False
-        self.stop_listeners.set()
+        self.api.draining = True
         self.notifier.stopping(f"draining: {self.api.inflight} requests in flight")
+        if self.cfg.shutdown_delay_s:
+            log.info("not ready; admitting requests for %g s more (daemon.shutdown_delay_s)", self.cfg.shutdown_delay_s)
+            await trio.sleep(self.cfg.shutdown_delay_s)
+        self.api.admitting = False
         log.info("draining: %d requests in flight (at most %g s)", self.api.inflight, self.cfg.drain_s)
         with trio.move_on_after(self.cfg.drain_s) as scope:
             await self.api.wait_idle()
@@ -298,6 +304,7 @@ class Daemon:
                 if lane.state == LaneState.BUSY:  # SHUTDOWN abort_in_flight passes the request that is running
                     with contextlib.suppress(trio.BrokenResourceError, OSError):
                         await lane.abort_in_flight()
+        self.stop_listeners.set()  # hypercorn lets the answers being written finish (graceful_timeout)
         self.notifier.status("stopping workers")
 
 

@@ -144,14 +144,28 @@ class _StateCollector(Collector):
                                        labels=["model"])
         pending = GaugeMetricFamily("gpuworker_batcher_pending_rows", "rows waiting in open batches",
                                     labels=["model"])
+        waiting = GaugeMetricFamily("gpuworker_model_requests_queued", "worker requests waiting in the queues of "
+                                    "the lanes that serve the model", labels=["model"])
+        running = GaugeMetricFamily("gpuworker_model_requests_running", "worker requests running on the lanes "
+                                    "that serve the model (one per busy lane)", labels=["model"])
+        prompt = CounterMetricFamily("gpuworker_prompt_tokens", "tokens of the inputs sent to the model's "
+                                     "workers (prompts, texts, queries and documents)", labels=["model"])
+        generated = CounterMetricFamily("gpuworker_generation_tokens", "tokens the model generated",
+                                        labels=["model"])
         for mc in sup.config.models:
             if sched is not None:
                 qbytes.add_metric([mc.id], sched.queued_bytes.get(mc.id, 0))
                 qreqs.add_metric([mc.id], sched.queued.get(mc.id, 0))
                 budget.add_metric([mc.id], sched.policy.queue_bytes)
                 rejected.add_metric([mc.id], sched.rejected.get(mc.id, 0))
+                prompt.add_metric([mc.id], sched.prompt_tokens.get(mc.id, 0))
+                if mc.kind == "generate":
+                    generated.add_metric([mc.id], sched.generated_tokens.get(mc.id, 0))
             pending.add_metric([mc.id], self.m.sup.batcher.pending_rows(mc.id))
-        yield from (qbytes, qreqs, budget, rejected, pending)
+            n_waiting, n_running = sup.router.load(mc.id)
+            waiting.add_metric([mc.id], n_waiting)
+            running.add_metric([mc.id], n_running)
+        yield from (qbytes, qreqs, budget, rejected, pending, waiting, running, prompt, generated)
 
         moved = sup.dataplane.bytes_moved if sup.dataplane is not None else {}
         ring = CounterMetricFamily("gpuworker_ring_bytes", "bytes moved through shared-memory rings",

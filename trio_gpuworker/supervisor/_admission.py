@@ -31,6 +31,9 @@ class Scheduler:
         self.queued_bytes: dict[str, int] = {}
         self.queued: dict[str, int] = {}  # admitted requests not yet answered
         self.rejected: dict[str, int] = {}
+        # tokens of the inputs the model's workers were sent, and of the text they generated (usage)
+        self.prompt_tokens: dict[str, int] = {}
+        self.generated_tokens: dict[str, int] = {}
 
     def acquire(self, model: str, nbytes: int) -> Ticket:
         """Count `nbytes` against the model's budget until the ticket is released."""
@@ -84,6 +87,12 @@ class Ticket:
                 self._maybe_release()
 
         return settled
+
+    def count_tokens(self, prompt: int, generated: int = 0) -> None:
+        """Usage of a request that was served."""
+        s = self._scheduler
+        s.prompt_tokens[self.model] = s.prompt_tokens.get(self.model, 0) + prompt
+        s.generated_tokens[self.model] = s.generated_tokens.get(self.model, 0) + generated
 
     def caller_done(self) -> None:
         self._caller = False
@@ -155,6 +164,26 @@ class Router:
         return [ln for ln in self.lanes.values()
                 if model in ln.loads and ln.id not in self._drained and ln.cooldown_remaining() is None
                 and ln.state == LaneState.READY and not ln.queued and model not in ln.load_errors]
+
+    def ready_lanes(self, model: str) -> list[str]:
+        """Lanes that can serve `model` now: ready or busy with it loaded, not drained, not quarantined (what
+        /readyz reports). Empty once the supervisor is closing."""
+        if self.closed:
+            return []
+        return [ln.id for ln in self.lanes.values()
+                if model in ln.loads and model in ln.models_loaded and ln.id not in self._drained
+                and ln.cooldown_remaining() is None and ln.state in (LaneState.READY, LaneState.BUSY)]
+
+    def served_models(self) -> list[str]:
+        """Models some lane is configured to serve, in configuration order."""
+        return [m.id for m in self.config.models if any(m.id in ln.loads for ln in self.lanes.values())]
+
+    def load(self, model: str) -> tuple[int, int]:
+        """(queued, running) worker requests on the lanes that serve `model`: waiting in their queues, and being
+        run (one per busy lane). A lane that serves several models counts toward each: it is the work ahead of
+        that model's next request."""
+        lanes = [ln for ln in self.lanes.values() if model in ln.loads]
+        return sum(ln.queued for ln in lanes), sum(ln.state == LaneState.BUSY for ln in lanes)
 
     def serving(self, model: str) -> int:
         """How many lanes may take the model's requests now (how many batches of it may be out at once)."""

@@ -112,6 +112,59 @@ class ServingApi:
             tok = self._tokenizers[model] = ChatTokenizer.from_gguf(self.config.model(model).path)
         return tok
 
+    async def tokenize_text(self, prompt: str | None = None, *, model: str,
+                            messages: list[dict[str, str]] | None = None, add_special_tokens: bool = True,
+                            add_generation_prompt: bool = True) -> tuple[list[int], int]:
+        """The token ids the model would be sent for `prompt` (or, for a generate model, for `messages` through
+        its chat template), untruncated, and the most it takes (max_tokens, or the generate model's context).
+        `add_special_tokens`: an encoder's [CLS]/[SEP], a generate model's BOS where its GGUF asks for one."""
+        mc = self.config.model(model)
+        add_special = rq.check_flag(add_special_tokens, "add_special_tokens", True)
+        add_prompt = rq.check_flag(add_generation_prompt, "add_generation_prompt", True)
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages")
+        if messages is not None:
+            if mc.kind != "generate":
+                raise InvalidRequest(f"model {model!r} serves {mc.kind}: messages need a chat template")
+            messages = rq.check_messages(messages)
+            texts = [m["content"] for m in messages] + [m["role"] for m in messages]
+        else:
+            texts = rq.check_texts([prompt], "prompt")
+        what = "prompt" if messages is None else "messages"
+        cap = rq.gen_char_cap(mc) if mc.kind == "generate" else rq.char_cap(mc)
+        rq.refuse_long_texts(["".join(texts)], [what], cap, model)
+        rq.check_unicode(texts, what)
+        if mc.kind == "generate":
+            tok = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
+
+            def encode() -> list[int]:
+                text = prompt if messages is None else tok.apply_chat_template(messages, add_prompt)
+                return list(tok.encode(text, add_special=add_special))
+
+            return await self._off_loop(encode), rq.gen_context(mc)
+        await self._tokenizer_loaded(model)
+        ids = await self._off_loop(lambda: self._tokenizer(model).encode_full(texts, special=add_special)[0])
+        return ids.tolist(), mc.max_tokens
+
+    async def detokenize(self, ids: list[int], *, model: str) -> str:
+        """The text of token ids, special tokens included."""
+        mc = self.config.model(model)
+        if isinstance(ids, str) or not isinstance(ids, list | tuple | np.ndarray):
+            raise InvalidRequest("tokens must be a list of token ids")
+        if mc.kind == "generate":
+            chat = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
+            vocab, decode = chat.tokenizer.get_vocab_size(with_added_tokens=True), chat.decode
+        else:
+            await self._tokenizer_loaded(model)
+            tok = self._tokenizer(model)
+            vocab, decode = tok.vocab_size, tok.decode
+
+        def run() -> str:
+            row = rq.check_token_rows([ids], vocab, "tokens")[0] if len(ids) else np.zeros(0, np.int32)
+            return str(decode(row.tolist()))
+
+        return await self._off_loop(run)
+
     # --- embeddings ----------------------------------------------------------------------------
 
     async def embed(self, texts: list[str], *, model: str, timeout: float | None = None,
@@ -120,21 +173,53 @@ class ServingApi:
         vecs, _ = await self.embed_counted(texts, model=model, timeout=timeout, pooling=pooling, normalize=normalize)
         return vecs
 
-    async def embed_counted(self, texts: list[str], *, model: str, timeout: float | None = None,
-                            pooling: str | None = None, normalize: bool | None = None) -> tuple[np.ndarray, int]:
-        """`embed`, and the number of tokens the inputs took (usage)."""
+    async def embed_counted(self, texts: list[str] | list[list[int]], *, model: str, timeout: float | None = None,
+                            pooling: str | None = None, normalize: bool | None = None, truncate: bool = True,
+                            dimensions: int | None = None) -> tuple[np.ndarray, int]:
+        """`embed`, and the number of tokens the inputs took (usage).
+
+        `texts` may instead be token-id inputs (each a list of ints), embedded as given: no [CLS]/[SEP] is added
+        (`tokenize` returns them with). Inputs longer than the model's max_tokens are cut there, or refused with
+        RequestTooLarge naming the input when `truncate` is false. `dimensions` (one of the model's
+        matryoshka_dims) keeps the leading dimensions of each vector, renormalized when `normalize` is on."""
         mc = rq.encoder_model(self.config.model(model), ("embedding",), "embeddings")
-        texts = rq.check_texts(texts, "texts")
+        is_ids, items = rq.check_inputs(texts, "input")
         pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
+        truncate = rq.check_flag(truncate, "truncate", True)
+        dims = rq.check_dimensions(dimensions, mc)
         deadline = self._deadline(timeout)
-        if not texts:
-            return np.zeros((0, self.dispatch.dims.get(model, 0)), dtype=np.float32), 0
-        texts = rq.cap_texts(texts, rq.char_cap(mc))
-        with self._admit(model, rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
+        if not items:
+            return np.zeros((0, dims or self.dispatch.dims.get(model, 0)), dtype=np.float32), 0
+        if is_ids:
+            nbytes = rq.ID_BYTES * sum(min(len(r), mc.max_tokens) for r in items)
+        else:
+            if not truncate:
+                rq.refuse_long_texts(items, [f"input[{i}]" for i in range(len(items))], rq.char_cap(mc), model)
+            items = rq.cap_texts(items, rq.char_cap(mc))
+            nbytes = rq.id_bytes_bound(items, mc.max_tokens)
+        with self._admit(model, nbytes) as ticket:
             await self._tokenizer_loaded(model)
-            rows = await self._off_loop(lambda: self.tokenize(texts, model=model))
+            encode = self._id_rows if is_ids else self._text_rows
+            rows = await self._off_loop(lambda: encode(items, model, mc.max_tokens, truncate))
             vecs = await self._embed_admitted(rows, model, pooling, normalize, deadline, timeout, ticket)
-        return vecs, sum(len(r) for r in rows)
+            n_tokens = sum(len(r) for r in rows)
+            if ticket is not None:
+                ticket.count_tokens(n_tokens)
+        return rq.cut_dimensions(vecs, dims, normalize, model), n_tokens
+
+    def _text_rows(self, texts: list[str], model: str, cap: int, truncate: bool) -> list[np.ndarray]:
+        rq.check_unicode(texts, "input")
+        tok = self._tokenizer(model)
+        rows, cut = tok.encode_checked(texts)
+        if cut and not truncate:
+            raise rq.too_many_tokens(f"input[{cut[0]}]", len(tok.encode_full([texts[cut[0]]])[0]), cap, model)
+        return rows
+
+    def _id_rows(self, items: list[Any], model: str, cap: int, truncate: bool) -> list[np.ndarray]:
+        rows = rq.check_token_rows(items, self._tokenizer(model).vocab_size, "input")
+        if not truncate and (over := [i for i, r in enumerate(rows) if len(r) > cap]):
+            raise rq.too_many_tokens(f"input[{over[0]}]", len(rows[over[0]]), cap, model)
+        return [r[:cap] for r in rows]
 
     async def embed_rows(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
                          timeout: float | None = None) -> np.ndarray:
@@ -192,17 +277,33 @@ class ServingApi:
         """Relevance of each document to `query`, in input order, and the method used: `cross_encoder` for a
         rerank model, `bi_encoder_cosine` when `model` is an embedding model. Sent as RERANK requests of at
         most max_batch_items documents that fit a frame each."""
+        scores, method, _ = await self.rerank_counted(query, documents, model=model, timeout=timeout)
+        return scores, method
+
+    async def rerank_counted(self, query: str, documents: list[str], *, model: str, timeout: float | None = None,
+                             truncate: bool = True, max_tokens_per_doc: int | None = None,
+                             ) -> tuple[np.ndarray, str, int]:
+        """`rerank`, and the number of tokens of the query and documents sent (usage). Each document is cut to
+        `max_tokens_per_doc` tokens when given. What does not fit the model (the pair [CLS] query [SEP] doc [SEP]
+        for a cross-encoder, each text with [CLS]/[SEP] for a bi-encoder) is cut by the worker, or refused with
+        RequestTooLarge naming it when `truncate` is false."""
         mc = rq.encoder_model(self.config.model(model), ("rerank", "embedding"), "rerank")
         if not isinstance(query, str):
             raise InvalidRequest("query must be a string")
         docs = rq.check_texts(documents, "documents")
+        truncate = rq.check_flag(truncate, "truncate", True)
+        per_doc = rq.check_count(max_tokens_per_doc, "max_tokens_per_doc")
         deadline = self._deadline(timeout)
         if not docs:
-            return np.zeros(0, dtype=np.float32), "none"
-        texts = rq.cap_texts([query, *docs], rq.char_cap(mc))
+            return np.zeros(0, dtype=np.float32), "none", 0
+        texts = [query, *docs]
+        if not truncate:
+            rq.refuse_long_texts(texts, ["query", *(f"documents[{i}]" for i in range(len(docs)))], rq.char_cap(mc),
+                                 model)
+        texts = rq.cap_texts(texts, rq.char_cap(mc))
         with self._admit(model, rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
             await self._tokenizer_loaded(model)
-            q, *ids = await self._off_loop(lambda: self._encode_plain(model, mc, texts))
+            q, *ids = await self._off_loop(lambda: self._encode_rerank(model, mc, texts, truncate, per_doc))
             chunks = rq.plan_chunks([len(d) for d in ids], max_items=self.config.max_batch_items,
                                     max_bytes=self.config.max_frame, fixed=len(q), what="documents")
             scores, method = [], "cross_encoder"
@@ -210,11 +311,26 @@ class ServingApi:
                 left = self._left(deadline, f"rerank on {model!r}", timeout)
                 part, method = await self._rerank_ids(q, ids[a:b], model, left, ticket)
                 scores.append(part)
-        return np.concatenate(scores), method
+            n_tokens = len(q) + sum(len(d) for d in ids)
+            if ticket is not None:
+                ticket.count_tokens(n_tokens)
+        return np.concatenate(scores), method, n_tokens
 
-    def _encode_plain(self, model: str, mc: ModelConfig, texts: list[str]) -> list[np.ndarray]:
+    def _encode_rerank(self, model: str, mc: ModelConfig, texts: list[str], truncate: bool,
+                       per_doc: int | None) -> list[np.ndarray]:
         rq.check_unicode(texts, "query and documents")
-        return [ids[: mc.max_tokens] for ids in self._tokenizer(model).encode_plain(texts)]
+        tok = self._tokenizer(model)
+        ids, cut = tok.encode_checked(texts, special=False)  # each at most max_tokens
+        if per_doc is not None:
+            ids = [ids[0], *(d[:per_doc] for d in ids[1:])]
+        if not truncate:
+            # a text the tokenizer cut is longer than max_tokens: not counted (None), unless max_tokens_per_doc
+            # cut it shorter since
+            lengths = [len(x) if i not in cut or (i and per_doc is not None and per_doc <= mc.max_tokens) else None
+                       for i, x in enumerate(ids)]
+            specials = tok.pair_specials if mc.kind == "rerank" else tok.single_specials
+            rq.check_rerank_fit(lengths, pair=mc.kind == "rerank", specials=specials, cap=mc.max_tokens, model=model)
+        return ids
 
     async def _rerank_ids(self, q: np.ndarray, docs: list[np.ndarray], model: str, timeout: float | None,
                           ticket: Ticket | None) -> tuple[np.ndarray, str]:
@@ -269,5 +385,7 @@ class ServingApi:
             lane, left = self.pick_lane(model), self._left(deadline, f"generate on {model!r}", timeout)
             reply = await lane.call("GENERATE", fields, ids.tobytes(), timeout=left,
                                     on_settled=ticket.job() if ticket else None)
+            if ticket is not None:
+                ticket.count_tokens(reply["n_prompt"], reply["n_gen"])
         return {"text": reply["text"], "n_prompt": reply["n_prompt"], "n_gen": reply["n_gen"],
                 "finish_reason": reply["finish_reason"]}

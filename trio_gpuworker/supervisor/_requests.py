@@ -79,10 +79,15 @@ def char_cap(mc: ModelConfig) -> int:
     return mc.max_tokens * CHARS_PER_TOKEN_CAP
 
 
+def gen_context(mc: ModelConfig) -> int:
+    """The generation model's context in tokens (its worker's max_context)."""
+    ctx = mc.runtime_config.get("max_context", GEN_CONTEXT_DEFAULT)
+    return ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else GEN_CONTEXT_DEFAULT
+
+
 def gen_char_cap(mc: ModelConfig) -> int:
     """Characters beyond which a prompt cannot fit the generation model's context."""
-    ctx = mc.runtime_config.get("max_context", GEN_CONTEXT_DEFAULT)
-    return (ctx if isinstance(ctx, int) and ctx > 0 else GEN_CONTEXT_DEFAULT) * CHARS_PER_TOKEN_CAP
+    return gen_context(mc) * CHARS_PER_TOKEN_CAP
 
 
 def cap_texts(texts: list[str], cap: int) -> list[str]:
@@ -146,3 +151,114 @@ def check_rows(rows: Any, what: str = "rows") -> list[np.ndarray]:
             raise InvalidRequest(f"{what}[{i}] holds ids outside 0..2^31-1")
         out.append(a)
     return out
+
+
+def check_flag(value: Any, what: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{what} must be a boolean, got {value!r}")
+    return value
+
+
+def check_count(value: Any, what: str) -> int | None:
+    """An optional positive integer (None: not given)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidRequest(f"{what} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def check_inputs(inputs: Any, what: str) -> tuple[bool, list[Any]]:
+    """(is_ids, items): a list of strings, or a list of token-id sequences (each element checked later, off the
+    loop, by `check_token_rows`). Mixing the two is refused."""
+    if isinstance(inputs, str) or not isinstance(inputs, list | tuple):
+        raise InvalidRequest(f"{what} must be a list of strings or a list of token-id lists")
+    if not inputs or all(isinstance(t, str) for t in inputs):
+        return False, list(inputs)
+    if all(isinstance(t, list | tuple | np.ndarray) for t in inputs):
+        return True, list(inputs)
+    bad = next(i for i, t in enumerate(inputs) if not isinstance(t, str))
+    raise InvalidRequest(f"{what}[{bad}] is {type(inputs[bad]).__name__}: give every input as a string, or every "
+                         "input as a list of token ids")
+
+
+def check_token_rows(rows: list[Any], vocab: int, what: str) -> list[np.ndarray]:
+    """Token-id inputs: each a non-empty sequence of ints within the tokenizer's vocabulary. O(ids): run it off
+    the event loop."""
+    out = []
+    for i, r in enumerate(rows):
+        if isinstance(r, np.ndarray):
+            if r.ndim != 1 or not np.issubdtype(r.dtype, np.integer):
+                raise InvalidRequest(f"{what}[{i}] must be a 1-D array of token ids")
+            bad = np.flatnonzero((r < 0) | (r >= vocab))[:1].tolist()
+            ids = r
+        else:
+            bad = [k for k, t in enumerate(r) if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            ids = r if bad else np.asarray(r, dtype=np.int64)
+        if bad:
+            raise InvalidRequest(f"{what}[{i}] holds {repr(r[bad[0]])[:40]} at position {bad[0]}: token ids are "
+                                 f"integers in 0..{vocab - 1}")
+        if not len(ids):
+            raise InvalidRequest(f"{what}[{i}] is an empty list of token ids")
+        out.append(np.asarray(ids, dtype=np.int32))
+    return out
+
+
+def check_dimensions(dimensions: Any, mc: ModelConfig) -> int | None:
+    """`dimensions` must be one of the Matryoshka sizes the model's configuration declares."""
+    if dimensions is None:
+        return None
+    if isinstance(dimensions, bool) or not isinstance(dimensions, int):
+        raise InvalidRequest(f"dimensions must be an integer, got {dimensions!r}")
+    if not mc.matryoshka_dims:
+        raise InvalidRequest(f"model {mc.id!r} declares no Matryoshka sizes (models.{mc.id}.matryoshka_dims): "
+                             "its vectors cannot be shortened")
+    if dimensions not in mc.matryoshka_dims:
+        raise InvalidRequest(f"dimensions must be one of {', '.join(map(str, mc.matryoshka_dims))} for model "
+                             f"{mc.id!r}, got {dimensions}")
+    return dimensions
+
+
+def cut_dimensions(vecs: np.ndarray, dimensions: int | None, normalize: bool, model: str) -> np.ndarray:
+    """The leading `dimensions` of each vector, renormalized when the model normalizes (as sentence-transformers'
+    truncate_dim does)."""
+    if dimensions is None:
+        return vecs
+    if dimensions > vecs.shape[1]:
+        raise InvalidRequest(f"dimensions {dimensions} exceeds the {vecs.shape[1]} dimensions of model {model!r}")
+    cut = np.ascontiguousarray(vecs[:, :dimensions])
+    if normalize:
+        norms = np.linalg.norm(cut, axis=1, keepdims=True)
+        cut /= np.where(norms > 0, norms, 1.0)
+    return cut
+
+
+def too_many_tokens(what: str, n: int | None, cap: int, model: str) -> RequestTooLarge:
+    """`n` None: more than the truncation's cap (the tokenizer stopped counting there)."""
+    size = f"{n} tokens" if n is not None else f"more than {cap} tokens"
+    return RequestTooLarge(f"{what} is {size}; model {model!r} takes at most {cap} (send truncate=true to cut it)")
+
+
+def refuse_long_texts(texts: Sequence[str], names: Sequence[str], cap: int, model: str) -> None:
+    """With truncate=false, a text longer than the character cap is refused rather than tokenized whole."""
+    for t, name in zip(texts, names, strict=True):
+        if len(t) > cap:
+            raise RequestTooLarge(f"{name} has {len(t)} characters; with truncate=false model {model!r} takes at "
+                                  f"most {cap} (max_tokens x {CHARS_PER_TOKEN_CAP})")
+
+
+def check_rerank_fit(lengths: Sequence[int | None], *, pair: bool, specials: int, cap: int, model: str) -> None:
+    """With truncate=false: the query (lengths[0]) and each document must fit the model whole, as the pair
+    [CLS] query [SEP] doc [SEP] of a cross-encoder (`pair`) or each text with [CLS]/[SEP] for a bi-encoder.
+    A length of None is more than `cap` (the tokenizer stopped counting)."""
+    names = ["query", *(f"documents[{i}]" for i in range(len(lengths) - 1))]
+    q = lengths[0]
+    for i, n in enumerate(lengths):
+        if pair and i:
+            total = None if q is None or n is None else q + n + specials
+            if total is None or total > cap:
+                raise too_many_tokens(f"{names[i]} with the query", total, cap, model)
+        elif not pair and (n is None or n + specials > cap):
+            raise too_many_tokens(names[i], None if n is None else n + specials, cap, model)

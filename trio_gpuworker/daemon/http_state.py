@@ -1,0 +1,84 @@
+"""The read-only routes, mixed into `Api`: probes, lanes, models and metrics, from cached state only (none
+waits on a worker).
+
+- `/livez`: the event loop answers and the supervisor's tasks and listeners are alive. Workers being down,
+  restarting or quarantined never fail it: restarting the daemon would not bring them back sooner.
+- `/readyz`: every model a lane is configured for has a lane that can serve it now (`?model=ID`: that one).
+  It fails first on SIGTERM, before the daemon stops admitting and before the listener closes.
+- `/healthz`: the lanes' states, 200 while any lane serves (as before /livez and /readyz existed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..supervisor import LaneState
+from .http_common import HttpError, Raw
+
+if TYPE_CHECKING:
+    from ..supervisor import Supervisor
+    from .admin import LaneAdmin
+    from .metrics import Metrics
+
+SERVING_STATES = (LaneState.READY.value, LaneState.BUSY.value)
+
+
+class StateRoutes:
+    sup: Supervisor
+    admin: LaneAdmin
+    metrics: Metrics | None
+    admitting: bool
+    draining: bool  # readiness has failed: SIGTERM was received
+    liveness: Callable[[], tuple[bool, str]]
+
+    async def healthz(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
+        """Cached lane state only: never waits on a worker."""
+        lanes = [{k: s[k] for k in ("lane_id", "state", "pid", "generation", "strikes", "cooldown_remaining_s")}
+                 for s in self.sup.status()]
+        serving = any(ln["state"] in SERVING_STATES for ln in lanes)
+        healthy = all(ln["state"] in SERVING_STATES for ln in lanes)
+        if not self.admitting:
+            return 503, {"status": "draining", "lanes": lanes}
+        return (200 if serving else 503), {"status": "ok" if healthy else "degraded" if serving else "unavailable",
+                                           "lanes": lanes}
+
+    async def livez(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
+        ok, why = self.liveness()
+        return (200, {"status": "ok"}) if ok else (503, {"status": "unhealthy", "reason": why})
+
+    async def readyz(self, params: dict[str, str], __: Any) -> tuple[int, Any]:
+        one = params.get("model")
+        if one is not None:
+            self.sup.model_config(one)  # 404 for a model that is not configured
+        router = self.sup.router
+        models = {m: router.ready_lanes(m) for m in ([one] if one is not None else router.served_models())}
+        body: dict[str, Any] = {"models": {m: {"ready": bool(lanes), "lanes": lanes} for m, lanes in models.items()}}
+        if self.draining:
+            return 503, {"status": "draining", **body}
+        ready = bool(models) and all(models.values())  # a daemon serving no model is not ready
+        return (200 if ready else 503), {"status": "ready" if ready else "not_ready", **body}
+
+    async def prometheus(self, _: dict[str, str], __: Any) -> Raw:
+        if self.metrics is None:
+            raise HttpError(404, "not_found", "metrics are not enabled")
+        from .metrics import CONTENT_TYPE
+
+        return Raw(200, self.metrics.render(), CONTENT_TYPE)
+
+    def _lane_status(self, s: dict[str, Any]) -> dict[str, Any]:
+        lane = self.sup.lanes.get(s["lane_id"])
+        return {**s, "configured_models": list(lane.loads) if lane is not None else []}
+
+    async def lanes(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
+        return 200, {"object": "list", "data": [self._lane_status(s) for s in self.sup.status()]}
+
+    async def lane(self, params: dict[str, str], _: Any) -> tuple[int, Any]:
+        return 200, self._lane_status(self.sup.lane_status(self.admin.lane(params["lane"])))
+
+    async def models(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
+        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "trio-gpuworker", "kind": m.kind,
+                 "lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.loads],
+                 "ready_lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.models_loaded]}
+                for m in self.sup.config.models]
+        return 200, {"object": "list", "data": data}
