@@ -124,8 +124,9 @@ def test_errors_name_the_bad_value(text: str, value: str) -> None:
 
 
 def test_production_keys() -> None:
-    cfg = parse("[http]\nlisten = '0.0.0.0:8421'\nallow_remote = true\ninsecure_no_auth = true\nunix_socket = 'run/api.sock'\n"
-                "admin_on_tcp = true\n[admission]\nqueue_bytes = 4096\nretry_after_s = 3\n"
+    cfg = parse("[http]\nlisten = '0.0.0.0:8421'\nallow_remote = true\ninsecure_no_auth = true\n"
+                "unix_socket = 'run/api.sock'\nadmin_on_tcp = true\n[admission]\nqueue_bytes = 4096\n"
+                "retry_after_s = 3\n"
                 "[batching]\nmax_delay_ms = 0\n[daemon]\nmax_batch_items = 64\ndrain_s = 5\nlog_level = 'debug'\n"
                 "[arena]\nsize_mib = 0\n" + MODEL + LANE)
     assert cfg.http.listen == "0.0.0.0:8421" and cfg.http.admin_on_tcp

@@ -63,7 +63,7 @@ async def embed(http: httpx.AsyncClient, **body: object) -> httpx.Response:
 async def test_truncate(http: httpx.AsyncClient) -> None:
     got = rows(await embed(http, input=[SHORT, LONG]))  # default: cut at max_tokens, as before
     assert [v[1] for v in got] == [4, MAX_TOKENS]
-    assert rows(await embed(http, input=[SHORT, LONG], truncate=True)) == [v[:3] + [v[3] + 1] for v in got]
+    assert rows(await embed(http, input=[SHORT, LONG], truncate=True)) == [[*v[:3], v[3] + 1] for v in got]
     r = await embed(http, input=[SHORT, LONG], truncate=False)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert "input[1] is 12 tokens" in r.json()["error"]["message"]  # names the input and its length

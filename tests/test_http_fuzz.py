@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,13 @@ JSON = st.recursive(SCALAR, lambda c: st.lists(c, max_size=4) | st.dictionaries(
                     max_leaves=12)
 MODELS = st.sampled_from([MODEL, "nope", ""]) | JSON
 TEXTS = st.lists(TEXT, min_size=1, max_size=6)
+IDS = st.lists(st.integers(-2, 30530) | st.integers(), min_size=0, max_size=8)  # token ids, in range or not
+VALID_IDS = st.lists(st.integers(0, 30521), min_size=1, max_size=8)
+NUMBER = st.integers(-2, 3) | st.floats(-2, 3) | st.booleans()
+SAMPLING = {"temperature": NUMBER, "top_p": NUMBER, "seed": st.integers(), "stop": st.lists(TEXT, max_size=2),
+            "n": st.integers(-1, 3), "stream": st.booleans(), "logprobs": st.booleans() | st.integers(0, 5),
+            "frequency_penalty": NUMBER, "presence_penalty": NUMBER, "logit_bias": st.dictionaries(TEXT, NUMBER),
+            "user": TEXT, "top_k": st.integers(-1, 5), "stream_options": JSON}
 
 
 def shaped(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
@@ -46,19 +54,44 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {  # valid but for their t
                                             optional={"encoding_format": st.sampled_from(["float", "base64"])}),
     "/v1/rerank": st.fixed_dictionaries({"model": st.just(MODEL), "query": TEXT, "documents": TEXTS},
                                         optional={"top_n": st.integers(1, 8), "return_documents": st.booleans()}),
+    "/v2/rerank": st.fixed_dictionaries({"model": st.just(MODEL), "query": TEXT, "documents": TEXTS},
+                                        optional={"top_n": st.integers(1, 8), "max_tokens_per_doc": st.integers(1, 9),
+                                                  "truncate": st.booleans()}),
+    "/rerank": st.fixed_dictionaries({"query": TEXT, "texts": TEXTS},
+                                     optional={"raw_scores": st.booleans(), "return_text": st.booleans(),
+                                               "truncate": st.booleans()}),
+    "/tokenize": st.fixed_dictionaries({"model": st.just(MODEL), "prompt": TEXT},
+                                       optional={"add_special_tokens": st.booleans()}),
+    "/detokenize": st.fixed_dictionaries({"model": st.just(MODEL), "tokens": VALID_IDS}),
 }
+VALID["/v1/embeddings"] = VALID["/v1/embeddings"] | st.fixed_dictionaries(
+    {"model": st.just(MODEL), "input": VALID_IDS | st.lists(VALID_IDS, min_size=1, max_size=4)},
+    optional={"truncate": st.booleans(), "normalize": st.booleans()})
 BODIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
-    "/v1/embeddings": shaped({"model": MODELS, "input": TEXT | TEXTS,
+    "/v1/embeddings": shaped({"model": MODELS, "input": TEXT | TEXTS | IDS | st.lists(IDS, max_size=4),
                               "encoding_format": st.sampled_from(["float", "base64", "int8", None]),
-                              "dimensions": st.none() | st.integers()}),
+                              "dimensions": st.none() | st.integers(), "truncate": st.booleans(),
+                              "normalize": st.booleans(), "pooling": st.sampled_from(["mean", "cls", "max"]),
+                              "user": TEXT}),
     "/v1/rerank": shaped({"model": MODELS, "query": TEXT, "documents": TEXTS | st.lists(
         st.fixed_dictionaries({"text": TEXT}), min_size=1, max_size=4), "top_n": st.integers(-2, 8),
                           "return_documents": st.booleans()}),
     "/v1/completions": shaped({"model": MODELS, "prompt": TEXT, "max_tokens": st.integers(-2, 100),
-                               "n": st.integers(0, 2), "stream": st.booleans(), "grammar": TEXT}),
+                               "grammar": TEXT, "echo": st.booleans(), "best_of": st.integers(0, 2), **SAMPLING}),
     "/v1/chat/completions": shaped({"model": MODELS, "messages": st.lists(
-        st.fixed_dictionaries({"role": TEXT, "content": TEXT}), max_size=3), "max_completion_tokens":
-        st.integers(-2, 100)}),
+        st.fixed_dictionaries({"role": TEXT, "content": TEXT}, optional={"name": TEXT}), max_size=3),
+        "max_completion_tokens": st.integers(-2, 100), "tools": st.lists(JSON, max_size=1),
+        "tool_choice": st.sampled_from(["none", "auto"]), "response_format": JSON, **SAMPLING}),
+    "/v2/rerank": shaped({"model": MODELS, "query": TEXT, "documents": TEXTS, "top_n": st.integers(-2, 8),
+                          "max_tokens_per_doc": st.integers(-1, 9), "truncate": st.booleans(),
+                          "priority": st.integers(-1, 2), "return_documents": st.booleans()}),
+    "/rerank": shaped({"model": MODELS, "query": TEXT, "texts": TEXTS, "raw_scores": st.booleans(),
+                       "return_text": st.booleans(), "truncate": st.booleans(),
+                       "truncation_direction": st.sampled_from(["right", "Right", "left", "Left"])}),
+    "/tokenize": shaped({"model": MODELS, "prompt": TEXT, "messages": st.lists(
+        st.fixed_dictionaries({"role": TEXT, "content": TEXT}), max_size=2), "add_special_tokens": st.booleans(),
+                         "add_generation_prompt": st.booleans()}),
+    "/detokenize": shaped({"model": MODELS, "tokens": IDS}),
     # admin routes on a lane that does not exist: bodies are parsed, nothing is reloaded or unloaded
     "/v1/lanes/nolane/reload": shaped({"wait": st.booleans(), "stream": st.booleans()}),
     "/v1/lanes/nolane/drain": shaped({"wait": st.booleans(), "timeout_s": st.floats()}),
@@ -73,8 +106,8 @@ def encode(body: Any) -> bytes:
     return json.dumps(body).encode() if not isinstance(body, bytes) else body
 
 
-async def asgi_status(app: Callable[..., Any], method: str, path: str, body: bytes) -> int:
-    scope = {"type": "http", "method": method, "path": path, "client": ("127.0.0.1", 1),
+async def asgi_status(app: Callable[..., Any], method: str, path: str, body: bytes, query: bytes = b"") -> int:
+    scope = {"type": "http", "method": method, "path": path, "client": ("127.0.0.1", 1), "query_string": query,
              "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
     sent: list[dict[str, Any]] = []
     delivered = False
@@ -94,7 +127,11 @@ async def asgi_status(app: Callable[..., Any], method: str, path: str, body: byt
     return sent[0]["status"]
 
 
-@pytest.mark.parametrize("route", [*BODIES, "GET /v1/lanes/{lane}"])
+QUERY = st.lists(st.tuples(st.sampled_from(["model", "verbose", "", "model[]"]) | TEXT,
+                            st.sampled_from([MODEL, "nope", ""]) | TEXT), max_size=3)
+
+
+@pytest.mark.parametrize("route", [*BODIES, "GET /v1/lanes/{lane}", "GET /readyz"])
 async def test_fuzz_route(tmp_path: Path, route: str) -> None:
     statuses: Counter[int] = Counter()
     async with trio.open_nursery() as nursery:
@@ -104,12 +141,19 @@ async def test_fuzz_route(tmp_path: Path, route: str) -> None:
         sup = daemon.sup
         app = daemon.api.listener(admin=True)
 
-        def case(method: str, path: str, body: bytes) -> None:
-            statuses[trio.from_thread.run(asgi_status, app, method, path, body)] += 1
+        def case(method: str, path: str, body: bytes, query: bytes = b"") -> None:
+            statuses[trio.from_thread.run(asgi_status, app, method, path, body, query)] += 1
 
         fuzz_settings = settings(max_examples=max(1, EXAMPLES // PER_EXAMPLE), deadline=None, database=None,
                                  suppress_health_check=list(HealthCheck))
-        if route.startswith("GET "):
+        if route == "GET /readyz":  # query strings, encoded or raw bytes
+            @fuzz_settings
+            @given(st.lists(QUERY.map(lambda q: urllib.parse.urlencode(q, errors="surrogatepass").encode())
+                            | st.binary(max_size=40), min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
+            def run(queries: list[bytes]) -> None:
+                for query in queries:
+                    case("GET", "/readyz", b"", query)
+        elif route.startswith("GET "):
             @fuzz_settings
             @given(st.lists(TEXT, min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
             def run(lanes: list[str]) -> None:

@@ -74,3 +74,51 @@ async def test_metrics_exposition(tmp_path: Path) -> None:
     assert value(m, "gpuworker_ring_bytes_total", direction="ingress") == 0
     assert value(m, "gpuworker_ring_bytes_total", direction="egress") == 0
     assert "gpuworker_worker_rss_bytes" not in m or all(v > 0 for v in m["gpuworker_worker_rss_bytes"].values())
+
+
+async def test_model_load_gauges_and_token_counters(tmp_path: Path) -> None:
+    """What a router reads: per model, worker requests waiting and running; tokens in and out."""
+    import dataclasses
+
+    from tests.test_http_openai import GGUF
+    from trio_gpuworker import BatchPolicy, LaneConfig, ModelConfig
+    from trio_gpuworker.daemon.config import DEFAULT_LM
+    from trio_gpuworker.supervisor import LaneState
+
+    cfg = daemon_config(tmp_path, fake_command("slow", delay=1.0, on_request=1),
+                        daemon={"batching": BatchPolicy(max_delay_s=0)})
+    sup_cfg = cfg.supervisor
+    sup_cfg = dataclasses.replace(
+        sup_cfg, models=(*sup_cfg.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")),
+        lanes=(*sup_cfg.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command())))
+    cfg = dataclasses.replace(cfg, supervisor=sup_cfg)
+    async with trio.open_nursery() as nursery:
+        daemon = await nursery.start(run_daemon, cfg)
+        sup = daemon.sup
+        async with httpx.AsyncClient(base_url=daemon.binds[0], timeout=30) as http:
+            answers: list[httpx.Response] = []
+
+            async def embed(text: str) -> None:
+                answers.append(await http.post("/v1/embeddings", json={"model": MODEL, "input": text}))
+
+            nursery.start_soon(embed, "slow one")
+            await wait_until(lambda: sup.lanes["lane0"].state == LaneState.BUSY)
+            nursery.start_soon(embed, "queued behind it")
+            await wait_until(lambda: sup.lanes["lane0"].queued == 1)
+            busy = scrape((await http.get("/metrics")).text)
+            await wait_until(lambda: len(answers) == 2, within_s=10)
+            r = await http.post("/v1/completions", json={"model": DEFAULT_LM, "prompt": "Hello", "max_tokens": 2})
+            assert r.status_code == 200
+            m = scrape((await http.get("/metrics")).text)
+        nursery.cancel_scope.cancel()
+    assert value(busy, "gpuworker_model_requests_running", model=MODEL) == 1
+    assert value(busy, "gpuworker_model_requests_queued", model=MODEL) == 1
+    assert value(busy, "gpuworker_model_requests_running", model=DEFAULT_LM) == 0
+    assert value(m, "gpuworker_model_requests_running", model=MODEL) == 0
+    assert value(m, "gpuworker_model_requests_queued", model=MODEL) == 0
+    embedded = sum(a.json()["usage"]["prompt_tokens"] for a in answers)
+    assert value(m, "gpuworker_prompt_tokens_total", model=MODEL) == embedded
+    usage = r.json()["usage"]
+    assert value(m, "gpuworker_prompt_tokens_total", model=DEFAULT_LM) == usage["prompt_tokens"]
+    assert value(m, "gpuworker_generation_tokens_total", model=DEFAULT_LM) == usage["completion_tokens"] == 2
+    assert (MODEL,) not in {tuple(v for _, v in k) for k in m.get("gpuworker_generation_tokens_total", {})}

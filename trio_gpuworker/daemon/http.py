@@ -143,10 +143,11 @@ class Api(AdminRoutes, StateRoutes, RerankRoutes, TokenRoutes):
             raise HttpError(405, "method_not_allowed", f"{method} is not allowed on {path}")
         raise HttpError(404, "not_found", f"no route {path}")
 
-    def _authorize(self, route: Route, scope: Scope) -> None:
-        """TCP requests need one of the API keys when keys are configured, except to the open routes."""
+    def _authorize(self, method: str, path: str, scope: Scope) -> None:
+        """TCP requests need one of the API keys when keys are configured, except GETs of the open routes. Checked
+        before the route is matched: without a key, every path answers 401 alike."""
         keys = self.http.api_keys
-        if not keys or route.label in self.http.open_routes:
+        if not keys or (method in ("GET", "HEAD") and path in self.http.open_routes):
             return
         token = bearer_token(scope.get("headers", ()))
         if not key_matches(token, keys):
@@ -202,10 +203,10 @@ class Api(AdminRoutes, StateRoutes, RerankRoutes, TokenRoutes):
                                 f"{host} has {self._per_client[host] - 1} requests in flight; at most "
                                 f"{self.http.max_connections_per_client} (http.max_connections_per_client)",
                                 {"retry-after": "1", "connection": "close"})
+            if not admin:
+                self._authorize(method, path, scope)
             route, params = self._match(method, path)
             label = route.label
-            if not admin:
-                self._authorize(route, scope)
             params |= _query(scope, route)
             if route.admin and not (admin or self.http.admin_on_tcp):
                 raise HttpError(403, "admin_only", f"{route.label} is served on the Unix socket only "
