@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config
@@ -17,7 +19,7 @@ from tests.test_config import LANE
 from tests.test_config import MODEL as MODEL_TOML
 from trio_gpuworker import ConfigError
 from trio_gpuworker.daemon.config import parse_config
-from trio_gpuworker.daemon.http_auth import challenge, key_matches, load_api_keys
+from trio_gpuworker.daemon.http_auth import bearer_token, challenge, key_matches, load_api_keys
 
 KEY, OTHER_KEY = "k" * 16 + "-first", "AbC0123456789+/=="
 REMOTE = "[http]\nlisten = '0.0.0.0:8421'\nallow_remote = true\n"
@@ -121,3 +123,14 @@ async def test_open_routes_can_be_closed(tmp_path: Path) -> None:
                 r = await http.get(path, headers={"authorization": f"Bearer {KEY}"})
                 assert r.status_code == 200, path
         nursery.cancel_scope.cancel()
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([b"authorization", b"Authorization", b"x-api-key"]) | st.binary(max_size=8),
+                          st.binary(max_size=40) | st.sampled_from([f"Bearer {KEY}".encode(), b"Bearer ", b"bearer"])),
+                max_size=3))
+def test_any_authorization_header_is_answered(headers: list[tuple[bytes, bytes]]) -> None:
+    """Whatever the headers, the check answers (no exception) and admits exactly the configured key."""
+    digests = load_api_keys("", Path.cwd(), {"GPUWORKER_API_KEYS": KEY})
+    token = bearer_token(headers)
+    assert key_matches(token, digests) == (token == KEY)
