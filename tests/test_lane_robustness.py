@@ -113,7 +113,8 @@ async def test_drain_bound_aborts_the_request_in_flight(tmp_path: Path) -> None:
 
         async def in_flight() -> None:
             with contextlib.suppress(httpx.HTTPError):
-                await http.post("/v1/embeddings", json={"model": MODEL, "input": ["x"]})
+                async with http:  # the listener now stays open through the drain: the connection is ours to close
+                    await http.post("/v1/embeddings", json={"model": MODEL, "input": ["x"]})
 
         nursery.start_soon(in_flight)
         await wait_until(lambda: lane.state == LaneState.BUSY)
