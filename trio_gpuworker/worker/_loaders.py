@@ -137,7 +137,13 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
     def probe(built: tuple[Any, Any]) -> np.ndarray:  # a restore must reproduce the decode graph's answer
         return np.asarray([built[0].probe()], dtype=np.int64)
 
-    extra = {"max_context": DEFAULT_CONTEXT, "beam": beam, "decoder": decoder}
+    extra: dict[str, Any] = {"max_context": DEFAULT_CONTEXT, "beam": beam, "decoder": decoder}
+    fused = ("trio_gpuworker.models.quant", "trio_gpuworker.models.csource", "trio_gpuworker.models.ckernel",
+             "trio_gpuworker.gguf_file")
+    if decoder == "fused":  # its C lives in models/kernels/, not in the modules' source
+        from ..models import csource
+
+        extra["kernels_sha256"] = csource.digest()
     modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.models._jitstate",
-               "trio_gpuworker.llm_tokenizer", *(("trio_gpuworker.models.quant",) if decoder == "fused" else ()))
+               "trio_gpuworker.llm_tokenizer", *(fused if decoder == "fused" else ()))
     return _cached(path, digest, "generate", modules, extra, build, probe, verify)
