@@ -7,6 +7,9 @@ compiles C (the CPU device). Sources come from models/csource.py.
 
 from __future__ import annotations
 
+import ctypes
+
+import numpy as np
 from tinygrad import Device, Tensor, UOp
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
@@ -32,3 +35,15 @@ def compile_object(src: str, device: str = "CPU") -> bytes:
     """`src` compiled exactly as tinygrad's device compiles a kernel (its clang command and flags): an ELF
     object. The ctypes tests link it into a shared library."""
     return Device[device].renderer.compiler.compile(src)
+
+
+def thread_table(threads: int) -> np.ndarray:
+    """kernels/threads.h's thread_table: the addresses of pthread_create, pthread_join and sched_yield, then
+    the threads wanted. A freestanding kernel links nothing, so it calls these through the table; the
+    addresses hold for this process only, so the table is written where it runs, never stored."""
+    libc = ctypes.CDLL(None)
+    fns = [ctypes.cast(getattr(libc, f), ctypes.c_void_p).value or 0 for f in ("pthread_create", "pthread_join",
+                                                                               "sched_yield")]
+    if not all(fns):
+        raise RuntimeError("pthread_create, pthread_join or sched_yield is not in this process")
+    return np.array([*fns, threads], dtype=np.uint64)
