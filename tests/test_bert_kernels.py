@@ -43,7 +43,7 @@ def test_gemm_epilogues(probe: ctypes.CDLL, epi: int, m: int) -> None:
 def test_attention_of_one_head(probe: ctypes.CDLL, L: int) -> None:
     qkv = RNG.standard_normal((L, 3 * HD)).astype(np.float32)
     ctx = np.full((L, HD), np.nan, np.float32)
-    kt, sc = np.zeros(HD * MAXLP, np.float32), np.zeros(16 * MAXLP, np.float32)
+    kt, sc = np.zeros(2 * HD * MAXLP, np.float32), np.zeros(16 * MAXLP, np.float32)
     probe.attention(L, ptr(qkv), ptr(ctx), ptr(kt), ptr(sc))
     q, k, v = (qkv[:, i * HD : (i + 1) * HD].astype(np.float64) for i in range(3))
     s = q @ k.T / math.sqrt(HD)

@@ -77,8 +77,8 @@ def panels(w: np.ndarray) -> np.ndarray:
 
 def scratch_floats(d: BertDims, cap: int, maxlp: int, mb: int, threads: int) -> int:
     """kernels/bert_encode.c: x, q|k|v and attention output for every token, then per thread an FFN row block,
-    K transposed and a tile's scores."""
-    return cap * 5 * d.h + threads * (mb * d.ff + d.hd * maxlp + _MR_MAX * maxlp)
+    K transposed and V packed, a tile's scores."""
+    return cap * 5 * d.h + threads * (mb * d.ff + 2 * d.hd * maxlp + _MR_MAX * maxlp)
 
 
 def pack_weights(cfg: BertConfig, w: dict[str, np.ndarray]) -> list[np.ndarray]:

@@ -5,12 +5,16 @@
 #include "gemm.h"
 
 /* ctx[i * ldc + 0..HD) = softmax_j(q_i . k_j / sqrt(HD)) v_j for i, j < L. q, k, v: rows of stride ld.
-   kt: scratch for K transposed into panels of NR keys (HD x NR each); sc: scratch for MR rows of scores. */
+   kv: scratch for K transposed into panels of NR keys (HD x NR each), then V's rows packed (L x HD): read in
+   place, each row of V sits on its own page (a TLB miss per row, half the speed at L = 200); sc: scratch for
+   MR rows of scores. */
 INL void attend(int L, const float *restrict q, const float *restrict k, const float *restrict v, long ld,
-                float *restrict ctx, long ldc, float *restrict kt, float *restrict sc) {
+                float *restrict ctx, long ldc, float *restrict kv, float *restrict sc) {
   int lp = (L + NR - 1) / NR * NR;
-  for (int j = 0; j < lp; j++) for (int d = 0; d < HD; d++)
-    kt[(long)(j / NR) * HD * NR + d * NR + j % NR] = j < L ? k[j * ld + d] : 0.0f;
+  float *restrict kt = kv, *restrict vp = kv + (long)HD * lp;
+  for (int p = 0; p < lp; p += NR) for (int d = 0; d < HD; d++) for (int jj = 0; jj < NR; jj++)
+    kt[(long)p * HD + d * NR + jj] = p + jj < L ? k[(p + jj) * ld + d] : 0.0f;
+  for (int j = 0; j < L; j++) for (int d = 0; d < HD; d++) vp[j * HD + d] = v[j * ld + d];
   const float scale = 1.0f / __builtin_sqrtf((float)HD);
   for (int i0 = 0; i0 < L; i0 += MR) {
     int mr = L - i0 < MR ? L - i0 : MR;
@@ -29,12 +33,12 @@ INL void attend(int L, const float *restrict q, const float *restrict k, const f
     }
 #if HD % TW == 0
     for (int h = 0; h < HD; h += TW)
-      micro_store(mr, L, sc, MAXLP, v + h, ld, ctx + i0 * ldc + h, ldc, 1.0f);
+      micro_store(mr, L, sc, MAXLP, vp + h, HD, ctx + i0 * ldc + h, ldc, 1.0f);
 #else
     for (int r = 0; r < mr; r++) {
       float o[HD];
       for (int d = 0; d < HD; d++) o[d] = 0;
-      for (int j = 0; j < L; j++) for (int d = 0; d < HD; d++) o[d] += sc[r * MAXLP + j] * v[j * ld + d];
+      for (int j = 0; j < L; j++) for (int d = 0; d < HD; d++) o[d] += sc[r * MAXLP + j] * vp[j * HD + d];
       for (int d = 0; d < HD; d++) ctx[(i0 + r) * ldc + d] = o[d];
     }
 #endif

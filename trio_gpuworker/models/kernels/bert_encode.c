@@ -10,8 +10,8 @@
 #include "threads.h"
 
 #define H3 (3 * H)
-/* per-thread scratch: an FFN row block, K transposed, a tile's scores */
-#define THREAD_SCRATCH ((long)MB * FF + (long)HD * MAXLP + (long)MR * MAXLP)
+/* per-thread scratch: an FFN row block, K transposed and V packed, a tile's scores */
+#define THREAD_SCRATCH ((long)MB * FF + 2L * HD * MAXLP + (long)MR * MAXLP)
 
 _Static_assert(MR <= 16 && THREADS <= MAXT && SCRATCH >= (long)CAP * 5 * H + THREADS * THREAD_SCRATCH,
                "the host's scratch does not fit this layout (models/bert_fused.py scratch_floats)");
@@ -48,7 +48,7 @@ INL void run(job *j, int tid) {
   const int n_seq = j->in[0], n_tok = j->in[1], *off = j->in + 2, *ids = j->in + 2 + CAP + 1, *tys = ids + CAP;
   const int nt = j->nt;
   float *x = j->scr, *qkv = x + (long)CAP * H, *ctx = qkv + (long)CAP * H3;
-  float *mine = ctx + (long)CAP * H + tid * THREAD_SCRATCH, *kt = mine + (long)MB * FF, *sc = kt + (long)HD * MAXLP;
+  float *mine = ctx + (long)CAP * H + tid * THREAD_SCRATCH, *kv = mine + (long)MB * FF, *sc = kv + 2L * HD * MAXLP;
   /* this thread's tokens: an even share, in whole micro tiles */
   int tiles = (n_tok + MR - 1) / MR, t0 = tiles * tid / nt * MR, t1 = tiles * (tid + 1) / nt * MR;
   t1 = t1 < n_tok ? t1 : n_tok;
@@ -69,7 +69,7 @@ INL void run(job *j, int tid) {
     barrier(&j->bar, nt, &sense, j->tt->yield);
     for (int s = 0; s < n_seq; s++) for (int h = tid; h < NH; h += nt) {
       const float *q = qkv + (long)off[s] * H3 + h * HD;
-      attend(off[s + 1] - off[s], q, q + H, q + 2 * H, H3, ctx + (long)off[s] * H + h * HD, H, kt, sc);
+      attend(off[s + 1] - off[s], q, q + H, q + 2 * H, H3, ctx + (long)off[s] * H + h * HD, H, kv, sc);
     }
     barrier(&j->bar, nt, &sense, j->tt->yield);
     for (int r = t0; r < t1; r += MB) row_block(j, l, r, r + MB < t1 ? r + MB : t1, mine);
