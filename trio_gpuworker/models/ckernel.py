@@ -8,6 +8,7 @@ compiles C (the CPU device). Sources come from models/csource.py.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 from tinygrad import Device, Tensor, UOp
@@ -37,13 +38,18 @@ def compile_object(src: str, device: str = "CPU") -> bytes:
     return Device[device].renderer.compiler.compile(src)
 
 
+@functools.cache
+def _thread_functions() -> tuple[int, ...]:
+    libc = ctypes.CDLL(None)
+    fns = tuple(ctypes.cast(getattr(libc, f), ctypes.c_void_p).value or 0
+                for f in ("pthread_create", "pthread_join", "sched_yield"))
+    if not all(fns):
+        raise RuntimeError("pthread_create, pthread_join or sched_yield is not in this process")
+    return fns
+
+
 def thread_table(threads: int) -> np.ndarray:
     """kernels/threads.h's thread_table: the addresses of pthread_create, pthread_join and sched_yield, then
     the threads wanted. A freestanding kernel links nothing, so it calls these through the table; the
     addresses hold for this process only, so the table is written where it runs, never stored."""
-    libc = ctypes.CDLL(None)
-    fns = [ctypes.cast(getattr(libc, f), ctypes.c_void_p).value or 0 for f in ("pthread_create", "pthread_join",
-                                                                               "sched_yield")]
-    if not all(fns):
-        raise RuntimeError("pthread_create, pthread_join or sched_yield is not in this process")
-    return np.array([*fns, threads], dtype=np.uint64)
+    return np.array([*_thread_functions(), threads], dtype=np.uint64)
