@@ -19,15 +19,16 @@ RNG = np.random.default_rng(0)
 HD, MAXLP = 32, 96
 
 
-@pytest.fixture(scope="module")
-def probe() -> ctypes.CDLL:
-    return build("bert_probe.c", spec(act=0, hd=HD, maxlp=MAXLP))
+@pytest.fixture(scope="module", params=[0, 1], ids=["native", "wide"])
+def probe(request: pytest.FixtureRequest) -> ctypes.CDLL:
+    """The tiles of this CPU, and AVX-512's wide ones (WIDE 1, bert_math.h) run on whatever this CPU has."""
+    return build("bert_probe.c", spec(act=0, hd=HD, maxlp=MAXLP, wide=request.param))
 
 
 @pytest.mark.parametrize("epi", [1, 2, 3])
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 12, 13, 50])
 def test_gemm_epilogues(probe: ctypes.CDLL, epi: int, m: int) -> None:
-    n, k = 2 * NR, 40
+    n, k = 3 * NR, 40
     a = RNG.standard_normal((m, k)).astype(np.float32)
     w = RNG.standard_normal((n, k)).astype(np.float32)  # (out, in), as Hugging Face stores it
     bias = RNG.standard_normal(n).astype(np.float32)
@@ -87,8 +88,8 @@ def _tiny_weights(cfg: BertConfig) -> dict[str, np.ndarray]:
             .astype(np.float32) for k, s in cfg.shapes().items()}
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_whole_encoder_matches_the_numpy_reference(threads: int) -> None:
+@pytest.mark.parametrize("threads, wide", [(1, 0), (2, 0), (3, 0), (2, 1)])
+def test_whole_encoder_matches_the_numpy_reference(threads: int, wide: int) -> None:
     """Sequences of mixed lengths packed back to back, token types, and a team of threads that splits both
     the tokens (row blocks) and the heads (attention) of every layer."""
     cfg = BertConfig.from_dict(TINY)
@@ -97,7 +98,7 @@ def test_whole_encoder_matches_the_numpy_reference(threads: int) -> None:
     dims = BertDims(h=64, nh=2, hd=32, ff=128, nl=2, eps=1e-12, act=0)
     cap = Capacity(cap=CAP, maxlp=maxlp, mb=mb, threads=threads,
                    scratch=bert_fused.scratch_floats(dims, CAP, maxlp, mb, threads))
-    lib = build("bert_encode.c", dims, cap)
+    lib = build("bert_encode.c", dims, cap, spec(wide=wide))
     lens = [1, 7, 128, 2, 33, 13, 64, 5]
     rows = [RNG.integers(0, 97, n).astype(np.int32) for n in lens]
     types = [(np.arange(n) >= n // 2).astype(np.int32) for n in lens]
@@ -114,20 +115,27 @@ def test_whole_encoder_matches_the_numpy_reference(threads: int) -> None:
         np.testing.assert_allclose(out[i, 64:], h[0], rtol=1e-4, atol=1e-4)
 
 
-def test_the_encoder_links_nothing() -> None:
-    """A freestanding kernel must not call libc or libm: tinygrad's loader has no linker for it."""
+@pytest.mark.parametrize("cpu", [None, "x86-64-v3", "icelake-server"], ids=["native", "avx2", "avx512"])
+def test_the_kernels_build_for_avx2_and_avx512_and_link_nothing(cpu: str | None) -> None:
+    """Both ISAs' code paths compile (this CPU runs one of them), and a freestanding kernel calls no libc or libm:
+    tinygrad's loader has no linker for it. tinygrad runs the first code of the image: the entry comes first."""
     import subprocess
     import tempfile
     from pathlib import Path
 
     from trio_gpuworker.models import csource
+    from trio_gpuworker.models.llama_fused import LlamaDims, Step
 
     dims = BertDims(h=384, nh=12, hd=32, ff=1536, nl=6, eps=1e-12, act=0)
     cap = Capacity(cap=CAP, maxlp=256, mb=48, threads=2, scratch=bert_fused.scratch_floats(dims, CAP, 256, 48, 2))
-    obj = ckernel.compile_object(csource.source("bert_encode.c", dims, cap))
-    with tempfile.NamedTemporaryFile(suffix=".o") as f:
-        Path(f.name).write_bytes(obj)
-        syms = subprocess.run(["nm", f.name], capture_output=True, text=True, check=True).stdout.split("\n")
-    assert [s for s in syms if " U " in s] == []
-    # tinygrad runs the first code of the image: the entry point must come first
-    assert any(s.startswith("0000000000000000 T encode") for s in syms)
+    llama = LlamaDims(d=576, h=9, kv=3, hd=64, ff=1536, v=49152, s=2080, nl=30, eps=1e-5, g=4, type_embd=8,
+                      type_out=8, type_qkv=3, type_o=3, type_gu=3, type_down=3)
+    for entry, src in (("encode", csource.source("bert_encode.c", dims, cap)),
+                       ("forward", csource.source("llama_forward.c", llama, Step(t=32, nt=4)))):
+        obj = ckernel.compile_object(src, cpu)
+        with tempfile.NamedTemporaryFile(suffix=".o") as f:
+            Path(f.name).write_bytes(obj)
+            syms = subprocess.run(["nm", f.name], capture_output=True, text=True, check=True).stdout.split("\n")
+        if entry == "encode":
+            assert [s for s in syms if " U " in s] == []
+        assert any(s.startswith(f"0000000000000000 T {entry}") for s in syms), syms

@@ -26,7 +26,7 @@ from .cross_encoder import head_shapes, num_labels
 
 Progress = Callable[[int], None] | None
 
-NR = 32  # kernels/gemm.h: packed panel width
+PW, NR = 16, 32  # kernels/gemm.h: packed panel width; column counts are multiples of NR
 CAP = 2048  # tokens per kernel call
 MB = 48  # rows per row block: an FFN block (48 x 1536 floats) and its input stay in a core's L2
 MAX_THREADS = 8  # kernels/threads.h MAXT
@@ -68,11 +68,11 @@ def supported(cfg: BertConfig) -> None:
 
 
 def panels(w: np.ndarray) -> np.ndarray:
-    """An (out, in) weight -> panels of NR output columns, each `in` rows of NR floats (kernels/gemm.h)."""
+    """An (out, in) weight -> panels of PW output columns, each `in` rows of PW floats (kernels/gemm.h)."""
     n, k = w.shape
     if n % NR:
         raise ValueError(f"weight rows ({n}) must be a multiple of {NR}")
-    return np.ascontiguousarray(w.reshape(n // NR, NR, k).transpose(0, 2, 1)).reshape(-1)
+    return np.ascontiguousarray(w.reshape(n // PW, PW, k).transpose(0, 2, 1)).reshape(-1)
 
 
 def scratch_floats(d: BertDims, cap: int, maxlp: int, mb: int, threads: int) -> int:

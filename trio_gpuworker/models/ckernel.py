@@ -32,10 +32,14 @@ def kernel(name: str, src: str, outs: list[Tensor], ins: list[Tensor], inout: tu
     return outs[0].custom_kernel(*outs[1:], *ins, fxn=fxn)[: len(outs)]
 
 
-def compile_object(src: str, device: str = "CPU") -> bytes:
-    """`src` compiled exactly as tinygrad's device compiles a kernel (its clang command and flags): an ELF
-    object. The ctypes tests link it into a shared library."""
-    return Device[device].renderer.compiler.compile(src)
+def compile_object(src: str, cpu: str | None = None) -> bytes:
+    """`src` compiled exactly as tinygrad's CPU device compiles a kernel (its clang command and flags): an ELF
+    object, which the ctypes tests link into a shared library. `cpu` replaces `native` in -march (a test
+    compiles for CPUs it does not have)."""
+    compiler = Device["CPU"].renderer.compiler
+    if cpu is not None:
+        compiler = type(compiler)([compiler.arch, cpu])
+    return compiler.compile(src)
 
 
 @functools.cache

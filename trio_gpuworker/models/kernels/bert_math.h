@@ -1,10 +1,20 @@
 /* Vector width, exp, activations and LayerNorm for the fused BERT encoder, in float32 like the reference.
-   Needs ACT (0 GELU with erf, HF "gelu"; 1 GELU with tanh; 2 ReLU). */
+   Needs ACT (0 GELU with erf, HF "gelu"; 1 GELU with tanh; 2 ReLU). WIDE is optional (below). */
 #ifndef TG_BERT_MATH_H
 #define TG_BERT_MATH_H
 #include "vec.h"
 
+/* WIDE: AVX-512's vectors and tiles. A test defines WIDE 1 to run them on AVX2 too (slowly: clang splits
+   each vector in two and the tiles spill), which checks the wide tiling where no AVX-512 CPU is at hand. */
+#ifndef WIDE
 #ifdef __AVX512F__
+#define WIDE 1
+#else
+#define WIDE 0
+#endif
+#endif
+
+#if WIDE
 typedef float vf __attribute__((ext_vector_type(16), aligned(4)));
 typedef int vi __attribute__((ext_vector_type(16)));
 #define VW 16
