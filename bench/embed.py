@@ -7,13 +7,13 @@ on warm shapes (every kernel compiled and captured before the timed part), for t
 - long: 32 rows of 150-250 tokens (the 256 bucket), in batches of 8.
 
     .venv/bin/python bench/embed.py [--case batches,single,long] [--replicas N] [--threads N] [--encoder E]
-                                    [--beam N] [--inprocess]
+                                    [--beam N] [--inprocess] [--st-threads N]
 
 --replicas sets the lane's worker processes (default: the config default, one per core); --threads the
 cores each fused encoder kernel uses (runtime_config threads); --encoder fused (the CPU default) or graph
 (tinygrad-generated kernels); --beam the graph encoder's BEAM width; --inprocess adds the encoder called in
-this process. sentence-transformers runs before and after the daemon in each case: the ratio is against
-their mean, and both are printed, since this machine may be shared.
+this process. sentence-transformers (2 torch threads, or --st-threads) runs before and after the daemon in
+each case: the ratio is against their mean, and both are printed, since this machine may be shared.
 """
 
 from __future__ import annotations
@@ -57,8 +57,11 @@ def cases() -> dict[str, dict]:
 
 
 class SentenceTransformers:
-    def __init__(self) -> None:
+    def __init__(self, threads: int) -> None:
+        import torch
         from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(threads)
 
         self.model = SentenceTransformer(str(MODEL_DIR), device="cpu")
 
@@ -96,14 +99,19 @@ async def clients(url: str, n: int, texts: list[str]) -> float:
     return len(out["latencies"]) / out["wall_s"]
 
 
+def cpu_s(pid: int) -> float:
+    """A process's user + system CPU seconds so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def bench(args: argparse.Namespace, st: SentenceTransformers | None) -> list[tuple[str, list]]:
     rc = {k: v for k, v in (("threads", args.threads), ("encoder", args.encoder)) if v is not None}
     model_extra = f"beam = {args.beam}\n" + (f"runtime_config = {json.dumps(rc).replace(':', ' =')}" if rc else "")
-    cfg = minilm_daemon_config("127.0.0.1:18421", f"replicas = {args.replicas}" if args.replicas else "", model_extra)
-    url = "http://127.0.0.1:18421"
+    cfg = minilm_daemon_config("127.0.0.1:0", f"replicas = {args.replicas}" if args.replicas else "", model_extra)
     results = []
     async with trio.open_nursery() as nursery:
-        await nursery.start(run_daemon, cfg)
+        url = (await nursery.start(run_daemon, cfg)).binds[0]
         async with httpx.AsyncClient(base_url=url, timeout=600) as client:
             for name in args.case.split(","):
                 c = cases()[name]
@@ -113,16 +121,20 @@ async def bench(args: argparse.Namespace, st: SentenceTransformers | None) -> li
                         await clients(url, c["clients"], texts[:32])
                     await post_batches(client, texts, c["batch"] if not c["clients"] else 8)
                 st_before = st.rate(texts, c["st_batch"])[0] if st else None
+                pids = [ln["pid"] for ln in (await client.get("/healthz")).json()["lanes"]]
+                cpu0, wcpu0 = time.process_time(), sum(cpu_s(p) for p in pids)
                 t0 = time.perf_counter()
                 if c["clients"]:
                     rate = await clients(url, c["clients"], texts)
-                    t0 = time.perf_counter()
+                    spent = [time.process_time() - cpu0, sum(cpu_s(p) for p in pids) - wcpu0]
                     vecs = await post_batches(client, texts, 32)  # for fidelity only, untimed
                 else:
                     vecs = await post_batches(client, texts, c["batch"])
                     rate = len(texts) / (time.perf_counter() - t0)
+                    spent = [time.process_time() - cpu0, sum(cpu_s(p) for p in pids) - wcpu0]
                 st_after = st.rate(texts, c["st_batch"])[0] if st else None
-                results.append((name, [rate, st_before, st_after, vecs, len(cfg.supervisor.lanes)]))
+                cpu_ms = [1000 * x / len(texts) for x in spent]
+                results.append((name, [rate, st_before, st_after, vecs, len(cfg.supervisor.lanes), cpu_ms]))
         nursery.cancel_scope.cancel()
     return results
 
@@ -150,29 +162,33 @@ def main() -> None:
     p.add_argument("--encoder", choices=("fused", "graph"), default=None)
     p.add_argument("--beam", type=int, default=0)
     p.add_argument("--inprocess", action="store_true")
+    p.add_argument("--st-threads", type=int, default=2, help="torch threads of the baseline (default 2)")
     args = p.parse_args()
     try:
-        st = SentenceTransformers()
+        st = SentenceTransformers(args.st_threads)
     except ImportError:
         st = None
     results = trio.run(bench, args, st)
     lanes = results[0][1][4]
     print(f"{os.cpu_count()} CPUs, DEV={os.environ['DEV']}; daemon: {lanes} replica(s), encoder "
           f"{args.encoder or 'default'}, threads {args.threads or 'default'}, beam {args.beam}; warm shapes")
-    print(f"{'case':<10}{'daemon/s':>10}{'ST before':>11}{'ST after':>10}{'ratio':>8}  fidelity (min cos, max abs)")
-    for name, (rate, before, after, vecs, _) in results:
+    print(f"{'case':<10}{'daemon/s':>10}{'ST before':>11}{'ST after':>10}{'ratio':>8}{'cpu ms: daemon':>16}"
+          f"{'workers':>9}  fidelity (min cos, max abs)")
+    for name, (rate, before, after, vecs, _, (dcpu, wcpu)) in results:
         c = cases()[name]
         if st is None:
-            print(f"{name:<10}{rate:>10.2f}")
+            print(f"{name:<10}{rate:>10.2f}{'':>29}{dcpu:>16.2f}{wcpu:>9.2f}")
             continue
         ref = st.model.encode(c["texts"], batch_size=32, normalize_embeddings=True)
         cos = (vecs * ref).sum(1) / np.linalg.norm(ref, axis=1) / np.linalg.norm(vecs, axis=1)
         print(f"{name:<10}{rate:>10.2f}{before:>11.2f}{after:>10.2f}{rate / ((before + after) / 2):>7.2f}x"
-              f"  {cos.min():.6f}, {np.abs(vecs - ref).max():.1e}")
+              f"{dcpu:>16.2f}{wcpu:>9.2f}  {cos.min():.6f}, {np.abs(vecs - ref).max():.1e}")
     if args.inprocess:
         c = cases()["batches"]
         print(f"in-process fused encoder, batches case: {inprocess(args, c['texts'], c['batch']):.2f} sentences/s")
-    print("(sentences/s; ratio = daemon / mean of the two sentence-transformers runs, 2 torch threads)")
+    print(f"(sentences/s; ratio = daemon / mean of the two sentence-transformers runs, {args.st_threads} torch "
+          "thread(s); cpu ms: per sentence, of this process (daemon and, except for 'single', the HTTP client) "
+          "and of the workers)")
 
 
 if __name__ == "__main__":
