@@ -67,9 +67,11 @@ def encoder_for(rc: dict[str, Any], device: str) -> tuple[str, int]:
         raise LoadError("config_invalid", f"encoder must be one of {', '.join(ENCODERS)}, got {choice!r}")
     if choice == "fused" and not cpu:
         raise LoadError("config_invalid", f"encoder 'fused' runs on CPU only, not on {device}: use 'graph'")
+    from ..models.bert_fused import MAX_THREADS
+
     threads = rc.get("threads", FUSED_THREADS)
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= 8:
-        raise LoadError("config_invalid", f"threads must be an int within 1..8, got {threads!r}")
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise LoadError("config_invalid", f"threads must be an int within 1..{MAX_THREADS}, got {threads!r}")
     if "threads" in rc and choice != "fused":
         raise LoadError("config_invalid", "threads applies to the fused encoder only")
     return choice, threads
