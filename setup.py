@@ -12,7 +12,7 @@ setup(
     version="0.1.0",
     python_requires=">=3.11",
     packages=find_packages(include=["trio_gpuworker", "trio_gpuworker.*", "cython_ring"]),
-    package_data={"cython_ring": ["*.pxd", "*.h", "*.pyx"]},
+    package_data={"cython_ring": ["*.pxd", "*.h", "*.pyx"], "trio_gpuworker.models": ["kernels/*.c", "kernels/*.h"]},
     ext_modules=cythonize(extensions, compiler_directives={"language_level": 3, "boundscheck": False,
                                                            "wraparound": False}),
     scripts=["bin/gpuworkerd", "bin/gpuworkerctl"],

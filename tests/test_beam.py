@@ -73,7 +73,7 @@ runtime_dir = "{tempfile.mkdtemp(prefix="gw-beam-")}"
 [models.tiny]
 path = "{model}"
 beam = {beam}
-runtime_config = {{ warmup_shapes = [[16, 1]] }}
+runtime_config = {{ warmup_shapes = [[16, 1]], encoder = "graph" }}  # BEAM tunes tinygrad-generated kernels
 [[lanes]]
 id = "t"
 models = ["tiny"]

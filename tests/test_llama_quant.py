@@ -1,11 +1,15 @@
-"""The packed-weight kernels of models/quant.py against the `gguf` package's dequantiser.
+"""The fused decoder's C (models/kernels/quant.h, qmatmul.h, llama_math.h) against numpy references.
 
 The decoder's greedy output matches the float reference because its kernels compute with the very same
-float32 weights: these tests dequantise every packed block of real GGUF matrices in a kernel and require
-bit-identical values, and check the matvec tiles (one row of x, and the prefill tile) numerically.
+float32 weights: these tests dequantise every packed block of real GGUF matrices and require bit-identical
+values against the `gguf` package's dequantiser, check the matvec tiles (one row of x, and the prefill tile)
+numerically, and RMSNorm and the softmax exp against numpy. The C runs on its own through ctypes
+(tests/ckernels.py), compiled as tinygrad compiles it; one test runs it through the tinygrad bridge.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import pytest
@@ -14,15 +18,15 @@ pytestmark = pytest.mark.slow
 
 gguf = pytest.importorskip("gguf")
 
-from tinygrad import Tensor  # noqa: E402
-
+from tests.ckernels import build, ptr, spec  # noqa: E402
 from tests.reference_llama import gguf_path  # noqa: E402
+from trio_gpuworker.gguf_file import BLOCKS, F16, Q4_1, Q8_0, GGUFTensor, read_tensors  # noqa: E402
 from trio_gpuworker.models import quant  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def raw() -> dict[str, quant.Raw]:
-    return quant.gguf_raw(gguf_path())[1]
+def raw() -> dict[str, GGUFTensor]:
+    return read_tensors(gguf_path())[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,28 +39,25 @@ def _reference(reader: gguf.GGUFReader, name: str) -> np.ndarray:
     return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
 
 
-def _dequantised(typ: int, packed: Tensor, rows: int, cols: int) -> np.ndarray:
-    body = """(float *restrict y, const unsigned char *restrict w) {
-  for (int o = 0; o < ROWS; o++) for (int b = 0; b < NB; b++) {
-    v16 lo, hi; dqw(w + (((long)(o / G) * NB + b) * G + o % G) * BS, &lo, &hi);
-    float *yb = y + (long)o * NB * 32 + b * 32;
-    for (int i = 0; i < 16; i++) { yb[i] = lo[i]; yb[16 + i] = hi[i]; }
-  }
-}
-"""
-    defs = {"ROWS": rows, "NB": cols // 32, "G": quant.G, "BS": quant.PACKED[typ], "dqw": f"dq{typ}", "D": 32, "EPS": 0}
-    src = quant.c_source("deq", defs, {}, body)
-    return quant.kernel("deq", src, [Tensor.empty(rows * cols)], [packed])[0].numpy().reshape(rows, cols)
+def _probe(typ: int, rows: int, cols: int, nx: int = 1, nt: int = 1) -> ctypes.CDLL:
+    return build("quant_probe.c", spec(rows=rows, cols=cols, nx=nx, nt=nt, g=quant.G, type=typ))
+
+
+def _packed(t: GGUFTensor, rows: int) -> np.ndarray:
+    """The first `rows` rows of `t`, packed and grouped as the decoder loads them."""
+    block = BLOCKS[t.typ][1]
+    return quant.group(t.typ, quant.pack(t.typ, t.data[: rows * t.shape[1] // 32 * block], rows))
 
 
 @pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.7.attn_q.weight", "token_embd.weight"])
 def test_packed_blocks_dequantise_to_the_reference_weights(raw: dict, reader: gguf.GGUFReader, name: str) -> None:
-    typ, (rows, cols), data = raw[name]
-    assert typ in (quant.Q4_1, quant.Q8_0)
-    if name == "token_embd.weight":
-        rows = 4096  # enough rows to cover the grouping; the whole vocabulary only costs time
-        data = data[: rows * cols // 32 * 34]
-    got = _dequantised(typ, Tensor(quant.group(typ, quant.pack(typ, data, rows))), rows, cols)
+    t = raw[name]
+    assert t.typ in (Q4_1, Q8_0)
+    rows, cols = t.shape
+    rows = min(rows, 4096)  # enough rows to cover the grouping; the whole vocabulary only costs time
+    w = _packed(t, rows)
+    got = np.empty((rows, cols), np.float32)
+    _probe(t.typ, rows, cols).dequant(ptr(got), ptr(w))
     want = _reference(reader, name)[:rows]
     assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()  # bit for bit, not approximately
 
@@ -64,19 +65,46 @@ def test_packed_blocks_dequantise_to_the_reference_weights(raw: dict, reader: gg
 @pytest.mark.parametrize("n, nt", [(1, 1), (8, 4)])
 def test_matvec_tiles(raw: dict, reader: gguf.GGUFReader, n: int, nt: int) -> None:
     name = "blk.3.ffn_gate.weight"
-    typ, (rows, cols), data = raw[name]
+    t = raw[name]
+    rows, cols = t.shape
     x = np.random.default_rng(0).standard_normal((n, cols)).astype(np.float32)
-    body = """(float *restrict y, const float *restrict x, const unsigned char *restrict w) {
-  mm(y, ROWS, x, COLS, w, ROWS, COLS / 32, NX);
-}
-"""
-    src = quant.c_source("mv", {"ROWS": rows, "COLS": cols, "NX": n, "D": 32, "EPS": 0}, {"mm": (typ, nt)}, body)
-    packed = Tensor(quant.group(typ, quant.pack(typ, data, rows)))
-    got = quant.kernel("mv", src, [Tensor.empty(n * rows)], [Tensor(x), packed])[0].numpy().reshape(n, rows)
+    got, w = np.empty((n, rows), np.float32), _packed(t, rows)
+    _probe(t.typ, rows, cols, n, nt).matvec(ptr(got), ptr(x), ptr(w))
     want = x.astype(np.float64) @ _reference(reader, name).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_rmsnorm_and_exp_match_numpy() -> None:
+    n, eps = 576, 1e-5
+    lib = build("llama_math_probe.c", spec(n=n, eps=eps))
+    rng = np.random.default_rng(1)
+    x, w = rng.standard_normal((3, n)).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    got = np.empty_like(x)
+    lib.rms(ptr(got), ptr(x), ptr(w), 3)
+    ms = (x.astype(np.float64) ** 2).mean(1, keepdims=True)
+    np.testing.assert_allclose(got, x / np.sqrt(ms.astype(np.float32) + np.float32(eps)) * w, rtol=2e-7, atol=1e-7)
+    z = np.concatenate([-np.geomspace(1e-8, 700, 4000), [0.0, -708.5, -800.0, -1e4]])
+    z = np.ascontiguousarray(z[: len(z) // 8 * 8])
+    e = np.empty_like(z)
+    lib.exp8(ptr(e), ptr(z), len(z))
+    np.testing.assert_allclose(e, np.exp(np.maximum(z, -708.0)), rtol=4e-16, atol=0)
+
+
+def test_the_bridge_runs_the_same_c_in_tinygrad(raw: dict, reader: gguf.GGUFReader) -> None:
+    """Through ckernel.kernel (a tinygrad custom kernel), the dequantiser gives the same bits as through ctypes."""
+    from tinygrad import Tensor
+
+    from tests.ckernels import TEST_KERNELS
+    from trio_gpuworker.models import ckernel, csource
+
+    t = raw["blk.1.attn_v.weight"]
+    rows, cols = t.shape
+    src = csource.source("quant_dequant.c", spec(rows=rows, cols=cols, g=quant.G, type=t.typ), dirs=(TEST_KERNELS,))
+    got = ckernel.kernel("dequant", src, [Tensor.empty(rows * cols)], [Tensor(_packed(t, rows))])[0].numpy()
+    want = _reference(reader, "blk.1.attn_v.weight").reshape(-1)
+    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
 def test_unsupported_types_are_refused() -> None:
     with pytest.raises(ValueError, match="packed matrix"):
-        quant.pack(quant.F16, np.zeros(64, np.uint8), 1)
+        quant.pack(F16, np.zeros(64, np.uint8), 1)

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")  # transformers reads GGUF metadata through it
 jinja2_sandbox = pytest.importorskip("jinja2.sandbox")  # renders the GGUF's chat template as transformers does
 
-from trio_gpuworker.gguf_meta import read_metadata  # noqa: E402
+from trio_gpuworker.gguf_file import read_metadata  # noqa: E402
 from trio_gpuworker.llm_tokenizer import ChatTokenizer  # noqa: E402
 
 

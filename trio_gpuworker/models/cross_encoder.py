@@ -23,24 +23,8 @@ class BertCrossEncoder(BucketedBert):
     @classmethod
     def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256) -> BertCrossEncoder:
         cfg = BertConfig.from_dict(config)
-        # HF derives num_labels from id2label when num_labels itself is absent.
-        n = config.get("num_labels", len(config.get("id2label") or {}) or 2)
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"cross-encoder config: num_labels must be a positive int, got {n!r}")
-        if (pt := config.get("problem_type")) not in (
-            None,
-            "regression",
-            "single_label_classification",
-            "multi_label_classification",
-        ):
-            raise ValueError(f"cross-encoder config: unsupported problem_type {pt!r}")
-        h = cfg.hidden_size
-        shapes = cfg.shapes() | {
-            "pooler.dense.weight": (h, h),
-            "pooler.dense.bias": (h,),
-            "classifier.weight": (n, h),
-            "classifier.bias": (n,),
-        }
+        n = num_labels(config)
+        shapes = cfg.shapes() | head_shapes(cfg, n)
         return cls(cfg, load_weights(artifact_path, shapes), n, max_tokens=min(max_tokens, cfg.max_position_embeddings))
 
     def _width(self) -> int:
@@ -66,3 +50,25 @@ class BertCrossEncoder(BucketedBert):
         if self.num_labels != 1:
             raise ValueError(f"score() needs a single-logit reranker, this model has num_labels={self.num_labels}")
         return np.ascontiguousarray(self.logits(pairs, token_type_ids, progress)[:, 0])
+
+
+def num_labels(config: dict[str, Any]) -> int:
+    """A BertForSequenceClassification config's label count (checked), as HF derives it."""
+    # HF derives num_labels from id2label when num_labels itself is absent.
+    n = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"cross-encoder config: num_labels must be a positive int, got {n!r}")
+    if (pt := config.get("problem_type")) not in (
+        None,
+        "regression",
+        "single_label_classification",
+        "multi_label_classification",
+    ):
+        raise ValueError(f"cross-encoder config: unsupported problem_type {pt!r}")
+    return n
+
+
+def head_shapes(cfg: BertConfig, n: int) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    return {"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,), "classifier.weight": (n, h),
+            "classifier.bias": (n,)}

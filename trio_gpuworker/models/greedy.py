@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..gguf_meta import end_of_generation_ids
+from ..gguf_file import end_of_generation_ids
 from ._jitstate import restore_written_sets, written_sets
 
 MAX_NEW_TOKENS = 64

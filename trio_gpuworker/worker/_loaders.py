@@ -53,10 +53,62 @@ def _beam(rc: dict[str, Any]) -> int:
         raise LoadError("config_invalid", str(exc)) from exc
 
 
+ENCODERS = ("fused", "graph")
+FUSED_THREADS = 1  # runtime_config `threads` default: replicas use the cores (bench/embed.py measures both)
+
+
+def encoder_for(rc: dict[str, Any], device: str) -> tuple[str, int]:
+    """runtime_config `encoder`: "fused" (one C kernel per batch, CPU only) or "graph" (tinygrad-generated
+    kernels, any device), and `threads`, the cores one fused kernel uses. Default: fused on CPU, graph
+    elsewhere."""
+    cpu = device.split(":")[0] == "CPU"
+    choice = rc.get("encoder", "fused" if cpu else "graph")
+    if choice not in ENCODERS:
+        raise LoadError("config_invalid", f"encoder must be one of {', '.join(ENCODERS)}, got {choice!r}")
+    if choice == "fused" and not cpu:
+        raise LoadError("config_invalid", f"encoder 'fused' runs on CPU only, not on {device}: use 'graph'")
+    from ..models.bert_fused import MAX_THREADS
+
+    threads = rc.get("threads", FUSED_THREADS)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+        raise LoadError("config_invalid", f"threads must be an int within 1..{MAX_THREADS}, got {threads!r}")
+    if "threads" in rc and choice != "fused":
+        raise LoadError("config_invalid", "threads applies to the fused encoder only")
+    return choice, threads
+
+
+def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, threads: int,
+                verify: Callable[[], None], progress: ModelProgress) -> Any:
+    """The fused encoder: one kernel serves every batch, so there are no shapes to warm and nothing to BEAM."""
+    if kind == "embedding":
+        from ..models.bert_fused import FusedBertEncoder as cls
+    else:
+        from ..models.bert_fused import FusedCrossEncoder as cls
+    verify()
+    try:
+        impl = cls.load(path, config, max_tokens=max_tokens, threads=threads)
+        impl.warmup(progress)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise LoadError("config_invalid", f"cannot load {path}: {exc}") from exc
+    _log(f"worker: {kind} model {path.name}: fused encoder, {threads} thread(s)")
+    return impl
+
+
 def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any], digest: str,
               verify: Callable[[], None], progress: ModelProgress) -> Any:
-    """An encoder with the (length, batch) shapes of runtime_config `warmup_shapes` captured (default: (16, 1),
-    or with `beam` > 0 the model's tuned_shapes, each compiled under a BEAM search of that width)."""
+    """An encoder: fused on CPU (encoder_for), else with the (length, batch) shapes of runtime_config
+    `warmup_shapes` captured (default: (16, 1), or with `beam` > 0 the model's tuned_shapes, each compiled under
+    a BEAM search of that width)."""
+    from tinygrad import Device
+
+    if kind not in ("embedding", "rerank"):
+        raise LoadError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
+    choice, threads = encoder_for(rc, Device.DEFAULT)
+    if choice == "fused":
+        if _beam(rc) or rc.get("warmup_shapes") is not None:
+            _log(f"worker: {kind} model {path.name}: beam and warmup_shapes tune tinygrad-generated kernels; "
+                 "the fused encoder has none (encoder = 'graph' uses them)")
+        return _load_fused(kind, path, config, int(rc.get("max_tokens", 256)), threads, verify, progress)
     if kind == "embedding":
         from ..models.bert import BertEncoder as cls
     elif kind == "rerank":
@@ -137,7 +189,13 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
     def probe(built: tuple[Any, Any]) -> np.ndarray:  # a restore must reproduce the decode graph's answer
         return np.asarray([built[0].probe()], dtype=np.int64)
 
-    extra = {"max_context": DEFAULT_CONTEXT, "beam": beam, "decoder": decoder}
+    extra: dict[str, Any] = {"max_context": DEFAULT_CONTEXT, "beam": beam, "decoder": decoder}
+    fused = ("trio_gpuworker.models.quant", "trio_gpuworker.models.csource", "trio_gpuworker.models.ckernel",
+             "trio_gpuworker.gguf_file")
+    if decoder == "fused":  # its C lives in models/kernels/, not in the modules' source
+        from ..models import csource
+
+        extra["kernels_sha256"] = csource.digest()
     modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.models._jitstate",
-               "trio_gpuworker.llm_tokenizer", *(("trio_gpuworker.models.quant",) if decoder == "fused" else ()))
+               "trio_gpuworker.llm_tokenizer", *(fused if decoder == "fused" else ()))
     return _cached(path, digest, "generate", modules, extra, build, probe, verify)

@@ -1,0 +1,39 @@
+"""C kernels on their own, through ctypes: the source models/csource.py builds, compiled by the very compiler
+command and flags tinygrad's CPU device uses (models/ckernel.compile_object), then linked into a shared library."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import tempfile
+from dataclasses import make_dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trio_gpuworker.models import ckernel, csource
+
+TEST_KERNELS = resources.files("tests") / "kernels"
+
+
+def build(name: str, *specs: Any) -> ctypes.CDLL:
+    """Kernel file `name` (tests/kernels first, then the package's) with the defines of `specs`, as a library."""
+    src = csource.source(name, *specs, dirs=(TEST_KERNELS,))
+    obj = ckernel.compile_object(src)
+    with tempfile.TemporaryDirectory(prefix="ckernel-") as tmp:
+        o, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        o.write_bytes(obj)
+        subprocess.run(["clang", "-shared", "-nostdlib", "-o", str(so), str(o)], check=True)
+        return ctypes.CDLL(str(so))  # the mapping outlives the file
+
+
+def ptr(a: np.ndarray) -> ctypes.c_void_p:
+    assert a.flags.c_contiguous
+    return ctypes.c_void_p(a.ctypes.data)
+
+
+def spec(**values: int | float) -> Any:
+    """A frozen dataclass instance of ad-hoc defines for a test entry point (csource.defines reads it)."""
+    return make_dataclass("Spec", list(values), frozen=True)(**values)

@@ -1,0 +1,113 @@
+/* The fused llama decoder (models/llama_fused.py): one call runs a chunk of T tokens through every layer
+   over the GGUF's packed weights, appends their K and V rows to the cache, and writes the greedy next id.
+   Defines (models/llama_fused.py LlamaDims and Step): T, NT, D, H, KV, HD, FF, V, S, NL, EPS, G and the GGML
+   type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU, TYPE_DOWN. */
+#include "llama_math.h"
+#include "quant.h"
+
+#define NQKV ((H + 2 * KV) * HD)
+#define GQ (H / KV)
+#define SQRT_HD __builtin_sqrt((double)HD)
+/* packed bytes of one layer's matrix of each kind: rows x blocks per row x bytes per block */
+#define SZQKV ((long)NQKV * (D / 32) * BS(TYPE_QKV))
+#define SZO ((long)D * (D / 32) * BS(TYPE_O))
+#define SZGU ((long)2 * FF * (D / 32) * BS(TYPE_GU))
+#define SZD ((long)D * (FF / 32) * BS(TYPE_DOWN))
+
+#define QMM_NAME mmq
+#define QMM_TYPE TYPE_QKV
+#define QMM_NT NT
+#include "qmatmul.h"
+#define QMM_NAME mmo
+#define QMM_TYPE TYPE_O
+#define QMM_NT NT
+#include "qmatmul.h"
+#define QMM_NAME mmgu
+#define QMM_TYPE TYPE_GU
+#define QMM_NT NT
+#include "qmatmul.h"
+#define QMM_NAME mmd
+#define QMM_TYPE TYPE_DOWN
+#define QMM_NT NT
+#include "qmatmul.h"
+#define QMM_NAME mmh
+#define QMM_TYPE TYPE_OUT
+#define QMM_NT 1
+#include "qmatmul.h"
+
+/* Layer weights are stacked: layer l's block of a kind starts at l * its size. Scratch: x, h, then either
+   q|k|v + attention output, or gate/up pairs + their product; logits last. ids: T tokens, their start
+   position, the row to predict from. */
+void forward(int *restrict out, float *restrict scr, float *restrict cache, const int *restrict ids,
+    const unsigned char *restrict embd, const float *restrict an, const unsigned char *restrict wqkv,
+    const unsigned char *restrict wo, const float *restrict fn, const unsigned char *restrict wgu,
+    const unsigned char *restrict wd, const double *restrict rope, const float *restrict on,
+    const unsigned char *restrict wout) {
+  /* rows past the one predicted from are padding: skip them, up to the matmul tile */
+  int start = ids[T], n = (ids[T + 1] + NT) / NT * NT;
+  float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
+  float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
+  double sc[GQ][S + 8];
+  for (int t = 0; t < n; t++) for (int b = 0; b < D / 32; b++) {
+    v16 lo, hi;
+    DQ(TYPE_EMBD)(embd + (((long)(ids[t] / G) * (D / 32) + b) * G + ids[t] % G) * BS(TYPE_EMBD), &lo, &hi);
+    *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
+  }
+  for (int l = 0; l < NL; l++) {
+    float *kc = cache + (long)l * 2 * KV * S * HD, *vc = kc + (long)KV * S * HD;
+    for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, an + l * D, D, EPS);
+    mmq(qkv, NQKV, h, D, wqkv + l * SZQKV, NQKV, D / 32, n);
+    for (int t = 0; t < n; t++) {
+      int pos = start + t; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD;
+      const double *cs = rope + (long)pos * HD;
+      /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
+      for (int i = 0; i < (H + KV) * HD / 2; i++) {
+        #pragma clang fp contract(off)
+        double re = q[2 * i], im = q[2 * i + 1], c = cs[i % (HD / 2)], s = cs[HD / 2 + i % (HD / 2)];
+        q[2 * i] = (float)(re * c - im * s); q[2 * i + 1] = (float)(re * s + im * c);
+      }
+      for (int g = 0; g < KV; g++) for (int i = 0; i < HD; i++) {
+        kc[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i]; vc[((long)g * S + pos) * HD + i] = v[g * HD + i];
+      }
+    }
+    /* the H / KV query heads sharing a KV head go together: each cached K and V row is read once */
+    for (int t = 0; t < n; t++) for (int g = 0; g < KV; g++) {
+      int pos = start + t; const float *q = qkv + t * NQKV + g * GQ * HD;
+      /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
+      double mx[GQ], sum[GQ], o[GQ][HD];
+      for (int r = 0; r < GQ; r++) { mx[r] = -__builtin_inf(); sum[r] = 0; for (int i = 0; i < HD; i++) o[r][i] = 0; }
+      for (int j = 0; j <= pos; j++) {
+        const float *k = kc + ((long)g * S + j) * HD;
+        for (int r = 0; r < GQ; r++) {
+          v16 d = (v16)0;
+          for (int i = 0; i < HD; i += 16) d += *(const v16 *)(q + r * HD + i) * *(const v16 *)(k + i);
+          sc[r][j] = hsum(d) / SQRT_HD; mx[r] = sc[r][j] > mx[r] ? sc[r][j] : mx[r];
+        }
+      }
+      for (int r = 0; r < GQ; r++) {
+        for (int j = pos + 1; j < pos + 8; j++) sc[r][j] = mx[r];
+        for (int j = 0; j <= pos; j += 8) *(v8d *)(sc[r] + j) = vexp(*(v8d *)(sc[r] + j) - mx[r]);
+        for (int j = 0; j <= pos; j++) sum[r] += sc[r][j];
+      }
+      for (int j = 0; j <= pos; j++) {
+        const float *vv = vc + ((long)g * S + j) * HD;
+        for (int r = 0; r < GQ; r++) {
+          double p = sc[r][j] / sum[r];
+          for (int i = 0; i < HD; i++) o[r][i] += p * vv[i];
+        }
+      }
+      for (int r = 0; r < GQ; r++) for (int i = 0; i < HD; i++) ao[t * D + (g * GQ + r) * HD + i] = (float)o[r][i];
+    }
+    mmo(h, D, ao, D, wo + l * SZO, D, D / 32, n);
+    for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
+    for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, fn + l * D, D, EPS);
+    mmgu(gu, 2 * FF, h, D, wgu + l * SZGU, 2 * FF, D / 32, n);
+    for (int i = 0; i < n * FF; i++) { float g = gu[2 * i]; a[i] = g / (1.0f + __builtin_expf(-g)) * gu[2 * i + 1]; }
+    mmd(h, D, a, FF, wd + l * SZD, D, FF / 32, n);
+    for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
+  }
+  rmsnorm(h, x + ids[T + 1] * D, on, D, EPS);
+  mmh(lg, V, h, D, wout, V, D / 32, 1);
+  int best = 0; for (int i = 1; i < V; i++) if (lg[i] > lg[best]) best = i;  /* first max, like numpy */
+  out[0] = best;
+}
