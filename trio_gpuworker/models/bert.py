@@ -216,7 +216,7 @@ class BucketedBert(abc.ABC):
             )
         self.cfg, self.body, self.max_tokens = cfg, BertBody(cfg, weights), max_tokens
         self.buckets = buckets(max_tokens)
-        # one TinyJit per (length, batch); a JIT cache may put captured ones in (worker/_loaders.py)
+        # one TinyJit per (length, batch); the JIT cache puts restored ones in (worker/_warmcache.py)
         self.jits: dict[tuple[int, int], Any] = {}
         self._tuned: dict[int, int] = {}  # length -> the largest BEAM-tuned batch size
 
