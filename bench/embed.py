@@ -1,11 +1,13 @@
 """Embedding throughput, one run, same sentences: HTTP daemon, Supervisor API, in-process tinygrad,
 sentence-transformers (when installed). Prints sentences/s and ratios against in-process tinygrad.
 
-    .venv/bin/python bench/embed.py [--n 256] [--batch 32] [--words W] [--replicas N] [--beam N]
+    .venv/bin/python bench/embed.py [--n 256] [--batch 32] [--words W] [--replicas N] [--beam N] [--first-pass]
 
 --words W makes every sentence W words (W + 2 tokens: `--n 32 --batch 32 --words 126` is one 32 x 128 batch);
 --replicas sets the daemon lane's replicas (default: the config default, one per core); --beam the model's
-BEAM width (its kernels are searched once, at the first start, into .state/cache).
+BEAM width (its kernels are searched once, at the first start, into .state/cache). --first-pass adds a row: the
+daemon is started a second time (a warm start: its JIT cache holds every shape the first start compiled, and LOAD
+readies the others) and its very first HTTP pass is timed, against the steady HTTP pass of the same daemon.
 """
 
 from __future__ import annotations
@@ -36,6 +38,26 @@ def batches(texts: list[str], size: int) -> list[list[str]]:
     return [texts[i:i + size] for i in range(0, len(texts), size)]
 
 
+async def http_pass(client: httpx.AsyncClient, texts: list[str], size: int) -> float:
+    t0 = time.perf_counter()
+    for b in batches(texts, size):
+        r = await client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": b})
+        r.raise_for_status()
+    return time.perf_counter() - t0
+
+
+async def bench_first_pass(texts: list[str], size: int, replicas: int | None, beam: int) -> tuple[float, float]:
+    """(first HTTP pass right after a warm start, steady HTTP pass of the same daemon), seconds."""
+    cfg = minilm_daemon_config("127.0.0.1:18421", f"replicas = {replicas}" if replicas else "", f"beam = {beam}")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_daemon, cfg)
+        async with httpx.AsyncClient(base_url="http://127.0.0.1:18421", timeout=600) as client:
+            first = await http_pass(client, texts, size)
+            steady = min([await http_pass(client, texts, size) for _ in range(2)])
+        nursery.cancel_scope.cancel()
+    return first, steady
+
+
 async def bench_daemon(texts: list[str], size: int, replicas: int | None,
                        beam: int) -> tuple[float, float, np.ndarray, int]:
     """Returns (http sentences/s, supervisor sentences/s, supervisor vectors, lanes)."""
@@ -49,11 +71,7 @@ async def bench_daemon(texts: list[str], size: int, replicas: int | None,
             t0 = time.perf_counter()
             vecs = np.concatenate([await sup.embed(b, model=DEFAULT_MODEL) for b in batches(texts, size)])
             t_sup = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for b in batches(texts, size):
-                r = await client.post("/v1/embeddings", json={"model": DEFAULT_MODEL, "input": b})
-                r.raise_for_status()
-            t_http = time.perf_counter() - t0
+            t_http = await http_pass(client, texts, size)
         nursery.cancel_scope.cancel()
     return len(texts) / t_http, len(texts) / t_sup, vecs, len(cfg.supervisor.lanes)
 
@@ -99,9 +117,15 @@ def main() -> None:
     p.add_argument("--words", type=int, default=None, help="every sentence this many words (default 6..48)")
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--beam", type=int, default=0)
+    p.add_argument("--first-pass", action="store_true", help="also time a warm start's first HTTP pass")
     args = p.parse_args()
     texts = sentences(args.n) if args.words is None else sentences(args.n, lo=args.words, hi=args.words)
     http_rate, sup_rate, sup_vecs, lanes = trio.run(bench_daemon, texts, args.batch, args.replicas, args.beam)
+    if args.first_pass:
+        first, steady = trio.run(bench_first_pass, texts, args.batch, args.replicas, args.beam)
+        print(table("warm start: the first HTTP pass against the steady one (same daemon)",
+                    [("HTTP steady pass", steady, "s"), ("HTTP first pass after a warm start", first, "s")],
+                    "HTTP steady pass"))
     inproc_rate, inproc_vecs = bench_inprocess(texts, args.batch)
     rows = [("in-process tinygrad (BertEncoder.embed)", inproc_rate, "sentences/s"),
             (f"Supervisor.embed ({lanes} worker process(es), UDS)", sup_rate, "sentences/s"),
