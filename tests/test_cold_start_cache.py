@@ -1,11 +1,13 @@
-"""The captured-JIT cache (worker/_jitcache.py): keying, corruption detection, and the real MiniLM worker's
-warm-cache start and rebuild after corruption."""
+"""The captured-JIT cache (worker/_jitfile.py, _jitcache.py, _warmcache.py): keying, corruption detection, locks,
+eviction, the artifact check before anything cached runs, the writer's probe, and the real SmolLM2 worker's warm-cache
+start and rebuild after corruption."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import importlib.util
+import json
+import multiprocessing
 import sqlite3
 import tempfile
 from pathlib import Path
@@ -14,102 +16,121 @@ import numpy as np
 import pytest
 
 from tests.reference_llama import gguf_path
+from tests.state import SESSION_STATE
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker.worker import _jitcache as jc
+from trio_gpuworker.worker import _jitfile as jf
 from trio_gpuworker.worker import _kernelcache as kc
+from trio_gpuworker.worker import _warmcache as wc
 
-REPO = Path(__file__).resolve().parent.parent
 SOURCES = [Path(jc.__file__)]
 
 
 def key(**extra: object) -> dict[str, object]:
-    return jc.cache_key("ab" * 32, "CPU", SOURCES, {"shapes": [(16, 1)], **extra})
+    return jf.cache_key("ab" * 32, "CPU", SOURCES, {"shapes": [(16, 1)], **extra})
 
 
 def state() -> dict[str, object]:
     return {"weights": np.arange(5000, dtype=np.float32), "bias": np.ones(3), "name": "m"}
 
 
+def restored(path: Path, k: dict[str, object]) -> dict[str, object]:
+    got = jc.load(path, k)
+    assert got is not None
+    return got[0]
+
+
 def test_round_trip_with_out_of_band_buffers(tmp_path: Path) -> None:
     k = key()
-    path = jc.entry_path(tmp_path, k)
-    written = jc.save(path, k, state())
-    assert path.stat().st_size == written
-    got = jc.load(path, k)
+    path = jf.entry_path(tmp_path, k)
+    jc.save(path, k, state())
+    got = restored(path, k)
     np.testing.assert_array_equal(got["weights"], state()["weights"])
     assert got["name"] == "m" and not list(tmp_path.glob("*.tmp"))  # the temporary file was renamed
+    assert jf.read_key(path) == json.loads(json.dumps(k))
 
 
 def test_key_separates_model_device_and_versions(tmp_path: Path) -> None:
     base = key()
-    variants = [jc.cache_key("cd" * 32, "CPU", SOURCES, {"shapes": [(16, 1)]}),
-                jc.cache_key("ab" * 32, "CUDA", SOURCES, {"shapes": [(16, 1)]}),
+    variants = [jf.cache_key("cd" * 32, "CPU", SOURCES, {"shapes": [(16, 1)]}),
+                jf.cache_key("ab" * 32, "CUDA", SOURCES, {"shapes": [(16, 1)]}),
                 {**base, "tinygrad": "0.0.1"}, {**base, "python": "3.0.0"}, key(shapes=[(32, 1)])]
-    names = {jc.entry_path(tmp_path, k) for k in [base, *variants]}
+    names = {jf.entry_path(tmp_path, k) for k in [base, *variants]}
     assert len(names) == len(variants) + 1
     assert base["tinygrad"] == importlib.metadata.version("tinygrad") and base["host"]
     # an entry read back under another key is refused even when the file name were to collide
-    path = jc.entry_path(tmp_path, base)
+    path = jf.entry_path(tmp_path, base)
     jc.save(path, base, state())
-    with pytest.raises(jc.CacheEntryInvalid, match="different key"):
+    with pytest.raises(jf.CacheEntryInvalid, match="different key"):
         jc.load(path, {**base, "tinygrad": "0.0.1"})
 
 
 def test_an_entry_others_can_write_is_refused(tmp_path: Path) -> None:
     k = key()
-    path = jc.entry_path(tmp_path / "jit", k)
+    path = jf.entry_path(tmp_path / "jit", k)
     jc.save(path, k, state())
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
     path.chmod(0o666)
-    with pytest.raises(jc.CacheEntryInvalid, match="not ours alone"):
+    with pytest.raises(jf.CacheEntryInvalid, match="not ours alone"):
         jc.load(path, k)
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "truncate", "bad_magic", "empty", "bad_header"])
+def _header_span(data: bytes) -> tuple[int, int]:
+    offset, length = jf._HEAD.unpack(data[len(jf.MAGIC) : len(jf.MAGIC) + jf._HEAD.size])
+    return offset, length
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_pickle", "truncate", "bad_magic", "empty", "bad_header",
+                                    "foreign_part"])
 def test_corrupt_entries_are_detected(tmp_path: Path, damage: str) -> None:
     k = key()
-    path = jc.entry_path(tmp_path, k)
+    path = jf.entry_path(tmp_path, k)
     jc.save(path, k, state())
     data = bytearray(path.read_bytes())
     if damage == "flip_payload":  # a byte of the out-of-band weights
         data[data.find(np.float32(4321).tobytes())] ^= 0xFF
+    elif damage == "flip_pickle":
+        data[jf.PAGE + 20] ^= 0xFF
     elif damage == "truncate":
         data = data[: len(data) - 4096]
     elif damage == "bad_magic":
         data[0:2] = b"XX"
     elif damage == "empty":
         data = bytearray()
-    else:
-        start = len(jc.MAGIC) + 8
-        data[start : start + 1] = b"["
+    elif damage == "bad_header":
+        offset, _ = _header_span(bytes(data))
+        data[offset : offset + 1] = b"["
+    else:  # a part names the entry it extends: restored against another one, it is refused
+        with pytest.raises(jf.CacheEntryInvalid, match="another entry"):
+            jc.load(path, k, jc.Stored("cd" * 32))
+        return
     path.write_bytes(bytes(data))
-    with pytest.raises(jc.CacheEntryInvalid):
+    with pytest.raises(jf.CacheEntryInvalid):
         jc.load(path, k)
 
 
 def test_load_or_build_discards_a_bad_entry_and_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(jc.ENV, str(tmp_path))
+    monkeypatch.setenv(jf.ENV, str(tmp_path))
     k, logs, built = key(), [], []
 
     def build() -> dict[str, object]:
         built.append(1)
         return state()
 
-    def probe(s: dict[str, object]) -> np.ndarray:
-        return np.asarray(s["weights"])[:10]
-
-    assert jc.load_or_build(k, build, probe, logs.append)[1] == "miss"
-    assert jc.load_or_build(k, build, probe, logs.append)[1] == "hit" and len(built) == 1
-    path = jc.entry_path(tmp_path, k)
-    # a payload that hashes right but restores a model whose output differs from the stored reference
-    model, _ = jc.load(path, k)
-    jc.save(path, k, (model, np.zeros(10)))
-    got, outcome = jc.load_or_build(k, build, probe, logs.append)
-    assert outcome == "rebuilt" and len(built) == 2 and "output differs" in logs[-1]
+    assert wc.load_or_build(k, build, logs.append)[2] == "miss"
+    model, stored, outcome = wc.load_or_build(k, build, logs.append)
+    assert outcome == "hit" and len(built) == 1 and stored is not None
+    np.testing.assert_array_equal(model["weights"], state()["weights"])
+    path = jf.entry_path(tmp_path, k)
+    data = bytearray(path.read_bytes())
+    data[data.find(np.float32(4321).tobytes())] ^= 0xFF
+    path.write_bytes(bytes(data))
+    got, _, outcome = wc.load_or_build(k, build, logs.append)
+    assert outcome == "rebuilt" and len(built) == 2 and "sha256 mismatch" in logs[-1]
     np.testing.assert_array_equal(got["weights"], state()["weights"])
-    assert jc.load_or_build(k, build, probe, logs.append)[1] == "hit"  # the rebuilt entry was stored
-    monkeypatch.delenv(jc.ENV)
-    assert jc.load_or_build(k, build, probe, logs.append)[1] == "off"
+    assert wc.load_or_build(k, build, logs.append)[2] == "hit"  # the rebuilt entry was stored
+    monkeypatch.delenv(jf.ENV)
+    assert wc.load_or_build(k, build, logs.append)[2] == "off"
 
 
 def test_entries_from_other_software_for_the_same_model_are_evicted(tmp_path: Path) -> None:
@@ -117,11 +138,40 @@ def test_entries_from_other_software_for_the_same_model_are_evicted(tmp_path: Pa
     old_tinygrad = {**mine, "tinygrad": "0.0.1"}
     other_model = {**old_tinygrad, "artifact_sha256": "cd" * 32}
     other_shapes = key(kind="embedding", shapes=[(32, 1)])  # the same software: another lane's entry
-    for k in (mine, old_tinygrad, other_model, other_shapes):
-        jc.save(jc.entry_path(tmp_path, k), k, state())
-    assert jc.evict_stale(tmp_path, mine) == [jc.entry_path(tmp_path, old_tinygrad)]
-    assert {p.name for p in tmp_path.glob("*.jit")} == {jc.entry_path(tmp_path, k).name
+    old_part = {**old_tinygrad, "part": [16, 1]}
+    for k in (mine, old_tinygrad, other_model, other_shapes, old_part):
+        jc.save(jf.entry_path(tmp_path, k), k, state())
+    assert set(jf.evict_stale(tmp_path, mine)) == {jf.entry_path(tmp_path, k) for k in (old_tinygrad, old_part)}
+    assert {p.name for p in tmp_path.glob("*.jit")} == {jf.entry_path(tmp_path, k).name
                                                          for k in (mine, other_model, other_shapes)}
+
+
+def _hold(path: str, name: str, held: object, release: object) -> None:
+    locks = jf.Locks(Path(path))
+    assert locks.try_take(name)
+    held.set()  # type: ignore[attr-defined]
+    release.wait(30)  # type: ignore[attr-defined]
+
+
+def test_locks_exclude_other_processes_per_name(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    held, release = ctx.Event(), ctx.Event()
+    other = ctx.Process(target=_hold, args=(str(tmp_path / "locks"), "a", held, release))
+    other.start()
+    try:
+        assert held.wait(60)
+        locks = jf.Locks(tmp_path / "locks")
+        assert not locks.try_take("a") and locks.try_take("b")  # one byte per name
+        locks.release("b")
+        with locks.held("a", wait_s=0.2) as got:
+            assert not got  # the other process still holds it: the wait is bounded
+        release.set()
+        other.join(30)
+        with locks.held("a", wait_s=5) as got:
+            assert got  # released when the holder exited
+    finally:
+        release.set()
+        other.join(30)
 
 
 def test_kernel_cache_is_moved_aside_when_corrupt_or_from_another_host(tmp_path: Path) -> None:
@@ -160,12 +210,12 @@ def flip_byte(path: Path, offset: int) -> None:
 @pytest.mark.slow
 async def test_warm_cache_start_and_corruption_rebuild(tmp_path: Path) -> None:
     """The real SmolLM2 worker (fused decoder): a warm start restores the captured graphs and generates the same
-    tokens; a flipped byte is detected and the entry rebuilt. Encoders are always built (worker/_loaders.py)."""
+    tokens; a flipped byte is detected and the entry rebuilt."""
     jit_dir = tmp_path / "jit"
     cfg = SupervisorConfig(
-        lanes=(LaneConfig("gen", ("m",), env={jc.ENV: str(jit_dir)}),),
+        lanes=(LaneConfig("gen", ("m",), env={jf.ENV: str(jit_dir)}),),
         models=(ModelConfig("m", gguf_path(), kind="generate", format="gguf"),),
-        state_dir=REPO / ".state",  # shares the compiled-kernel cache; the JIT cache is this test's own
+        state_dir=SESSION_STATE,  # shares the session's compiled-kernel cache; the JIT cache is this test's own
         runtime_dir=Path(tempfile.mkdtemp(prefix="gw-jit-")))
     cold, log = await start_and_generate(cfg)
     assert "jit cache miss" in log and len(cold) == 8

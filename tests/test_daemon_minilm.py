@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from tests.helpers import embedded_default
+from tests.state import SESSION_STATE
 from trio_gpuworker.daemon.config import DEFAULT_MODEL
 from trio_gpuworker.daemon.main import run_daemon
 
@@ -39,8 +40,8 @@ def reference() -> np.ndarray:
 
 async def test_embedded_default_serves_minilm_matching_sentence_transformers(tmp_path: Path,
                                                                              reference: np.ndarray) -> None:
-    repo_state = REPO / ".state"  # shares the compiled-kernel cache
-    env = {"GPUWORKER_STATE_DIR": str(repo_state), "GPUWORKER_RUNTIME_DIR": str(tmp_path / "run"),
+    # the session's kernel and JIT caches
+    env = {"GPUWORKER_STATE_DIR": str(SESSION_STATE), "GPUWORKER_RUNTIME_DIR": str(tmp_path / "run"),
            "GPUWORKER_LISTEN": "127.0.0.1:0"}
     cfg = embedded_default(env)
     # the embedding lane as two replicas, whatever the core count: generation has its own tests

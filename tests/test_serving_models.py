@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
 
 from tests.helpers import embedded_default
+from tests.state import SESSION_STATE
 from trio_gpuworker import InvalidRequest, Supervisor, WorkerError
 from trio_gpuworker.daemon.config import DEFAULT_LM, DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
-STATE = Path(__file__).resolve().parent.parent / ".state"
+STATE = SESSION_STATE  # the session's shared kernel and JIT caches
 
 
 @pytest.fixture

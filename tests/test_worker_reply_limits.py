@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.helpers import embedded_default
+from tests.state import SESSION_STATE
 from trio_gpuworker import Supervisor, WorkerError
 from trio_gpuworker.daemon.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
-STATE = Path(__file__).resolve().parent.parent / ".state"
+STATE = SESSION_STATE  # the session's shared kernel and JIT caches
 MAX_FRAME = 64 * 1024
 
 

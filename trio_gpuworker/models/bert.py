@@ -19,17 +19,25 @@ import numpy as np
 from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.nn.state import safe_load, safe_load_metadata
 
-from ._jitstate import restore_written_sets, written_sets
-from .shapes import BATCH_SIZES, buckets, plan_batches, sizes_for, tuned_shapes
+from .shapes import BATCH_SIZES, buckets, plan_rows, sizes_for, tuned_shapes
 
 Progress = Callable[[int], None] | None
 
-_ACTS: dict[str, Callable[[Tensor], Tensor]] = {
-    "gelu": lambda x: x.gelu(approximate="none"),  # HF "gelu" is the exact erf form
-    "gelu_new": lambda x: x.gelu(approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: x.gelu(approximate="tanh"),
-    "relu": lambda x: x.relu(),
-}
+def _gelu(x: Tensor) -> Tensor:
+    return x.gelu(approximate="none")  # HF "gelu" is the exact erf form
+
+
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return x.gelu(approximate="tanh")
+
+
+def _relu(x: Tensor) -> Tensor:
+    return x.relu()
+
+
+# module-level functions, not lambdas: a model pickles (the JIT cache stores it) with its activation by name
+_ACTS: dict[str, Callable[[Tensor], Tensor]] = {"gelu": _gelu, "gelu_new": _gelu_tanh, "gelu_pytorch_tanh": _gelu_tanh,
+                                                "relu": _relu}
 
 
 @dataclass(frozen=True)
@@ -206,14 +214,6 @@ class BertBody:
             )
         Tensor.realize(*[t for lw in self.layers for t in lw.values()])
 
-    def __getstate__(self) -> dict[str, Any]:
-        # the activation is a lambda, which does not pickle; the config names it (worker/_jitcache.py)
-        return {k: v for k, v in self.__dict__.items() if k != "act"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.act = _ACTS[self.cfg.hidden_act]
-
     def _ln(self, x: Tensor, wb: tuple[Tensor, Tensor]) -> Tensor:
         return x.layernorm(eps=self.cfg.layer_norm_eps) * wb[0] + wb[1]
 
@@ -252,22 +252,12 @@ class BucketedBert(abc.ABC):
             )
         self.cfg, self.body, self.max_tokens = cfg, BertBody(cfg, weights), max_tokens
         self.buckets = buckets(max_tokens)
-        self._jits: dict[tuple[int, int], Callable[..., Tensor]] = {}  # one TinyJit per (length, batch)
+        # one TinyJit per (length, batch); the JIT cache puts restored ones in (worker/_warmcache.py)
+        self.jits: dict[tuple[int, int], Any] = {}
         self._tuned: dict[int, int] = {}  # length -> the largest BEAM-tuned batch size
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Weights and captured JITs, for the JIT cache (worker/_jitcache.py). A restored JIT replays its
-        capture without the Python function, so shapes not captured yet are left out and traced anew."""
-        jits = {k: j for k, j in self._jits.items() if self._captured(k)}
-        return {**self.__dict__, "_jits": jits, "_written": written_sets(jits)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        written = state.pop("_written", {})
-        self.__dict__.update(state)
-        restore_written_sets(self._jits, written)
-
-    def _captured(self, shape: tuple[int, int]) -> bool:
-        return getattr(self._jits.get(shape), "captured", None) is not None
+    def captured(self, shape: tuple[int, int]) -> bool:
+        return getattr(self.jits.get(shape), "captured", None) is not None
 
     @property
     def dims(self) -> int:
@@ -280,11 +270,14 @@ class BucketedBert(abc.ABC):
     def _forward(self, ids: Tensor, tt: Tensor, mask: Tensor) -> Tensor:
         return self._head(self.body(ids, tt, mask), mask).realize()
 
-    def _bucket(self, n: int) -> int:
-        return next(b for b in self.buckets if b >= n)
-
     def _sizes(self, length: int) -> tuple[int, ...]:
         return sizes_for(length, self.SIZES)
+
+    def shapes_for(self, lengths: Sequence[int]) -> list[tuple[int, int]]:
+        """The (length, batch) shapes a run of rows with these token counts uses (none for counts it refuses)."""
+        if not all(1 <= n <= self.max_tokens for n in lengths):
+            return []
+        return [(L, B) for L, B, _ in plan_rows(lengths, self.buckets, self.SIZES, self._tuned)]
 
     def all_shapes(self) -> list[tuple[int, int]]:
         """Every (length, batch) micro-batch shape this model can run, smallest first."""
@@ -308,7 +301,7 @@ class BucketedBert(abc.ABC):
                 self._tuned[L] = max(B, self._tuned.get(L, 0))
             # Two runs: the first compiles, the second captures the JIT (later calls replay). A JIT restored
             # from the cache is captured already.
-            if not self._captured((L, B)):
+            if not self.captured((L, B)):
                 with around((L, B)) if around is not None else nullcontext():
                     for _ in range(2):
                         self._run([np.ones(L, np.int32)] * B, None, self._width(), None)
@@ -326,18 +319,9 @@ class BucketedBert(abc.ABC):
         if types is not None:
             tts = check_types(ids, types, self.cfg.type_vocab_size, self.max_tokens)
         out = np.zeros((len(ids), width), np.float32)
-        # Longest rows first: a micro-batch is planned for the rows of the longest bucket left, and the slots it
-        # would pad are filled with the next (shorter) rows instead, so short rows ride in a longer bucket's
-        # (often BEAM-tuned) batch rather than in small batches of their own.
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
-        buckets = [self._bucket(len(ids[i])) for i in order]
         done = 0
-        while done < len(order):
-            L = buckets[done]
-            same = buckets[done:].count(L)
-            _, B = plan_batches(same, self._sizes(L), self._tuned.get(L))[0]
-            take = min(B, len(order) - done)
-            sel = order[done : done + take]
+        for L, B, sel in plan_rows([len(a) for a in ids], self.buckets, self.SIZES, self._tuned):
+            take = len(sel)
             x, t, m = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
             for j, i in enumerate(sel):
                 n = len(ids[i])
@@ -346,8 +330,8 @@ class BucketedBert(abc.ABC):
                     t[j, :n] = tts[i]
             # Padded rows attend to one token so no softmax row is all-masked; their output is dropped.
             m[take:, 0] = 1
-            if (jit := self._jits.get((L, B))) is None:
-                jit = self._jits[(L, B)] = TinyJit(self._forward)
+            if (jit := self.jits.get((L, B))) is None:
+                jit = self.jits[(L, B)] = TinyJit(self._forward)
             res = jit(*(Tensor(a, device=Device.DEFAULT) for a in (x, t, m))).numpy()
             out[sel] = res[:take].reshape(take, width)
             done += take

@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 
 from ..gguf_file import end_of_generation_ids
-from ._jitstate import restore_written_sets, written_sets
 
 MAX_NEW_TOKENS = 64
 PREFILL_CHUNK = 32
@@ -42,20 +41,6 @@ class GreedyDecoder(abc.ABC):
         self.max_context = min(max_context, int(g("context_length")))
         self.eos_ids = end_of_generation_ids(kv)
         return float(g("rope.freq_base", 10000.0))
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Weights, KV caches and both captured graphs (`_prefill`, `_decode`), for the JIT cache
-        (worker/_jitcache.py)."""
-        return {**self.__dict__, "_written": written_sets({"p": self._prefill, "d": self._decode})}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        written = state.pop("_written", {})
-        self.__dict__.update(state)
-        restore_written_sets({"p": self._prefill, "d": self._decode}, written)
-
-    def probe(self) -> int:
-        """The greedy next token after one fixed token at position 0: a cheap replay of the decode graph."""
-        return self._decode_step(7, 0)
 
     @abc.abstractmethod
     def _prefill_step(self, tokens: np.ndarray, start: int, last: int) -> int:

@@ -34,6 +34,25 @@ def tuned_shapes(max_tokens: int, sizes: Sequence[int] = BATCH_SIZES) -> list[tu
     return [(L, max(sizes_for(L, sizes))) for L in buckets(max_tokens) if L <= TUNED_MAX_LENGTH]
 
 
+def plan_rows(lengths: Sequence[int], buckets: Sequence[int], sizes: Sequence[int],
+              tuned: dict[int, int]) -> list[tuple[int, int, list[int]]]:
+    """The micro-batches of rows with these token counts (each at most the last bucket): (padded length, batch size,
+    the rows' indices). Rows go longest first: a micro-batch is planned for the rows of the longest bucket left, and
+    the slots it would pad are filled with the next (shorter) rows instead, so short rows ride in a longer bucket's
+    (often BEAM-tuned) batch rather than in small batches of their own. ``tuned`` maps a length to its largest
+    BEAM-tuned batch size."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bucket = [next(b for b in buckets if b >= lengths[i]) for i in order]
+    out, done = [], 0
+    while done < len(order):
+        L = bucket[done]
+        _, B = plan_batches(bucket[done:].count(L), sizes_for(L, sizes), tuned.get(L))[0]
+        take = min(B, len(order) - done)
+        out.append((L, B, order[done : done + take]))
+        done += take
+    return out
+
+
 def plan_batches(n: int, sizes: Sequence[int], tuned: int | None = None) -> list[tuple[int, int]]:
     """Splits n rows into (real_rows, padded_batch) micro-batches using only ``sizes``.
 

@@ -1,346 +1,330 @@
-"""Captured TinyJits persisted across worker generations, so a cold start skips lowering and JIT capture.
+"""Captured TinyJits persisted across worker generations, so a cold start skips lowering and JIT capture. This is the
+one module that touches the tinygrad internals the cache needs (worker/_jitfile.py holds the files).
 
-A tinygrad TinyJit capture pickles by design (CapturedJit.__reduce__): its linear program of compiled
-kernels plus every Buffer it touches, weights included. One entry holds a model's device state (weights
-and warmed JITs together, so weights are stored once and shared) and is keyed by everything that could
-make it stale: the artifact's sha256, the device and the host CPU (kernels are built with -march=native),
-the tinygrad and Python versions, the model module's own source, and the shapes. A different model file,
-device or tinygrad version therefore names a different entry and can never load this one.
+A captured TinyJit pickles by design (CapturedJit.__reduce__): its linear program of compiled kernels plus the
+BUFFER UOps it runs on, weights included. An entry pickles a whole model, or one more graph of a model whose entry
+is already stored (a part): a part refers to the objects of that entry instead of storing them again, so a model
+can grow by one shape at a time, each compiled once per machine.
 
-Layout of `<key>.jit`: MAGIC, an 8-byte header length, a JSON header (the key, the pickle's sha256 and the
-data regions' sha256, their offsets), padding to a page, then the pickle and the page-aligned regions.
-Device buffers are regions, restored as CPU buffers over a private copy-on-write mapping of the file
-(weights are mapped, not copied). The pickle, which holds the compiled kernels, is verified before it is
-unpickled; the regions are hashed while the caller replays a probe whose stored output the restored
-model must reproduce. Any failure discards the entry, and the caller rebuilds it. Entries are written to
-a temporary file and renamed, so a reader never sees half an entry and a mapped file never changes.
+**Identity.** A BUFFER UOp is hash-consed on (dtype, size, device, slot), and its slot comes from a counter that is
+local to one process. Unpickled as they were, the builder's slots would alias whatever buffer of that size the
+restoring process gets from its own counter, before or after the restore: a later tensor would write the restored
+weights, or an earlier one would take the restored graph over. So every device BUFFER is stored with its index in
+the entry and unpickled under a fresh slot drawn from this process's counter (one per stored slot), and each restore
+checks that every buffer any restored graph runs on is one this entry (or the entry it extends) created.
 
-The cache directory is the daemon's state directory (GPUWORKER_JIT_CACHE); unpickling trusts it as
-much as the daemon trusts its own state directory.
+**Probe.** Replaying every captured graph at each restore would cost about one forward pass per shape (seconds for
+an encoder's ~20 shapes), so the writer does it once: with the payload on disk it restores a second copy from the
+file, exactly as a reader does, replays every captured graph of both on fixed inputs (floats 1, integers 0 since they
+may be indices, variables at their minimum),
+and stores the entry only when every output is bit for bit the same; the digests go in the header.
+
+Device buffers are regions of the entry, restored as CPU buffers over a private copy-on-write mapping of the file
+(weights are mapped, not copied). The cache directory is the daemon's state directory (GPUWORKER_JIT_CACHE);
+unpickling trusts it as much as the daemon trusts its own state directory.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import dataclasses
 import hashlib
 import io
-import json
-import mmap
-import os
 import pickle
-import struct
-import sys
-import tempfile
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
+from tinygrad import Tensor, dtypes
+from tinygrad.device import Buffer, BufferSpec
+from tinygrad.dtype import _to_np_dtype
+from tinygrad.engine.jit import CapturedJit, _TinyJit
+from tinygrad.engine.realize import get_call_arg_uops, get_runtime
+from tinygrad.nn.state import get_parameters
+from tinygrad.uop.ops import Ops, ParamArg, UOp, UOpMetaClass, buffers
 
-from .._errors import GpuWorkerError
-from ._kernelcache import host_fingerprint, tinygrad_version
-
-MAGIC = b"GWJIT\x00\x01\n"
-_LEN = struct.Struct("<Q")
-_PAGE = mmap.PAGESIZE
-ENV = "GPUWORKER_JIT_CACHE"
-T = TypeVar("T")
-
-
-class CacheEntryInvalid(GpuWorkerError):
-    """An entry that exists but cannot be trusted: truncated, corrupt, from another key, or unpicklable."""
+from ._jitfile import CacheEntryInvalid, Mapped, open_entry, write_entry
 
 
-def cache_key(artifact_digest: str, device: str, source_files: list[Path], extra: dict[str, Any]) -> dict[str, Any]:
-    """Every input that decides what a capture contains. `extra` holds the model's shape configuration."""
-    src = hashlib.sha256()
-    for f in source_files:
-        src.update(f.read_bytes())
-    return {
-        "artifact_sha256": artifact_digest.lower(),
-        "device": device,
-        "host": host_fingerprint(),
-        "tinygrad": tinygrad_version(),
-        "python": sys.version.split()[0],
-        "code_sha256": src.hexdigest(),
-        **extra,
-    }
+class Stored:
+    """One entry as this process holds it: its BUFFER UOps and device buffers by index in the entry, so a part can
+    refer to them, and the digest that names it (a part records the digest of the entry it extends)."""
+
+    def __init__(self, digest: str = "") -> None:
+        self.digest = digest
+        self.uops: dict[int, UOp] = {}
+        self.bufs: dict[int, Buffer] = {}
+        self.refs: dict[int, tuple[str, int]] = {}  # id(obj) -> its persistent id in a part
+        self.realized: set[int] = set()  # indices of the UOps stored with their buffer
+
+    def add_uop(self, i: int, u: UOp, realized: bool) -> None:
+        self.uops[i], self.refs[id(u)] = u, ("entry_uop", i)
+        if realized:
+            self.realized.add(i)
+
+    def add_buf(self, i: int, b: Buffer) -> None:
+        self.bufs[i], self.refs[id(b)] = b, ("entry_buf", i)
 
 
-def entry_path(cache_dir: Path, key: dict[str, Any]) -> Path:
-    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir / f"{name}.jit"
+def _device_buffer(u: UOp) -> bool:
+    """A BUFFER with device storage (not a Variable, nor a kernel's LOCAL/REG scratch): what the slot identifies."""
+    return u.op is Ops.BUFFER and isinstance(u.arg, ParamArg) and u.arg.device is not None
 
 
-def cache_dir_from_env() -> Path | None:
-    value = os.environ.get(ENV)
-    return Path(value) if value else None
+def _buffer_uop(*args: Any) -> UOp:
+    raise pickle.UnpicklingError("a JIT cache entry unpickles only through worker/_jitcache.py")
+
+
+def _captured_jit(*args: Any) -> CapturedJit:
+    raise pickle.UnpicklingError("a JIT cache entry unpickles only through worker/_jitcache.py")
+
+
+def _program_uop(*args: Any) -> UOp:
+    raise pickle.UnpicklingError("a JIT cache entry unpickles only through worker/_jitcache.py")
+
+
+def _runnable(prg: UOp) -> tuple[UOp, ...]:
+    """A compiled kernel's sources as far as running it needs them: its kernel info (name, estimates), its
+    parameters (the ELF's signature), its source text and its binary. The kernel's AST and linearized program, most
+    of an entry's UOps, are left out: unpickling them cost ~10 us each. Its key (a hash over all of it, ~5 ms to
+    compute) is stored beside it: it names the kernel's loaded runtime."""
+    if len(prg.src) != 4 or prg.src[0].op is not Ops.SINK or prg.src[3].op is not Ops.BINARY:
+        return prg.src
+    sink, lin, source, binary = prg.src
+    params = tuple(u for u in lin.src if u.op is Ops.PARAM)
+    return UOp(Ops.SINK, sink.dtype, (), sink.arg), UOp(Ops.LINEAR, lin.dtype, params, lin.arg), source, binary
 
 
 class _Pickler(pickle.Pickler):
-    """Stores each allocated CPU device Buffer's bytes as a page-aligned region of the entry instead of in the
-    pickle, so a restore maps them (copy-on-write) rather than copying them: weights cost no load time."""
+    """CPU device buffers go to page-aligned regions (restored by mapping, not copying); BUFFER UOps are stored with
+    their index so they unpickle under fresh slots; objects of the extended entry are stored as references."""
 
-    def __init__(self, file: Any, regions: list[memoryview], oob: list[int]) -> None:
+    def __init__(self, file: Any, regions: list[memoryview], oob: list[int], mine: Stored, base: Stored | None) -> None:
         def out_of_band(b: pickle.PickleBuffer) -> None:  # e.g. numpy arrays: restored as views of the mapping
             oob.append(len(regions))
             regions.append(b.raw())
 
         super().__init__(file, protocol=5, buffer_callback=out_of_band)
-        from tinygrad.device import Buffer
-
-        self.buffer_type, self.regions, self.index = Buffer, regions, {}
+        self.regions, self.mine, self.base = regions, mine, base
+        self.jits: list[CapturedJit] = []
         self.keep: list[Any] = []  # holds each stored Buffer, so no id() is reused during the dump
 
     def persistent_id(self, obj: Any) -> Any:
-        if (type(obj) is not self.buffer_type or obj._base is not None or not obj.is_allocated()
-                or not obj.device.startswith("CPU")):
+        if self.base is not None and (ref := self.base.refs.get(id(obj))) is not None:
+            if ref[0] == "entry_uop" and ref[1] not in self.base.realized and obj.realized is not None:
+                raise pickle.PicklingError("a graph runs on a buffer of the model realized after its entry was stored")
+            return ref
+        if type(obj) is not Buffer or obj._base is not None or not obj.device.startswith("CPU"):
             return None
-        if (i := self.index.get(id(obj))) is None:
-            i = self.index[id(obj)] = len(self.regions)
+        if not obj.is_allocated():
+            return None
+        if (i := self.mine.refs.get(id(obj))) is None:
+            self.mine.add_buf(i := len(self.regions), obj)
             self.regions.append(obj.as_memoryview(allow_zero_copy=True).cast("B"))
             self.keep.append(obj)
+        else:
+            i = i[1]
         return ("cpu_buffer", i, obj.device, obj.size, obj.dtype, obj.options, obj.uop_refcount)
+
+    def reducer_override(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is UOp and _device_buffer(obj):
+            buf = obj.realized
+            self.mine.add_uop(i := len(self.mine.uops), obj, buf is not None)
+            return _buffer_uop, (i, obj.op, obj.dtype, obj.src, obj.arg, obj.tag, obj.metadata, buf)
+        if t is UOp and obj.op is Ops.PROGRAM:
+            return _program_uop, (obj.op, obj.dtype, _runnable(obj), obj.arg, obj.tag, obj.metadata, obj.key)
+        if t is CapturedJit:
+            self.jits.append(obj)
+            # _written_uops (a graph walk, ~0.1-1 s) is not part of CapturedJit's own pickle
+            return _captured_jit, (len(self.jits) - 1, obj.ret, obj._linear, obj.expected_names,
+                                   obj.expected_input_info, obj._written_uops)
+        if t is _TinyJit and obj.captured is None:  # not captured yet: restored as a fresh one, traced on use
+            return _TinyJit, (obj.fxn, None, obj.prune)
+        return NotImplemented
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: memoryview, regions: list[memoryview], addresses: list[int]) -> None:
-        super().__init__(io.BytesIO(data), buffers=iter(regions))
-        self.addresses, self.made = addresses, {}
+    def __init__(self, entry: Mapped, mine: Stored, base: Stored | None) -> None:
+        super().__init__(io.BytesIO(entry.pickle), buffers=iter(entry.out_of_band()))
+        self.entry, self.mine, self.base = entry, mine, base
+        self.slots: dict[int, int] = {}  # the writer's slot -> a fresh one from this process's counter
+        self.jits: dict[int, CapturedJit] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_buffer_uop":
+            return self._buffer_uop
+        if module == __name__ and name == "_captured_jit":
+            return self._captured_jit
+        if module == __name__ and name == "_program_uop":
+            return self._program_uop
+        return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
-        from dataclasses import replace
-
-        from tinygrad.device import Buffer, BufferSpec
-
-        tag, i, device, size, dtype, options, refcount = pid
+        tag, i, *rest = pid
+        if tag in ("entry_uop", "entry_buf"):
+            found = None if self.base is None else (self.base.uops if tag == "entry_uop" else self.base.bufs).get(i)
+            if found is None:
+                raise pickle.UnpicklingError(f"{tag} {i} is not in the entry this part extends")
+            return found
         if tag != "cpu_buffer":
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
-        if (buf := self.made.get(i)) is None:
-            spec = replace(options or BufferSpec(), external_ptr=self.addresses[i])
-            buf = self.made[i] = Buffer(device, size, dtype, options=spec, uop_refcount=refcount, preallocate=True)
+        if (buf := self.mine.bufs.get(i)) is None:
+            device, size, dtype, options, refcount = rest
+            spec = dataclasses.replace(options or BufferSpec(), external_ptr=self.entry.addresses[i])
+            buf = Buffer(device, size, dtype, options=spec, uop_refcount=refcount, preallocate=True)
+            self.mine.add_buf(i, buf)
         return buf
 
+    def _buffer_uop(self, i: int, op: Ops, dtype: Any, src: tuple[UOp, ...], arg: ParamArg, tag: Any,
+                    metadata: Any, buf: Buffer | None) -> UOp:
+        if (slot := self.slots.get(arg.slot)) is None:
+            slot = self.slots[arg.slot] = next(UOp.unique_num)
+        arg = dataclasses.replace(arg, slot=slot)
+        if (held := UOpMetaClass.ucache.get((op, dtype, src, arg, tag))) is not None and held() is not None:
+            raise CacheEntryInvalid(f"restored buffer {i} would alias a live buffer of this process")
+        u = UOp(op, dtype, src, arg, tag, metadata, buf)
+        if buf is not None and buffers.get(u) is not buf:
+            raise CacheEntryInvalid(f"restored buffer {i} is not bound to its stored memory")
+        self.mine.add_uop(i, u, buf is not None)
+        return u
 
-_MAPPINGS: list[mmap.mmap] = []  # restored device buffers point into these: they live as long as the process
+    @staticmethod
+    def _program_uop(op: Ops, dtype: Any, src: tuple[UOp, ...], arg: Any, tag: Any, metadata: Any,
+                     key: bytes) -> UOp:
+        u = UOp(op, dtype, src, arg, tag, metadata)
+        u.__dict__.setdefault(UOp.key.nm, key)  # where recursive_property keeps it
+        return u
+
+    def _captured_jit(self, i: int, ret: Any, linear: UOp, names: list[Any], info: list[Any],
+                      written: set[UOp]) -> CapturedJit:
+        jit = CapturedJit(ret, linear, names, info)
+        jit.__dict__["_written_uops"] = written  # where functools.cached_property keeps its value
+        self.jits[i] = jit
+        return jit
 
 
-def save(path: Path, key: dict[str, Any], state: Any) -> int:
-    """Pickle `state` with device buffers and out-of-band buffers in page-aligned regions; the bytes written."""
+def _check_identities(jits: list[CapturedJit], mine: Stored, base: Stored | None) -> None:
+    """Every device buffer a restored graph runs on is one this entry, or the entry it extends, restored."""
+    known = {id(u) for u in mine.uops.values()} | ({id(u) for u in base.uops.values()} if base else set())
+    for n, jit in enumerate(jits):
+        for call in jit._linear.src:
+            for arg in get_call_arg_uops(call):
+                for u in arg.toposort():
+                    if _device_buffer(u) and id(u) not in known:
+                        raise CacheEntryInvalid(f"restored graph {n} runs on a buffer the entry does not hold: {u.arg}")
+
+
+def _prime(jits: list[CapturedJit]) -> None:
+    """What a restored graph's first replay would do once, done now rather than in the first request: load its
+    compiled kernels, bind the buffer views its kernels run on, read its outputs once (which compiles the copy that
+    reads them) and move numpy inputs of its shapes to the device once (which readies tinygrad's scheduler)."""
+    for jit in jits:
+        for call in jit._linear.src:
+            for arg in get_call_arg_uops(call):
+                if arg.op is not Ops.PARAM and not (arg.src and arg.src[0].op is Ops.PARAM):
+                    arg.buffer.ensure_allocated()
+            if call.src[0].op is Ops.PROGRAM:
+                device = call.src[1].device
+                for d in device if isinstance(device, tuple) else (device,):
+                    get_runtime(d, call.src[0])
+        for t in get_parameters(jit.ret):
+            t.numpy()
+        inputs = [Tensor(np.zeros(shape, _to_np_dtype(dtype)), device=device)  # a caller's numpy inputs
+                  for shape, (_, variables, dtype, device) in zip(_input_shapes(jit), jit.expected_input_info,
+                                                                   strict=True)
+                  if not variables and all(isinstance(d, int) for d in shape)]
+        if inputs:
+            Tensor.realize(*inputs)  # together, as the JIT realizes a call's inputs
+
+
+def _input_sizes(jit: CapturedJit) -> list[int]:
+    """The number of elements of each input buffer a captured graph takes (its parameters' sizes)."""
+    sizes: dict[int, int] = {}
+    for call in jit._linear.src:
+        for arg in get_call_arg_uops(call):
+            p = arg if arg.op is Ops.PARAM else arg.src[0] if arg.src and arg.src[0].op is Ops.PARAM else None
+            if p is not None and p.arg.slot >= 0 and p.arg.name is None:
+                sizes[p.arg.slot] = p.max_numel()
+    return [sizes.get(i, 1) for i in range(len(jit.expected_input_info))]
+
+
+def _input_shapes(jit: CapturedJit) -> list[tuple[Any, ...]]:
+    """The shape of each input as the caller passed it (the view of its buffer), else its buffer's."""
+    out: list[tuple[Any, ...]] = []
+    for (view, *_), n in zip(jit.expected_input_info, _input_sizes(jit), strict=True):
+        try:
+            out.append(view.shape)
+        except RuntimeError:  # the buffer itself (a NOOP in place of the base has no shape)
+            out.append((n,))
+    return out
+
+
+def _replay(jit: CapturedJit) -> str:
+    """sha256 of the outputs of one replay of a captured graph on fixed inputs, its variables at their minimum."""
+    var_vals: dict[str, int] = {}
+    for call in jit._linear.src:
+        if (prg := call.src[0]).op is Ops.PROGRAM:
+            var_vals.update({v.expr: int(v.vmin) for v in prg.arg.vars if v.expr not in prg.arg.runtimevars})
+    # ones where they are floats (a zero would hide weights), zeros where they may be indices (ids, positions)
+    inputs = [Tensor.full((n,), 1 if dtypes.is_float(dt) else 0, dtype=dt, device=dev).contiguous().realize()
+              for n, (_, _, dt, dev) in zip(_input_sizes(jit), jit.expected_input_info, strict=True)]
+    jit([t.uop.base for t in inputs], var_vals)
+    h = hashlib.sha256()
+    for t in get_parameters(jit.ret):
+        if (b := t.uop.base.realized) is not None:
+            h.update(b.as_memoryview())
+    return h.hexdigest()
+
+
+def save(path: Path, key: dict[str, Any], state: Any, base: Stored | None = None) -> Stored:
+    """Stores `state` (a part of the entry `base` when given); what this process now holds of the entry."""
     regions: list[memoryview] = []
     oob: list[int] = []
-    f_body = io.BytesIO()
-    _Pickler(f_body, regions, oob).dump(state)
-    body = f_body.getbuffer()
-    offsets, pos = [], len(body)
-    for r in regions:
-        pos = -(-pos // _PAGE) * _PAGE
-        offsets.append([pos, r.nbytes])
-        pos += r.nbytes
-    digest = hashlib.sha256()
-    for r in regions:
-        digest.update(r)
-    header = json.dumps({"key": key, "pickle_sha256": hashlib.sha256(body).hexdigest(),
-                         "regions_sha256": digest.hexdigest(), "pickle_len": len(body),
-                         "buffers": offsets, "out_of_band": oob, "payload_len": pos}).encode()
-    start = _payload_start(len(header))
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + _LEN.pack(len(header)) + header)
-            f.seek(start)
-            f.write(body)
-            for (off, _), r in zip(offsets, regions, strict=True):
-                f.seek(start + off)
-                f.write(r)
-            f.truncate(start + pos)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return start + pos
+    body = io.BytesIO()
+    mine = Stored()
+    pickler = _Pickler(body, regions, oob, mine, base)
+    pickler.dump(state)
+
+    def probe(copy: Mapped) -> dict[str, Any]:
+        twin = _Unpickler(copy, Stored(), base)
+        twin.load()
+        jits = [twin.jits[i] for i in range(len(pickler.jits))]
+        _check_identities(jits, twin.mine, base)
+        _prime(jits)
+        digests = [_replay(j) for j in pickler.jits]
+        for n, (jit, want) in enumerate(zip(jits, digests, strict=True)):
+            if _replay(jit) != want:
+                raise CacheEntryInvalid(f"captured graph {n} restored from the entry computes differently")
+        return {"probe": digests, "extends": base.digest if base else None}
+
+    write_entry(path, key, body.getbuffer(), regions, oob, probe)
+    mine.digest = hashlib.sha256(body.getbuffer()).hexdigest()
+    return mine
 
 
-def _payload_start(header_len: int) -> int:
-    """The payload starts on a page boundary, so every region (and so every mapped buffer) is page aligned."""
-    return -(-(len(MAGIC) + _LEN.size + header_len) // _PAGE) * _PAGE
-
-
-def load(path: Path, key: dict[str, Any], check: Callable[[Any], Any] = lambda state: state) -> Any:
-    """The unpickled state of a valid entry; None when there is none; CacheEntryInvalid when it is bad.
-
-    The file is mapped private and writable: kernels may write restored buffers (activations, KV caches),
-    which copies those pages and never touches the file. Entries are replaced by rename, never rewritten
-    in place, so a mapped file never changes under a running worker.
-
-    The pickle (which holds the compiled kernels) is verified before it is unpickled; the data regions are
-    hashed on a second thread while `check(state)` runs (it may read them: they are plain data), and the
-    entry counts as valid only when both pass. Returns check's result."""
-    try:
-        f = open(path, "rb")
-    except FileNotFoundError:
+def load(path: Path, key: dict[str, Any], base: Stored | None = None) -> tuple[Any, Stored] | None:
+    """The state of a valid entry (a part of `base` when given) and what this process holds of it; None when there
+    is none; CacheEntryInvalid when it is bad (the caller discards it)."""
+    entry = open_entry(path, key)
+    if entry is None:
         return None
-    except OSError as exc:  # unreadable: treated as bad, so the model is built (and the store may fail too)
-        raise CacheEntryInvalid(f"cannot open: {exc}") from exc
-    with f:
-        st = os.fstat(f.fileno())
-        # an entry runs as code (it is a pickle): only one this user wrote and nobody else can change
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise CacheEntryInvalid(f"owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}, not ours alone")
-        if st.st_size < len(MAGIC) + _LEN.size:
-            raise CacheEntryInvalid("truncated or empty entry")
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        # the data regions are hashed through a second, read-only mapping: `check` may already write the
-        # private one (activations, KV caches), and the hash is of what the file holds
-        pristine = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    view = memoryview(mm)
     try:
-        state = _decode(view, mm, pristine, key, check)
-    finally:
-        view.release()
-    _MAPPINGS.append(mm)
-    return state
-
-
-def _decode(view: memoryview, mm: mmap.mmap, pristine: mmap.mmap, key: dict[str, Any],
-            check: Callable[[Any], Any]) -> Any:
-    if bytes(view[: len(MAGIC)]) != MAGIC:
-        raise CacheEntryInvalid("not a jit cache entry (bad magic)")
-    (hlen,) = _LEN.unpack(view[len(MAGIC) : len(MAGIC) + _LEN.size])
-    start = _payload_start(hlen)
-    try:
-        header = json.loads(bytes(view[len(MAGIC) + _LEN.size : len(MAGIC) + _LEN.size + hlen]))
-        payload_len, pickle_len, offsets = int(header["payload_len"]), int(header["pickle_len"]), header["buffers"]
-        oob = [int(i) for i in header["out_of_band"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CacheEntryInvalid(f"unreadable header: {exc}") from exc
-    if header.get("key") != json.loads(json.dumps(key)):  # compared as JSON holds it (tuples become lists)
-        raise CacheEntryInvalid("entry was written for a different key")
-    if len(view) - start != payload_len:
-        raise CacheEntryInvalid(f"payload is {len(view) - start} bytes, header says {payload_len}")
-    parts = [view[start : start + pickle_len]] + [view[start + off : start + off + n] for off, n in offsets]
-    try:
-        if hashlib.sha256(parts[0]).hexdigest() != header.get("pickle_sha256"):
-            raise CacheEntryInvalid("pickle sha256 mismatch")
-        if any(not 0 <= i < len(offsets) for i in oob):
-            raise CacheEntryInvalid("out-of-band buffer index outside the entry")
-        # hashlib drops the GIL: this overlaps the unpickle and the check
-        regions = _RegionHash(pristine, [(start + off, n) for off, n in offsets])
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        addresses = [base + start + off for off, _ in offsets]
+        if entry.header.get("extends") != (base.digest if base else None):
+            raise CacheEntryInvalid("part of another entry than the one restored")
+        mine = Stored(entry.header["pickle_sha256"])
+        unpickler = _Unpickler(entry, mine, base)
         try:
-            state = _Unpickler(parts[0], [parts[1 + i] for i in oob], addresses).load()
-            result = check(state)
+            state = unpickler.load()
+            if len(unpickler.jits) != len(entry.header.get("probe") or ()):
+                raise CacheEntryInvalid("the entry holds other graphs than its writer probed")
+            _check_identities(list(unpickler.jits.values()), mine, base)
+            _prime(list(unpickler.jits.values()))
         except CacheEntryInvalid:
-            regions.join()
             raise
-        except Exception as exc:  # hashes right but does not unpickle (e.g. classes that changed)
-            regions.join()
-            raise CacheEntryInvalid(f"cannot unpickle: {type(exc).__name__}: {exc}") from exc
-        if regions.join() != header.get("regions_sha256"):
-            raise CacheEntryInvalid("payload sha256 mismatch (data regions)")
-        return result
+        except Exception as exc:  # hashes right but does not restore (e.g. classes that changed)
+            raise CacheEntryInvalid(f"cannot restore: {type(exc).__name__}: {exc}") from exc
     finally:
-        for p in parts:
-            p.release()
-
-
-class _RegionHash(threading.Thread):
-    def __init__(self, mapping: mmap.mmap, spans: list[tuple[int, int]]) -> None:
-        super().__init__(name="jitcache-verify", daemon=True)
-        self.mapping, self.spans, self.digest = mapping, spans, ""
-        self.start()
-
-    def run(self) -> None:
-        h = hashlib.sha256()
-        with self.mapping, memoryview(self.mapping) as view:
-            for off, n in self.spans:
-                with view[off : off + n] as part:
-                    h.update(part)
-        self.digest = h.hexdigest()
-
-    def join(self, timeout: float | None = None) -> str:  # type: ignore[override]
-        super().join(timeout)
-        return self.digest
-
-
-SOFTWARE_FIELDS = ("tinygrad", "python", "code_sha256")
-
-
-def read_key(path: Path) -> dict[str, Any] | None:
-    """The key an entry's header names, or None when it has no readable header."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(MAGIC) + _LEN.size)
-            if len(head) < len(MAGIC) + _LEN.size or head[: len(MAGIC)] != MAGIC:
-                return None
-            (hlen,) = _LEN.unpack(head[len(MAGIC) :])
-            key = json.loads(f.read(hlen))["key"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return key if isinstance(key, dict) else None
-
-
-def evict_stale(cache_dir: Path, key: dict[str, Any]) -> list[Path]:
-    """Removes entries for the same model, device and host written by other software (tinygrad, Python or this
-    code): this software can never load them, and each holds a full copy of the weights."""
-    mine = json.loads(json.dumps(key))
-    same = [f for f in mine if f not in SOFTWARE_FIELDS and f in ("artifact_sha256", "device", "host", "kind")]
-    gone = []
-    for entry in cache_dir.glob("*.jit"):
-        other = read_key(entry)
-        if other is None or other == mine:
-            continue
-        if all(other.get(f) == mine[f] for f in same) and any(other.get(f) != mine.get(f) for f in SOFTWARE_FIELDS):
-            discard(entry)
-            gone.append(entry)
-    return gone
-
-
-def discard(path: Path) -> None:
-    with contextlib.suppress(OSError):  # a cache we cannot clean costs only speed
-        os.unlink(path)
-
-
-def load_or_build(key: dict[str, Any], build: Callable[[], T], probe: Callable[[T], np.ndarray],
-                  log: Callable[[str], None], verify: Callable[[], None] = lambda: None) -> tuple[T, str]:
-    """(model, outcome): restored from the cache ("hit"), or built and then stored ("miss", or "rebuilt" after
-    a bad entry was discarded; "off" without a cache directory). `probe` runs the model on a fixed input: its
-    output is stored with the entry, and a restored model must reproduce it. `verify` checks the artifact
-    (its errors propagate): before a build, and after a restore, which does not read the artifact."""
-    cache_dir = cache_dir_from_env()
-    if cache_dir is None:
-        verify()
-        return build(), "off"
-    path, outcome = entry_path(cache_dir, key), "miss"
-    def check(state: Any) -> T:
-        model, reference = state
-        try:
-            out = probe(model)
-        except Exception as exc:
-            raise CacheEntryInvalid(f"restored model fails: {type(exc).__name__}: {exc}") from exc
-        if out.shape != reference.shape or not np.allclose(out, reference, rtol=1e-5, atol=1e-6):
-            raise CacheEntryInvalid(f"restored model's output differs by {np.abs(out - reference).max()}")
-        return model
-
-    try:
-        if (model := load(path, key, check)) is not None:
-            verify()
-            return model, "hit"
-    except CacheEntryInvalid as exc:
-        log(f"jit cache: discarding {path.name}: {exc}")
-        discard(path)
-        outcome = "rebuilt"
-    verify()  # before the artifact is read: a wrong file is never built, nor stored under this key
-    model = build()
-    try:
-        save(path, key, (model, probe(model)))
-        for stale in evict_stale(cache_dir, key):
-            log(f"jit cache: removed {stale.name}, written by other software for this model")
-    except (OSError, pickle.PicklingError, TypeError) as exc:  # a cache that cannot be written costs only speed
-        log(f"jit cache: cannot store {path.name}: {type(exc).__name__}: {exc}")
-    return model, outcome
+        digest = entry.hashing.join() if entry.hashing is not None else ""  # the thread ends before we return
+    if digest != entry.header.get("regions_sha256"):
+        raise CacheEntryInvalid("payload sha256 mismatch (data regions)")
+    return state, mine

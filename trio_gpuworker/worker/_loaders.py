@@ -1,7 +1,8 @@
-"""Model loading for LOAD: weights plus warmed (captured) JITs, restored from the JIT cache when it holds a
-valid entry for this exact artifact, device and code (worker/_jitcache.py), else built and then stored.
+"""Model loading for LOAD: weights plus warmed (captured) JITs, restored from the JIT cache when it holds valid
+entries for this exact artifact, device and code (worker/_warmcache.py), else built and then stored.
 
-Runs on the compute thread; tinygrad is imported here, on the first LOAD.
+Runs on the compute thread; tinygrad is imported here, on the first LOAD. The artifact's digest is checked before
+anything from the cache runs.
 """
 
 from __future__ import annotations
@@ -11,13 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .._errors import GpuWorkerError
-from . import _jitcache
+from . import _jitcache, _jitfile, _warmcache
 from ._beam import BeamStats, beam_shape, check_beam
 
 ModelProgress = Callable[[int], None]
+_CACHE_MODULES = (__name__, _jitcache.__name__, _jitfile.__name__, _warmcache.__name__)
 
 
 class LoadError(GpuWorkerError):
@@ -32,18 +32,18 @@ def _log(line: str) -> None:
     print(line, file=sys.stderr)  # the lane's log ring
 
 
-def _cached(path: Path, digest: str, kind: str, modules: tuple[str, ...], extra: dict[str, Any],
-            build: Callable[[], Any], probe: Callable[[Any], np.ndarray], verify: Callable[[], None]) -> Any:
+def _key(digest: str, kind: str, modules: tuple[str, ...], extra: dict[str, Any]) -> dict[str, Any]:
     from tinygrad import Device
 
-    sources = [Path(sys.modules[m].__file__ or "") for m in (*modules, __name__, _jitcache.__name__)]
-    key = _jitcache.cache_key(digest, Device.DEFAULT, sources, {"kind": kind, **extra})
+    sources = [Path(sys.modules[m].__file__ or "") for m in (*modules, *_CACHE_MODULES)]
+    return _jitfile.cache_key(digest, Device.DEFAULT, sources, {"kind": kind, **extra})
+
+
+def _cached(path: Path, kind: str, key: dict[str, Any], build: Callable[[], Any]) -> tuple[Any, Any, str]:
     try:
-        impl, outcome = _jitcache.load_or_build(key, build, probe, _log, verify)
+        return _warmcache.load_or_build(key, build, _log)
     except (ValueError, KeyError, TypeError) as exc:
         raise LoadError("config_invalid", f"cannot load {path}: {exc}") from exc
-    _log(f"worker: {kind} model {path.name}: jit cache {outcome}")
-    return impl
 
 
 def _beam(rc: dict[str, Any]) -> int:
@@ -96,9 +96,11 @@ def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, 
 
 def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any], digest: str,
               verify: Callable[[], None], progress: ModelProgress) -> Any:
-    """An encoder: fused on CPU (encoder_for), else with the (length, batch) shapes of runtime_config
-    `warmup_shapes` captured (default: (16, 1), or with `beam` > 0 the model's tuned_shapes, each compiled under
-    a BEAM search of that width)."""
+    """An encoder: fused on CPU (encoder_for), else with its micro-batch shapes captured: the runtime_config
+    `warmup_shapes` (default: (16, 1), or with `beam` > 0 the model's tuned_shapes, each compiled under a BEAM
+    search of that width) and, once this machine has stored the model (any start after the first), every other
+    shape the batch plan can produce. On a first start the other shapes are compiled when a request first needs
+    them, and stored for every later worker."""
     from tinygrad import Device
 
     if kind not in ("embedding", "rerank"):
@@ -127,24 +129,42 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     # without an explicit list: one small shape, or with BEAM the shapes worth a search
     warm = shapes if shapes is not None else (cls.tuned_shapes(max_tokens) if beam else [(16, 1)])
     stats = BeamStats(beam)
+    verify()  # before the artifact is read or anything from the cache runs
 
     def build() -> Any:
-        impl = cls.load(path, config, max_tokens=max_tokens)
-        impl.warmup(warm, progress, around=lambda _shape: beam_shape(beam, stats), tuned=beam > 0)
-        if beam:
-            _log(f"worker: {kind} model {path.name}: {stats.describe()}")
-        return impl
+        return cls.load(path, config, max_tokens=max_tokens)
 
-    # Encoders are built, not restored from the JIT cache: restored captures of shapes other than the probe's
-    # returned wrong vectors (cosine 0.67 at 32 x 128 on this code), which the probe cannot see. Compiled
-    # kernels and BEAM results still come from CACHEDB, so a build costs seconds, not a search.
-    verify()
+    def compile(shape: tuple[int, int]) -> None:  # captures one shape; BEAM only for the warm-up shapes
+        tuned = beam > 0 and shape in warm
+        impl.warmup([shape], around=(lambda s: beam_shape(beam, stats)) if tuned else None, tuned=tuned)
+
+    key = _key(digest, kind, (cls.__module__, "trio_gpuworker.models.bert", "trio_gpuworker.models.shapes"),
+               {"max_tokens": max_tokens})
+    impl, stored, outcome = _cached(path, kind, key, build)
     try:
-        impl = build()
+        for shape in warm:
+            if shape not in impl.all_shapes():
+                raise ValueError(f"{shape} is not a micro-batch shape of this model")
+        cache_dir = _jitfile.cache_dir_from_env()
+        if cache_dir is None or stored is None:  # no cache, or one that cannot be written: this worker's own
+            for k, shape in enumerate(warm):
+                compile(shape)
+                progress(k + 1)
+            served: Any = impl
+        else:
+            parts = _warmcache.ShapeCache(cache_dir, key, stored, {s: beam for s in warm} if beam else {}, compile,
+                                          _log)
+            rest = [s for s in impl.all_shapes() if s not in warm] if outcome == "hit" else []
+            parts.provide_all(impl, [*warm, *rest], progress)
+            outcome = f"{outcome}, {parts.describe()}"
+            served = _warmcache.GrowingEncoder(impl, parts)
+        impl.warmup(warm, tuned=beam > 0)  # every one is captured: this marks the BEAM-tuned ones for the batch plan
     except (ValueError, KeyError, TypeError) as exc:
         raise LoadError("config_invalid", f"cannot load {path}: {exc}") from exc
-    _log(f"worker: {kind} model {path.name}: built (encoders do not use the jit cache)")
-    return impl
+    if stats.searched or stats.seconds:
+        _log(f"worker: {kind} model {path.name}: {stats.describe()}")
+    _log(f"worker: {kind} model {path.name}: jit cache {outcome}")
+    return served
 
 
 DECODERS = ("fused", "graph")
@@ -176,6 +196,7 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
         from ..models.llama_fused import FusedLlamaLM as cls
     else:
         from ..models.llama import LlamaLM as cls
+    verify()  # before the artifact is read or anything from the cache runs
 
     def build() -> tuple[Any, Any]:
         lm = cls.load(path, warmup=False)
@@ -186,9 +207,6 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
             _log(f"worker: generate model {path.name}: {stats.describe()}")
         return lm, ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization in the worker
 
-    def probe(built: tuple[Any, Any]) -> np.ndarray:  # a restore must reproduce the decode graph's answer
-        return np.asarray([built[0].probe()], dtype=np.int64)
-
     extra: dict[str, Any] = {"max_context": DEFAULT_CONTEXT, "beam": beam, "decoder": decoder}
     fused = ("trio_gpuworker.models.quant", "trio_gpuworker.models.csource", "trio_gpuworker.models.ckernel",
              "trio_gpuworker.gguf_file")
@@ -196,6 +214,8 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
         from ..models import csource
 
         extra["kernels_sha256"] = csource.digest()
-    modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.models._jitstate",
-               "trio_gpuworker.llm_tokenizer", *(fused if decoder == "fused" else ()))
-    return _cached(path, digest, "generate", modules, extra, build, probe, verify)
+    modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.llm_tokenizer",
+               *(fused if decoder == "fused" else ()))
+    model, _, outcome = _cached(path, "generate", _key(digest, "generate", modules, extra), build)
+    _log(f"worker: generate model {path.name}: jit cache {outcome}")
+    return model
