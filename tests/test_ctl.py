@@ -67,13 +67,15 @@ async def test_load_unload_reload_with_progress(daemon: tuple[Supervisor, str]) 
     bar = err.splitlines()
     assert any("setup step 1" in line and "[" in line for line in bar)  # the fake's LOAD PROGRESS
     assert bar[-1].startswith(f"load {MODEL} on lane1 [") and "done" in bar[-1]
-    assert "generation 1" in out and "4 dims" in out and MODEL in sup.lanes["lane1"].loads
+    gen1, gen0 = sup.lanes["lane1"].generation, sup.lanes["lane0"].generation  # numbered across the lanes
+    assert f"generation {gen1}" in out and "4 dims" in out and MODEL in sup.lanes["lane1"].loads
 
     rc, out, err = await gpuworkerctl(sock, "reload", "lane1")
-    assert rc == 0 and "generation 2" in out
-    assert any("starting g2" in line or "ready g2" in line for line in err.splitlines())
+    fresh = sup.lanes["lane1"].generation
+    assert rc == 0 and fresh > gen1 and f"generation {fresh}" in out
+    assert any(f"starting g{fresh}" in line or f"ready g{fresh}" in line for line in err.splitlines())
     rc, out, _ = await gpuworkerctl(sock, "--json", "reload", "lane0")
-    assert rc == 0 and json.loads(out)["generation"] == 2
+    assert rc == 0 and json.loads(out)["generation"] == sup.lanes["lane0"].generation > gen0
 
     rc, out, _ = await gpuworkerctl(sock, "drain", "lane0", "--wait")
     assert rc == 0 and out.strip() == "lane0: drained, idle"

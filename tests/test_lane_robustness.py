@@ -97,9 +97,11 @@ async def test_expired_quarantine_comes_back_without_traffic(tmp_path: Path) -> 
                 await lane0.call("EMBED_BATCH", batch_fields(1), np.ones(1, "<i4").tobytes())
         assert lane0.cooldown_remaining() is not None
         assert lane1.state == LaneState.READY
+        quarantined = lane0.generation
         with trio.fail_after(10):
             await lane0.wait_state(LaneState.READY)
-        assert lane0.generation == 3 and lane0.policy.strikes == 0 and lane0.queued == 0
+        # generations are numbered across the supervisor's lanes (lane1 has one too), so only "newer" is fixed
+        assert lane0.generation > quarantined and lane0.policy.strikes == 0 and lane0.queued == 0
 
 
 async def test_drain_bound_aborts_the_request_in_flight(tmp_path: Path) -> None:

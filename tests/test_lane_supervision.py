@@ -216,7 +216,7 @@ async def test_clear_quarantine_lifts_it_at_once(tmp_path: Path) -> None:
         lane = sup.lanes["lane0"]
         with trio.fail_after(10):
             await lane.wait_state(LaneState.QUARANTINED)
-        lane.clear_quarantine()
+        lane.lift_quarantine()
         assert lane.cooldown_remaining() is None and lane.policy.strikes == 0
 
 
@@ -261,8 +261,8 @@ async def test_reload_is_ordered_and_lifts_quarantine(tmp_path: Path) -> None:
             await embed(sup, rows(1))
         await sup.wait_ready(5)
         gen = lane.generation
-        await sup.reload_lane("lane0")  # ordered: no new fault; a reload forgets strikes like quarantine expiry
-        assert lane.generation == gen + 1 and lane.policy.strikes == 0 and lane.state == LaneState.READY
+        await sup.reload_lane("lane0")  # ordered: no new fault, and outside a quarantine it forgives no strike
+        assert lane.generation == gen + 1 and lane.policy.strikes == 1 and lane.state == LaneState.READY
         assert [e["t"] for e in _drain(events)] == ["WORKER_CRASHED"]
         for _ in range(2):
             lane.policy.strike(Fault.CRASH, trio.current_time())  # now quarantined

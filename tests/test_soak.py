@@ -101,6 +101,7 @@ async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         http, daemon = await client_for(nursery, cfg)
         sup = daemon.sup
+        first = [(0, s["generation"]) for s in sup.status()]
         async with http:
             done = trio.Event()
 
@@ -131,6 +132,6 @@ async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
     assert sum(codes.values()) == SOAK_HTTP_CALLERS * SOAK_HTTP_REQUESTS
     assert codes.get("ok", 0) > SOAK_HTTP_CALLERS * SOAK_HTTP_REQUESTS // 2, codes
     assert set(codes) <= {"ok", "invalid_request", "invalid_json", "request_too_large", "not_found"}, codes
-    assert strikes == [(0, 1), (0, 1)]  # typed, all the client's own fault, and never a worker's
+    assert strikes == first  # typed, all the client's own fault, and never a worker's: no strike, no restart
     assert rss_peak - rss_before < SOAK_RSS_GROWTH_MB
     assert p99 < SOAK_HEALTHZ_P99_S, p99

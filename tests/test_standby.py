@@ -22,7 +22,7 @@ from trio_gpuworker._errors import ConfigError
 from trio_gpuworker.daemon.config import parse_config
 from trio_gpuworker.daemon.ctl import LANE_COLUMNS, status_rows, table
 from trio_gpuworker.daemon.main import run_daemon
-from trio_gpuworker.supervisor import Job, LoadSpec
+from trio_gpuworker.supervisor import LoadSpec
 
 
 def with_standby(cfg: SupervisorConfig) -> SupervisorConfig:
@@ -125,8 +125,8 @@ async def test_load_and_unload_reach_both_workers(tmp_path: Path) -> None:
         spec = LoadSpec("second", artifact, "0" * 64, "safetensors", {})
 
         async def standby_models() -> list[str]:
-            assert keeper.gen is not None
-            pong = await keeper.gen.call(Job("PING", {}, None), lane.windows)
+            pong = await lane.standby_call("PING")
+            assert pong is not None and pong.t == "PONG"
             return list(pong["models_loaded"])
 
         await lane.load_model(spec)

@@ -229,10 +229,9 @@ class StepFailed(CodedError):
     """A step, role or release request failed; `code` is the StepFailure / RoleFailure / ReleaseFailure name."""
 
 
-class StaleHandle(GpuWorkerError):
-    """A device handle of another worker generation: it never resolves."""
-
-    code = "invalid_input_handle"
+class StaleHandle(StepFailed):
+    """A device handle of another worker generation (so of another lane, or of a dead worker): it never resolves.
+    `code` is invalid_input_handle (a step's input) or invalid_device_handle (a release)."""
 
 
 class RingError(GpuWorkerError):

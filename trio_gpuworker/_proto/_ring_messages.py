@@ -20,6 +20,7 @@ LAYOUT = record(offset=uint, header_len=uint, capacity=uint)
 STEP_INPUT = record(port_id=text, object_id=uint, sequence=uint, device_handle=HANDLE)
 STEP_OUTPUT = record(port_id=text, ring_id=uint, object_id=uint, sequence=uint, extent=uint, flags=uint)
 INTERMEDIATE = {"EXECUTE_STEP": {"OBJECT_PRODUCED"}}
+RING_IDS = {"ring_id": uint, "edge_id": text, "port_id": text}  # a ring's events name its edge and port (§8.3)
 
 
 def _row(v: object) -> bool:
@@ -32,9 +33,9 @@ _MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
     "ROLE_FAILED": (Spec(WORKER, {**REQ, "role_id": text, "reason": text}, {"msg": text}), {}),
     "INSTALL_RING": (Spec(DAEMON, {**REQ, "ring_id": uint, "edge_id": text, "port_id": text,
                                    "direction": one_of(*DIRECTIONS), "layout": LAYOUT, "object_spec": mapping}), {}),
-    "RING_INSTALLED": (Spec(WORKER, {**REQ, "ring_id": uint}), {"INSTALL_RING": {"RING_INSTALLED", "RING_FAULT"}}),
+    "RING_INSTALLED": (Spec(WORKER, {**REQ, **RING_IDS}), {"INSTALL_RING": {"RING_INSTALLED", "RING_FAULT"}}),
     # a terminal reply to INSTALL_RING (with req_id) or a notification at any time (without)
-    "RING_FAULT": (Spec(WORKER, {"ring_id": uint, "reason": text}, {"req_id": uint, "msg": text}), {}),
+    "RING_FAULT": (Spec(WORKER, {**RING_IDS, "reason": text}, {"req_id": uint, "msg": text}), {}),
     # a request (with req_id) or, while a step may be blocked on the ring, a notification (without)
     "UNINSTALL_RING": (Spec(DAEMON, {"ring_id": uint, "reason": one_of(*UNINSTALL_REASONS)}, {"req_id": uint}), {}),
     "RING_QUIESCED": (Spec(WORKER, {"ring_id": uint}, {"req_id": uint}), {"UNINSTALL_RING": {"RING_QUIESCED"}}),
@@ -43,8 +44,9 @@ _MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
                                    "release_inputs_after": flag}), {}),
     "OBJECT_PRODUCED": (Spec(WORKER, {**REQ, "ring_id": uint, "port_id": text, "object_id": uint, "sequence": uint,
                                       "extent": uint}), {}),
-    "STEP_COMPLETED": (Spec(WORKER, {**REQ, "step_id": uint}), {"EXECUTE_STEP": {"STEP_COMPLETED", "STEP_FAILED"}}),
-    "STEP_FAILED": (Spec(WORKER, {**REQ, "step_id": uint, "reason": text}, {"msg": text}), {}),
+    "STEP_COMPLETED": (Spec(WORKER, {**REQ, "role_id": text, "step_id": uint}),
+                       {"EXECUTE_STEP": {"STEP_COMPLETED", "STEP_FAILED"}}),
+    "STEP_FAILED": (Spec(WORKER, {**REQ, "role_id": text, "step_id": uint, "reason": text}, {"msg": text}), {}),
     "RELEASE_DEVICE_OBJECT": (Spec(DAEMON, {**REQ, "device_handle": HANDLE}), {}),
     "DEVICE_OBJECT_RELEASED": (Spec(WORKER, {**REQ, "device_handle": HANDLE}),
                                {"RELEASE_DEVICE_OBJECT": {"DEVICE_OBJECT_RELEASED", "RELEASE_FAILED"}}),
@@ -53,8 +55,8 @@ _MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
                                     "sequence": uint, "extent": uint, "device_handle": HANDLE}), {}),
     "OBJECTS_LOADED": (Spec(WORKER, {"ring_id": uint, "edge_id": text, "port_id": text, "worker_generation": uint,
                                      "objects": list_of(_row)}), {}),
-    "OBJECT_FAILED": (Spec(WORKER, {"ring_id": uint, "reason": text},
-                           {"msg": text, "object_id": uint, "sequence": uint}), {}),
+    "OBJECT_FAILED": (Spec(WORKER, {**RING_IDS, "reason": text}, {"msg": text, "object_id": uint, "sequence": uint}),
+                      {}),
 }
 
 RING_SCHEMAS: dict[str, Spec] = {name: spec for name, (spec, _) in _MESSAGES.items()}

@@ -15,7 +15,8 @@ class StrikePolicy:
     """Consecutive genuine faults quarantine the lane for `cooldown_s`.
 
     Only a drained successful serving reply calls `success()`; LOAD, reload, PING and setup do
-    not. Kills the daemon ordered are not faults and never reach `strike()`.
+    not. Kills the daemon ordered are not faults and never reach `strike()`. A reload or unload `lift()`s a
+    quarantine; it does not forgive strikes outside one.
     """
 
     def __init__(self, max_strikes: int = 2, cooldown_s: float = 600.0) -> None:
@@ -41,9 +42,17 @@ class StrikePolicy:
         self.strikes = 0
 
     def clear(self) -> None:
-        """Unload, reload or a daemon restart: lift quarantine and forget strikes at once."""
+        """The cool-down is over: a fresh start with zero strikes."""
         self.strikes = 0
         self.quarantined_until = None
+
+    def lift(self) -> bool:
+        """Unload or reload of the lane lifts a quarantine at once (the fresh worker starts with zero strikes).
+        Outside a quarantine it forgives nothing: only drained serving work clears strikes. True if it lifted one."""
+        if self.quarantined_until is None:
+            return False
+        self.clear()
+        return True
 
     def cooldown_remaining(self, now: float) -> float | None:
         """Seconds of quarantine left, or None. An expired quarantine resets to zero strikes."""

@@ -301,9 +301,8 @@ class Daemon:
             log.warning("drain bound of %g s passed with %d requests in flight; aborting them",
                         self.cfg.drain_s, self.api.inflight)
             for lane in list(self.sup.lanes.values()):
-                if lane.state == LaneState.BUSY:  # SHUTDOWN abort_in_flight passes the request that is running
-                    with contextlib.suppress(trio.BrokenResourceError, OSError):
-                        await lane.abort_in_flight()
+                if lane.state in (LaneState.BUSY, LaneState.DRAINING):  # abort_in_flight passes what is running
+                    lane.abort_in_flight()
         self.stop_listeners.set()  # hypercorn lets the answers being written finish (graceful_timeout)
         self.notifier.status("stopping workers")
 

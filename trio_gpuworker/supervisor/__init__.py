@@ -1,16 +1,38 @@
 """The trio shell around _proto: lanes, supervisor, spawn/kill, log ring, event bus, routing, admission,
 batching and the daemon-side data plane."""
 
+from .._proto import LaneState
 from ._admission import Router, Scheduler, Ticket
 from ._arena import ArenaManager
 from ._batching import Batcher
 from ._dataplane import DataPlane, RingEnd
 from ._events import EventBus
-from ._jobs import Job, LaneState, LoadSpec
+from ._jobs import Job, LoadSpec
 from ._lane import Lane
+from ._launcher import Launched, Launcher, ProcessLauncher, WorkerSpec
 from ._logring import LogRing
 from ._models import DigestCache, load_spec
 from ._supervisor import Supervisor
 
-__all__ = ["ArenaManager", "Batcher", "DataPlane", "DigestCache", "EventBus", "Job", "Lane", "LaneState", "LoadSpec",
-           "LogRing", "RingEnd", "Router", "Scheduler", "Supervisor", "Ticket", "load_spec"]
+__all__ = [
+           "ArenaManager",
+           "Batcher",
+           "DataPlane",
+           "DigestCache",
+           "EventBus",
+           "Job",
+           "Lane",
+           "LaneState",
+           "Launched",
+           "Launcher",
+           "LoadSpec",
+           "LogRing",
+           "ProcessLauncher",
+           "RingEnd",
+           "Router",
+           "Scheduler",
+           "Supervisor",
+           "Ticket",
+           "WorkerSpec",
+           "load_spec",
+]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from .._config import AdmissionPolicy, SupervisorConfig
 from .._errors import ClosedSupervisorError, InvalidRequest, NoLaneAvailable, OverCapacity
-from ._jobs import LaneState
+from .._proto import LaneState
 
 if TYPE_CHECKING:
     from ._lane import Lane
@@ -121,7 +121,7 @@ def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset
         lane = min(routable, key=lambda ln: ln.cooldown_remaining() or 0.0)
         raise lane.quarantine_error(lane.cooldown_remaining() or 0.0)
     serving = (LaneState.READY, LaneState.BUSY)
-    closing = (LaneState.STOPPING, LaneState.STOPPED)
+    closing = (LaneState.DRAINING, LaneState.STOPPING, LaneState.STOPPED)
 
     def rank(ln: Lane) -> tuple[int, int, int]:
         state = 0 if ln.state in serving else 2 if ln.state in closing else 1

@@ -1,9 +1,7 @@
-"""Daemon side of the data plane: install rings on a lane, push objects into ingress rings, read
-objects from egress rings, execute steps, release handles, pump files; crash fan-out.
-
-Backpressure is the absence of ring space: a producer waits for the consumer's wake hint, it never
-buffers. Wake hints are coalesced through the ring's wake bits (cython_ring does the atomics).
-"""
+"""Daemon side of the data plane: install rings on a lane, push objects into ingress rings, read objects from
+egress rings, pump files; crash fan-out (roles, steps and handles: _steps.py). Backpressure is the absence of ring
+space: a producer waits for the consumer's wake hint, it never buffers. Wake hints are coalesced through the
+ring's wake bits (cython_ring does the atomics)."""
 
 from __future__ import annotations
 
@@ -29,12 +27,11 @@ from cython_ring import (
 
 from .._errors import (
     ArenaError,
+    BrokenWorkerError,
     DeadlineExceeded,
     GpuWorkerError,
     ObjectFailed,
     RingFault,
-    StaleHandle,
-    StepFailed,
     WorkerError,
     native_errors,
 )
@@ -42,6 +39,9 @@ from .._proto import Message
 from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
 from ._ringend import RingEnd
+from ._steps import Steps
+
+STALL_BYTES = 64  # less free space than this in an egress ring: a producer is waiting for its consumer
 
 
 class DataPlane:
@@ -51,8 +51,27 @@ class DataPlane:
         self.bus = bus
         self.ends: dict[int, RingEnd] = {}
         self.bytes_moved = {"ingress": 0, "egress": 0}  # payload bytes through rings, exported as a metric
+        self._nursery: trio.Nursery | None = None
+        self.steps = Steps()
         for lane in lanes.values():
-            lane.hooks.append(self.on_lane_event)
+            self.attach(lane)
+
+    def attach(self, lane: Lane) -> None:
+        """Follow a lane's worker events and reaps, and tell it when a step of its waits on an unpulled ring."""
+        lane.hooks.append(self.on_lane_event)
+        lane.step_waits.append(lambda: self._step_waits_on_us(lane))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Background work of the data plane: uninstalling rings whose installer gave up waiting."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def _step_waits_on_us(self, lane: Lane) -> bool:
+        """A step of `lane` is blocked on one of its egress rings because nobody pulls it: no hang of its own."""
+        return any(e.lane is lane and e.steps and not e.released and e.ring.writable < STALL_BYTES
+                   for e in self.ends.values())
 
     def _lane(self, lane_id: str) -> Lane:
         lane = self.lanes.get(lane_id)
@@ -79,14 +98,47 @@ class DataPlane:
                       EgressState(spec) if direction == "ingress" else IngressState())
         self.ends[lease.ring_id] = end
         layout = {"offset": lease.offset, "header_len": 128, "capacity": lease.capacity}
-        # if the call fails because the worker died, the reaped-worker hook releases the lease
-        reply = await lane.call("INSTALL_RING", {"ring_id": lease.ring_id, "edge_id": edge_id, "port_id": port_id,
-                                                 "direction": direction, "layout": layout,
-                                                 "object_spec": spec.to_wire()}, timeout=timeout)
+        waiting = [True]
+
+        def answered(reply: Message | None, error: BaseException | None) -> None:
+            if not waiting[0]:
+                self._orphan_answered(end, reply, error)
+
+        try:
+            # if the worker dies meanwhile, the reaped-worker hook releases the lease
+            reply = await lane.call("INSTALL_RING", {"ring_id": lease.ring_id, "edge_id": edge_id,
+                                                     "port_id": port_id, "direction": direction, "layout": layout,
+                                                     "object_spec": spec.to_wire()}, timeout=timeout,
+                                    on_result=answered, generation=generation)
+        except DeadlineExceeded:
+            waiting[0] = False
+            raise
+        except BrokenWorkerError as exc:  # its worker ended first: the reaped-worker hook released the lease
+            raise RingFault("worker_process_exited", str(exc)) from exc
+        except WorkerError as exc:  # ERR: the worker refused it, nothing was installed
+            self._release(end, Quiesced(lease.ring_id, pump_stopped=True), RingFault(exc.code, exc.msg))
+            raise
         if reply.t == "RING_FAULT":
-            self._release(end, Quiesced(lease.ring_id, pump_stopped=True))
-            raise RingFault(reply["reason"], reply.get("msg", "the worker refused the ring"))
+            fault = RingFault(reply["reason"], reply.get("msg", "the worker refused the ring"))
+            self._release(end, Quiesced(lease.ring_id, pump_stopped=True), fault)
+            raise fault
         return end
+
+    def _orphan_answered(self, end: RingEnd, reply: Message | None, error: BaseException | None) -> None:
+        """Its installer gave up waiting: an installed ring is uninstalled, a refused one released at once (if its
+        worker died instead, the reaped-worker hook releases it)."""
+        if end.released:
+            return
+        if reply is not None and reply.t == "RING_INSTALLED":
+            if self._nursery is not None:
+                self._nursery.start_soon(self._uninstall_quietly, end)
+        elif reply is not None or isinstance(error, WorkerError):
+            self._release(end, Quiesced(end.ring_id, pump_stopped=True),
+                          RingFault("worker_internal", "the worker refused the ring after its installer left"))
+
+    async def _uninstall_quietly(self, end: RingEnd) -> None:
+        with contextlib.suppress(GpuWorkerError):
+            await self.uninstall_ring(end, timeout=end.lane.windows.control_s)
 
     async def uninstall_ring(self, end: RingEnd, reason: str = "edge_stopped", timeout: float | None = None) -> None:
         """Stop our pump, then UNINSTALL_RING; the lease is released on RING_QUIESCED (or when the worker is reaped)."""
@@ -105,11 +157,16 @@ class DataPlane:
             if not end.released:
                 raise DeadlineExceeded(f"ring {end.ring_id} was not quiesced within {timeout:g} s")
             return
-        reply = await end.lane.call("UNINSTALL_RING", fields, timeout=timeout)
+        reply = await end.lane.call("UNINSTALL_RING", fields, timeout=timeout, generation=end.generation)
         if reply.t == "RING_QUIESCED" and not end.released:
-            self._release(end, Quiesced(end.ring_id, pump_stopped=True))
+            self._release(end, Quiesced(end.ring_id, pump_stopped=True), end.fault)
 
-    def _release(self, end: RingEnd, proof: Any) -> None:
+    def _release(self, end: RingEnd, proof: Any, fault: RingFault) -> None:
+        """The ring is gone on the worker's side: every waiter wakes with a typed RingFault, and so does any later
+        push, pull or load on it; then the lease is released on the proof."""
+        end.fault = end.fault or fault
+        end.hint.set()
+        end.event_ready.set()
         if end.released:
             return
         end.ring.release()
@@ -277,45 +334,22 @@ class DataPlane:
             end.fault = end.fault or RingFault("worker_process_exited", str(exc))
             raise end.fault from exc
 
-    # --- roles and steps -------------------------------------------------------------------------
+    # --- roles and steps (_steps.Steps) -----------------------------------------------------------
 
     async def configure_role(self, lane_id: str, role_id: str, config: dict[str, Any]) -> None:
-        reply = await self._lane(lane_id).call("CONFIGURE_ROLE", {"role_id": role_id, "config": config})
-        if reply.t == "ROLE_FAILED":
-            raise StepFailed(reply["reason"], reply.get("msg", "role refused"))
+        await self.steps.configure_role(self._lane(lane_id), role_id, config)
 
     async def execute_step(self, lane_id: str, role_id: str, step_id: int, inputs: list[dict[str, Any]],
                            outputs: list[dict[str, Any]], runtime: dict[str, Any] | None = None,
                            release_inputs_after: bool = False, timeout: float | None = None) -> list[dict[str, Any]]:
         """Run one step; returns the OBJECT_PRODUCED fields, one per output. The outputs' egress rings must be
         drained concurrently (pull) or a large output blocks the step on ring space."""
-        lane = self._lane(lane_id)
-        for binding in inputs:
-            if binding["device_handle"]["worker_generation"] != lane.generation:
-                raise StaleHandle(f"device handle {binding['device_handle']} is from another worker generation "
-                                  f"(lane {lane_id} runs generation {lane.generation})")
         ends = [e for o in outputs if (e := self.ends.get(o["ring_id"])) is not None]
-        for end in ends:
-            end.steps += 1
-        try:
-            reply = await lane.call("EXECUTE_STEP", {"role_id": role_id, "step_id": step_id, "inputs": inputs,
-                                                     "outputs": [{"flags": 0, **o} for o in outputs],
-                                                     "runtime": runtime or {},
-                                                     "release_inputs_after": release_inputs_after}, timeout=timeout)
-        finally:
-            for end in ends:
-                end.steps -= 1
-        if reply.t == "STEP_FAILED":
-            raise StepFailed(reply["reason"], reply.get("msg", "step failed"))
-        return [dict(m.fields) for m in reply.extras]
+        return await self.steps.execute(self._lane(lane_id), role_id, step_id, inputs, outputs, ends,
+                                        runtime=runtime, release_inputs_after=release_inputs_after, timeout=timeout)
 
     async def release_handle(self, lane_id: str, handle: dict[str, int]) -> None:
-        lane = self._lane(lane_id)
-        if handle["worker_generation"] != lane.generation:
-            raise StaleHandle(f"device handle {handle} is from another worker generation")
-        reply = await lane.call("RELEASE_DEVICE_OBJECT", {"device_handle": handle})
-        if reply.t == "RELEASE_FAILED":
-            raise StepFailed(reply["reason"], reply.get("msg", "release failed"))
+        await self.steps.release(self._lane(lane_id), handle)
 
     # --- events from lanes -----------------------------------------------------------------------
 
@@ -331,15 +365,19 @@ class DataPlane:
             return
         if msg.t == "OBJECTS_LOADED":
             end.events.extend(("loaded", *row) for row in msg["objects"])
+            self.steps.handles.minted(lane, generation, (row[3] for row in msg["objects"]))
             end.event_ready.set()
             return
         if msg.t == "OBJECT_LOADED":  # the per-object form: a batch of one
-            end.events.append(("loaded", msg["object_id"], msg["sequence"], msg["extent"], msg["device_handle"]["id"]))
+            handle_id = msg["device_handle"]["id"]
+            end.events.append(("loaded", msg["object_id"], msg["sequence"], msg["extent"], handle_id))
+            self.steps.handles.minted(lane, generation, (handle_id,))
             end.event_ready.set()
             return
-        if msg.t == "RING_QUIESCED":  # the answer to an out-of-band UNINSTALL_RING
+        if msg.t == "RING_QUIESCED":  # an out-of-band UNINSTALL_RING's answer, or its worker stopping in order
             with contextlib.suppress(ArenaError):  # a refused proof keeps the lease until the worker is reaped
-                self._release(end, Quiesced(end.ring_id, pump_stopped=True))
+                self._release(end, Quiesced(end.ring_id, pump_stopped=True),
+                              RingFault("worker_shutting_down", f"ring {end.ring_id} was quiesced"))
             return
         if msg.t == "RING_FAULT":
             end.fault = RingFault(msg["reason"], msg.get("msg", ""))
@@ -348,23 +386,18 @@ class DataPlane:
         end.event_ready.set()
 
     def _generation_gone(self, lane: Lane, generation: int) -> None:
-        """The worker is reaped: fault every ring it had, tell subscribers, release the leases."""
+        """The worker is reaped: its handles are void; fault every ring it had, tell subscribers, release leases."""
+        self.steps.handles.generation_gone(lane, generation)
         pid, rc = lane.last_reaped
         for end in [e for e in self.ends.values() if e.lane is lane and e.generation == generation]:
-            end.fault = end.fault or RingFault("worker_process_exited",
-                                               f"worker of lane {lane.id} generation {generation} exited")
-            end.hint.set()
-            end.events.append(Message("RING_FAULT", {"ring_id": end.ring_id, "reason": "worker_process_exited"}))
-            end.event_ready.set()
-            self.bus.publish({"t": "RING_FAULT", "ring_id": end.ring_id, "reason": "worker_process_exited",
-                              "lane_id": lane.id, "generation": generation, "synthetic": True})
-            self._release(end, Reaped(pid, rc, pump_stopped=True))
+            fault = {"ring_id": end.ring_id, "edge_id": end.edge_id, "port_id": end.port_id,
+                     "reason": "worker_process_exited"}
+            end.events.append(Message("RING_FAULT", fault))
+            self.bus.publish({"t": "RING_FAULT", **fault, "lane_id": lane.id, "generation": generation,
+                              "synthetic": True})
+            self._release(end, Reaped(pid, rc, pump_stopped=True),
+                          RingFault("worker_process_exited", f"worker of lane {lane.id} generation {generation} "
+                                                             "exited"))
 
 
-def arena_env(arena: ArenaManager | None) -> tuple[dict[str, str], tuple[int, ...]]:
-    if arena is None:
-        return {}, ()
-    return arena.env(), arena.pass_fds
-
-
-__all__ = ["DataPlane", "ObjectFailed", "RingEnd", "RingFault", "StaleHandle", "StepFailed", "arena_env"]
+__all__ = ["DataPlane", "ObjectFailed", "RingEnd", "RingFault"]

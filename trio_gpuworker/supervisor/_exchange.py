@@ -4,32 +4,24 @@ reply under the idle watchdog (§5). The rules of which frame belongs where are 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import trio
 
 from .._config import Windows
-from .._errors import (
-    InvalidRequest,
-    LocalProtocolError,
-    OutgoingFrameTooLarge,
-    RemoteProtocolError,
-    RequestTooLarge,
-    WorkerError,
-)
-from .._proto import Message, ReplyKind, RequestTracker
-from ._jobs import SERVING, Job
+from .._errors import InvalidRequest, LocalProtocolError, OutgoingFrameTooLarge, RemoteProtocolError, RequestTooLarge
+from .._proto import SERVING, Message, ReplyKind, RequestTracker
+from ._jobs import Job
 from ._worker import WorkerProcess
 
 
-def silence_window(windows: Windows, t: str, phase: str | None) -> float:
-    """The idle window in force for request `t` in `phase` (None: nothing reported yet)."""
-    if phase is None:
-        phase = "load" if t == "LOAD" else "inference" if t in SERVING else "control"
-    if phase == "inference":
+def silence_window(windows: Windows, t: str) -> float:
+    """The idle window of request `t`. The daemon decides it from the request's kind, never from the phase a
+    worker reports: all inference has the fixed inference window (a worker saying `setup` during an EMBED_BATCH
+    does not buy itself 600 s); LOAD (and the compilation it does) has the load window."""
+    if t in SERVING:
         return windows.inference_s
-    if phase == "control":
-        return windows.control_s
-    return windows.load_s if t == "LOAD" or phase == "load" else windows.setup_s
+    return windows.load_s if t == "LOAD" else windows.control_s
 
 
 def rejected(t: str, exc: LocalProtocolError) -> InvalidRequest:
@@ -39,12 +31,16 @@ def rejected(t: str, exc: LocalProtocolError) -> InvalidRequest:
     return InvalidRequest(f"{t} rejected before it was sent: {exc}")
 
 
-async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows: Windows) -> Message:
+async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows: Windows,
+                   on_progress: Callable[[], None] | None = None, extend: Callable[[], bool] | None = None) -> Message:
     """Write one request and read until its terminal reply (or ERR, returned as a message).
 
     Raises InvalidRequest/RequestTooLarge when the request fails local validation: nothing was written and the
     worker is untouched. On a worker fault the generation is cancelled and this never returns. The watchdog is
     armed before the write, so a stopped worker that never drains the socket is a hang, not a stuck lane.
+    `on_progress()` runs for every validated PROGRESS. `extend()`, asked when the window runs out, says whether
+    the worker is waiting on us rather than hung (an EXECUTE_STEP blocked on an egress ring nobody pulls): then
+    the window starts again instead of striking it.
     """
     try:
         req_id = tracker.begin(job.t)
@@ -53,53 +49,38 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
         tracker.abort()
         raise rejected(job.t, exc) from exc
     extras: list[Message] = []
-    renewed = trio.current_time()
-    window = silence_window(windows, job.t, None)
-    with trio.CancelScope(deadline=renewed + window) as watchdog:
-        try:
-            await wp.write(job.t, chunks)
-        except (trio.BrokenResourceError, OSError):
-            await trio.sleep_forever()  # the write recorded the fault and cancelled this generation
-        while True:
-            msg = await wp.replies.receive()
-            try:
-                verdict = tracker.classify(msg)
-            except RemoteProtocolError as exc:
-                wp.fail("protocol", str(exc), exc)
-                await trio.sleep_forever()
-            if verdict.kind is ReplyKind.PROGRESS:
-                if verdict.renews:
-                    renewed = trio.current_time()
-                window = silence_window(windows, job.t, verdict.phase)
-                watchdog.deadline = renewed + window
-                if job.on_progress is not None and not job.abandoned:
-                    job.on_progress(msg)
-                continue
-            if verdict.kind is ReplyKind.INTERMEDIATE:
-                extras.append(msg)
-                continue
-            return dataclasses.replace(msg, extras=tuple(extras)) if extras else msg
+    window = silence_window(windows, job.t)
+    deadline, written = trio.current_time() + window, False
+    while True:
+        with trio.CancelScope(deadline=deadline) as watchdog:
+            if not written:
+                try:
+                    await wp.write(job.t, chunks)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    await trio.sleep_forever()  # the write recorded the fault and cancelled this generation
+                written = True
+            while True:
+                msg = await wp.replies.receive()
+                try:
+                    verdict = tracker.classify(msg)
+                except RemoteProtocolError as exc:
+                    wp.fail("protocol", str(exc), exc)
+                    await trio.sleep_forever()
+                if verdict.kind is ReplyKind.PROGRESS:
+                    if verdict.renews:
+                        watchdog.deadline = deadline = trio.current_time() + window
+                    if on_progress is not None:
+                        on_progress()
+                    if job.on_progress is not None and not job.abandoned:
+                        job.on_progress(msg)
+                    continue
+                if verdict.kind is ReplyKind.INTERMEDIATE:
+                    extras.append(msg)
+                    continue
+                return dataclasses.replace(msg, extras=tuple(extras)) if extras else msg
+        if not (written and extend is not None and extend()):
+            break  # silent for the whole window (a write that never finished included): a hang
+        deadline = trio.current_time() + window  # waiting on us, not hung: the window starts again
     wp.fail("hang", f"{job.t} completed no work for {window:g} s (silence window)")
     await trio.sleep_forever()
     raise AssertionError("unreachable")
-
-
-def salvage(wp: WorkerProcess, job: Job, tracker: RequestTracker) -> bool:
-    """A worker may write its whole reply and exit before the serving task, cancelled with the generation,
-    reads it: a complete terminal reply already received still goes to its caller. True if `job` finished."""
-    extras: list[Message] = []
-    while True:
-        try:
-            msg = wp.replies.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            return False
-        kind = tracker.salvage(msg).kind
-        if kind is ReplyKind.INTERMEDIATE:
-            extras.append(msg)
-        elif kind is ReplyKind.ERROR:
-            job.finish(error=WorkerError(msg["code"], msg["msg"]))
-            return True
-        elif kind is ReplyKind.TERMINAL:
-            job.finish(result=dataclasses.replace(msg, extras=tuple(extras)) if extras else msg)
-            return True
-

@@ -1,117 +1,88 @@
-"""One worker process for its whole life, as a lane runs it: spawn, HELLO, LOAD of the lane's models, then
-up until it faults or is stopped in order (SHUTDOWN), then kill and reap. The lane runs the active worker
-and, with `standby = true`, a second one kept loaded and idle, each as a `Generation`."""
+"""One worker generation as the trio lane runs it: its WorkerProcess, the RequestTracker of its connection, what
+it loaded, and `host`, the task that runs it from launch to reap. Which requests it gets and when it stops are the
+lane lifecycle's decisions (_proto/_lifecycle.py); this only carries them out and reports what happened."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import dataclasses
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import trio
 
 from .._config import Windows
-from .._errors import BrokenWorkerError, InvalidRequest
-from .._proto import Message, RequestTracker
-from ._exchange import exchange
-from ._jobs import Job, LoadSpec
+from .._errors import EngineCrashed
+from .._proto import Message, ReplyKind, RequestTracker
+from ._jobs import LoadSpec
 from ._worker import WorkerProcess
 
 
-class Generation:
-    """A worker and what the lane knows of it. `ready` is set once it has loaded its models or failed
-    before that (check `wp.fault`); `reaped` once the process is gone and `rc` holds its exit status."""
+def numbering() -> Callable[[], int]:
+    """One supervisor's generation numbers: shared by all of its lanes, so a device handle, ring or role of one
+    generation can never resolve on another lane's worker (ARCHITECTURE §5, "Identity"). Handles of another
+    supervisor (an earlier one in the same process) are refused by the data plane's registry of live handles."""
+    return itertools.count(1).__next__
 
-    def __init__(self, wp: WorkerProcess, *, standby: bool = False) -> None:
+
+class Generation:
+    def __init__(self, number: int, role: str, wp: WorkerProcess) -> None:
+        self.number = number
+        self.role = role  # "active" or "standby" when spawned (a standby may be promoted later)
         self.wp = wp
-        self.standby = standby
-        self.promoted = False  # a standby the lane took over as its active worker
-        self.served = False  # drained at least one successful serving reply
-        self.requests = RequestTracker()  # req_ids and the open request of this connection
+        self.tracker = RequestTracker()  # req_ids and the open request of this connection
         self.models: list[str] = []
         self.load_errors: dict[str, str] = {}
-        self.ready = trio.Event()
-        self.stop_requested = trio.Event()
-        self.released = trio.Event()  # a standby was promoted, or it is gone
-        self.reaped = trio.Event()
+        self.nursery: trio.Nursery | None = None
         self.rc: int | None = None
-        self.lock = trio.Lock()  # one exchange at a time from tasks other than the serving loop
+        self.error: EngineCrashed | None = None  # how its end reads to callers, once reaped after a fault
+        self.reaped = trio.Event()
 
-    @property
-    def number(self) -> int:
-        return self.wp.generation
-
-    @property
-    def alive(self) -> bool:
-        return self.wp.fault is None and not self.reaped.is_set()
-
-    @property
-    def faulted(self) -> bool:
-        """Ended by a genuine fault (a strike), not by a stop we ordered."""
-        return self.wp.fault is not None and self.wp.fault.cause != "ordered"
-
-    def describe(self) -> dict[str, object]:
-        state = "reaped" if self.reaped.is_set() else "failed" if self.wp.fault else \
-            "ready" if self.ready.is_set() else "starting"
+    def describe(self, state: str) -> dict[str, object]:
         return {"generation": self.number, "pid": self.wp.pid, "state": state, "models": list(self.models)}
 
-    async def call(self, job: Job, windows: Windows) -> Message:
-        """One request from a task outside this generation's nursery (an admin LOAD on a standby).
-        BrokenWorkerError if the worker faults meanwhile: its replacement loads the lane's models anyway."""
-        async with self.lock:
-            with trio.CancelScope() as scope:
-                self.wp.cancel_on_fault(scope)
-                if self.wp.fault is None:
-                    return await exchange(self.wp, job, self.requests, windows)
-        raise BrokenWorkerError(f"worker generation {self.number} failed during {job.t}")
+    def loaded(self, model: str, reply: Message) -> None:
+        """A LOAD's answer: what it loaded, or why it could not (recorded, not fatal: the others still load)."""
+        if reply.t == "ERR":
+            self.load_errors[model] = f"{reply['code']}: {reply['msg']}"
+        else:
+            self.load_errors.pop(model, None)
+            if reply["model_ref"] not in self.models:
+                self.models.append(reply["model_ref"])
 
 
-async def host(gen: Generation, windows: Windows, loads: Callable[[], Iterable[LoadSpec]],
-               on_reaped: Callable[[Generation], None]) -> None:
-    """Run `gen` from spawn to reap. Stops in order once `gen.stop_requested` is set; a fault ends it early."""
+def own_fields(kind: str, model: str | None, loads: Mapping[str, LoadSpec]) -> dict[str, Any]:
+    """The fields of a request the lane makes itself: its models' LOADs, standby applies, PING, SHUTDOWN."""
+    if kind == "LOAD" and model in loads:
+        return loads[model].load_fields()
+    if kind in ("LOAD", "UNLOAD"):
+        return {"model_ref": model}
+    return {"mode": "graceful"} if kind == "SHUTDOWN" else {}
+
+
+async def host(gen: Generation, windows: Windows, on_hello: Callable[[], None],
+               on_reaped: Callable[[Message | None], None]) -> None:
+    """Run `gen` from launch to reap. It runs until a fault or an ordered end (WorkerProcess.stop_now) cancels
+    it; `on_reaped` gets a complete reply salvaged from a worker that exited right after writing it."""
     wp = gen.wp
     try:
         async with trio.open_nursery() as nursery:
+            gen.nursery = nursery
             await wp.start(nursery, windows.setup_s)
             if wp.fault is None:
-                await load_all(gen, windows, loads())
-            gen.ready.set()
-            await gen.stop_requested.wait()
-            await shutdown(gen, windows)
-            nursery.cancel_scope.cancel()
+                on_hello()
+                await trio.sleep_forever()
     finally:
-        gen.ready.set()
-        gen.rc = await wp.close(patience(wp, windows))
-        gen.released.set()
+        if wp.fault is None:  # cancelled from outside (the lane task itself): an ordered end, known at once
+            wp.stop_now("the lane stopped")
+        with trio.CancelScope(shield=True):
+            gen.rc = await wp.close(patience(wp, windows))
+        salvaged = salvage(wp, gen.tracker) if wp.fault is not None and wp.fault.cause in ("crash", "ordered") \
+            else None  # after a protocol fault or a hang nothing the worker sent is trusted
         try:
-            on_reaped(gen)
+            on_reaped(salvaged)
         finally:
             gen.reaped.set()
-
-
-async def load_all(gen: Generation, windows: Windows, specs: Iterable[LoadSpec]) -> None:
-    """LOAD each of the lane's models; a model that fails to load is recorded, the others still load."""
-    async with gen.lock:
-        for spec in list(specs):
-            try:
-                reply = await exchange(gen.wp, Job("LOAD", spec.load_fields(), None), gen.requests, windows)
-            except InvalidRequest as exc:
-                gen.load_errors[spec.model_ref] = f"{exc.code}: {exc}"
-                continue
-            if reply.t == "ERR":
-                gen.load_errors[spec.model_ref] = f"{reply['code']}: {reply['msg']}"
-            else:
-                gen.load_errors.pop(spec.model_ref, None)
-                gen.models.append(reply["model_ref"])
-
-
-async def shutdown(gen: Generation, windows: Windows) -> None:
-    """Ordered stop: SHUTDOWN, then the kill path reaps whatever is left (no strike)."""
-    gen.wp.ordered_stop = True
-    with trio.move_on_after(windows.shutdown_s):
-        async with gen.lock:
-            try:
-                await exchange(gen.wp, Job("SHUTDOWN", {"mode": "graceful"}, None), gen.requests, windows)
-            except (trio.BrokenResourceError, OSError, InvalidRequest):
-                return
 
 
 def patience(wp: WorkerProcess, windows: Windows) -> float:
@@ -122,3 +93,20 @@ def patience(wp: WorkerProcess, windows: Windows) -> float:
         return windows.exit_status_s  # an EOF usually means it is exiting: keep its real status
     return 0.0
 
+
+def salvage(wp: WorkerProcess, tracker: RequestTracker) -> Message | None:
+    """A worker may write its whole reply and exit before the exchange, cancelled with the generation, reads it:
+    a complete terminal reply (or ERR) already received still goes to its caller."""
+    if tracker.open is None:
+        return None
+    extras: list[Message] = []
+    while True:
+        try:
+            msg = wp.replies.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        kind = tracker.salvage(msg).kind
+        if kind is ReplyKind.INTERMEDIATE:
+            extras.append(msg)
+        elif kind in (ReplyKind.ERROR, ReplyKind.TERMINAL):
+            return dataclasses.replace(msg, extras=tuple(extras)) if extras else msg

@@ -1,30 +1,16 @@
-"""What a lane's state, its LOAD specs and its queued jobs are made of."""
+"""What a lane's LOAD specs and the jobs its callers wait on are made of."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from .._proto import Message
-
-RELOAD = "__RELOAD__"  # lane-internal job: end this generation (ordered, no strike) and start a fresh one
-SERVING = frozenset({"EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP"})
-
-
-class LaneState(StrEnum):
-    STARTING = "starting"
-    READY = "ready"
-    BUSY = "busy"
-    RESTARTING = "restarting"
-    QUARANTINED = "quarantined"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -54,6 +40,8 @@ class Job:
     error: BaseException | None = None
     abandoned: bool = False
     on_settled: Callable[[], None] | None = None  # the lane is done with it: answered, failed or skipped
+    # its answer, even once its caller has left (an install whose caller gave up must still be undone)
+    on_result: Callable[[Message | None, BaseException | None], None] | None = None
 
     def finish(self, result: Message | None = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():
@@ -61,3 +49,5 @@ class Job:
             self.done.set()
             if self.on_settled is not None:
                 self.on_settled()
+            if self.on_result is not None:
+                self.on_result(result, error)

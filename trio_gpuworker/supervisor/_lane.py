@@ -1,10 +1,15 @@
-"""A lane: one active worker process at a time (plus an idle standby with `standby = true`), one request in
-flight, the supervision rules of §5."""
+"""A lane (ARCHITECTURE §5): at most one active worker (plus an idle warm standby with `standby = true`), one
+request in flight, the supervision rules, as the trio shell around one pure LaneLifecycle (_proto/_lifecycle.py).
+
+Every decision (which generation gets which request, what becomes of the open and queued ones at a fault, a
+reload, an abort or a close, when to promote, respawn or quarantine) is the machine's. The lane feeds it what
+callers ask and what time it is; its LaneRunner carries the effects out and feeds back what workers do; its
+LaneReport says how all of it reads from outside.
+"""
 
 from __future__ import annotations
 
-import logging
-import time
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,357 +17,271 @@ from typing import Any
 import trio
 
 from .._config import LaneConfig, SupervisorConfig
-from .._errors import (
-    BrokenWorkerError,
-    ClosedSupervisorError,
-    EngineCrashed,
-    GpuWorkerError,
-    InvalidRequest,
-    WorkerError,
-)
-from .._proto import Fault, Message, StrikePolicy
-from ._events import EventBus
-from ._exchange import exchange, salvage
-from ._generation import Generation, host
-from ._jobs import RELOAD, SERVING, Job, LaneState, LoadSpec
-from ._lane_queue import LaneQueue
+from .._errors import BrokenWorkerError, DeadlineExceeded, EngineCrashed, WorkerError
+from .._proto import RELOAD, Backoff, LaneLifecycle, LaneState, LaneTicket, Message, StrikePolicy
+from ._generation import Generation, numbering
+from ._jobs import Job, LoadSpec
+from ._lane_report import LaneReport, StandbyView
+from ._lane_runner import Hook, LaneRunner
+from ._launcher import Launcher, ProcessLauncher
 from ._logring import LogRing
-from ._spawn import socket_path, worker_argv, worker_env
-from ._standby import StandbyKeeper
-from ._worker import WorkerProcess, describe_exit
-
-log = logging.getLogger("trio_gpuworker.lane")
 
 
-class Lane(LaneQueue):
+class Lane:
     def __init__(self, cfg: LaneConfig, sup: SupervisorConfig, runtime_dir: Path, loads: list[LoadSpec],
-                 bus: EventBus, arena_env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
-        super().__init__(cfg.id, StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s))
-        self.cfg = cfg
-        self.sup = sup
-        self.windows = sup.windows
-        self.runtime_dir = runtime_dir
-        self.loads = {spec.model_ref: spec for spec in loads}
-        self.bus = bus
+                 bus: Any, *, launcher: Launcher | None = None, generations: Callable[[], int] | None = None,
+                 arena_env: dict[str, str] | None = None) -> None:
+        self.id, self.cfg, self.sup, self.windows = cfg.id, cfg, sup, sup.windows
         self.log = LogRing(cfg.id, sup.log_ring_bytes)
-        self._spawned = 0  # generations are numbered in spawn order, standbys included
-        self.active: Generation | None = None
-        self.standby = StandbyKeeper(self) if cfg.standby else None
-        self.pid: int | None = None
-        self.models_loaded: list[str] = []
-        self.load_errors: dict[str, str] = {}
-        self.rss_mb: float | None = None
-        self.last_exit: str | None = None
-        self.restarts = 0
-        self._current: Job | None = None
-        self._reloading: Job | None = None  # finished once the next generation has loaded
-        self._idle_scope: trio.CancelScope | None = None  # cancelled to stop serving between requests
-        self.last_error: str | None = None
-        self._started: Callable[[], None] | None = None
-        self._arena_env = arena_env or {}
-        self._pass_fds = pass_fds
-        self._nursery: trio.Nursery | None = None
-        self.last_reaped: tuple[int, int] = (-1, 0)  # (pid, returncode) of the last reaped worker
-        # called as hook(lane, generation, msg) for worker notifications, and hook(lane, generation, None)
-        # once that generation's process is reaped (the data plane's crash fan-out and lease release)
-        self.hooks: list[Callable[[Lane, int, Message | None], None]] = []
+        self._loads = {spec.model_ref: spec for spec in loads}
+        self.policy = StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s)
+        r = sup.restart
+        self.machine = LaneLifecycle(list(self._loads), policy=self.policy, standby=cfg.standby,
+                                     new_generation=generations or numbering(),
+                                     backoff=Backoff(r.backoff_initial_s, r.backoff_factor, r.backoff_max_s))
+        self.gens: dict[int, Generation] = {}
+        self.step_waits: list[Callable[[], bool]] = []  # is an EXECUTE_STEP waiting on us (the data plane says)
+        self.report = LaneReport(cfg, sup, self.machine, self.gens, self.log, bus, self.step_waits)
+        self.runner = LaneRunner(self, cfg, sup, self.machine, self.report, launcher or ProcessLauncher(runtime_dir),
+                                 self.log, bus, lambda: self._loads, arena_env or {})
+
+    # --- what callers read ----------------------------------------------------------------------
 
     @property
-    def requests_sent(self) -> int:
-        """The last req_id the active worker was issued (requests that failed local validation count)."""
-        return self.active.requests.last_req_id if self.active is not None else 0
+    def state(self) -> LaneState:
+        return self.machine.state
 
-    # --- lane task -----------------------------------------------------------------------------
+    @property
+    def generation(self) -> int:
+        return self.machine.generation
+
+    @property
+    def closing(self) -> bool:
+        return self.machine.closing
+
+    @property
+    def loads(self) -> dict[str, LoadSpec]:
+        return self._loads
+
+    @loads.setter
+    def loads(self, value: dict[str, LoadSpec]) -> None:
+        """New settings (a reloaded configuration, a LOAD or UNLOAD): every later generation loads these."""
+        self._loads = dict(value)
+        self.machine.models = list(self._loads)
+
+    @property
+    def hooks(self) -> list[Hook]:
+        return self.runner.hooks
+
+    @property
+    def last_reaped(self) -> tuple[int, int]:
+        return self.runner.last_reaped
+
+    @property
+    def pid(self) -> int | None:
+        gen = self.report.active()
+        return gen.wp.pid if gen is not None else None
+
+    @property
+    def models_loaded(self) -> list[str]:
+        return self.status()["models"]
+
+    @property
+    def load_errors(self) -> dict[str, str]:
+        return self.status()["load_errors"]
+
+    @property
+    def queued(self) -> int:
+        return len(self.machine.tickets.queue)
+
+    @property
+    def restarts(self) -> int:
+        return self.machine.restarts
+
+    @property
+    def rss_mb(self) -> float | None:
+        return self.report.rss_mb
+
+    @property
+    def last_exit(self) -> str | None:
+        return self.report.last_exit
+
+    @property
+    def last_error(self) -> str | None:
+        return self.report.last_error
+
+    @property
+    def standby(self) -> StandbyView | None:
+        return self.report.standby if self.cfg.standby else None
+
+    def cooldown_remaining(self) -> float | None:
+        return self.report.cooldown_remaining()
+
+    def quarantine_error(self, remaining: float) -> EngineCrashed:
+        return self.report.quarantine_error(remaining)
+
+    def status(self) -> dict[str, Any]:
+        return self.report.status()
+
+    async def wait_state(self, *states: LaneState) -> None:
+        """Until the lane is in one of `states` (health probes, tests)."""
+        while self.state not in states:
+            await self.runner.changed.wait()
+
+    # --- the lane task -----------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._started = lambda: task_status.started()
-        backoff = self.sup.restart.backoff_initial_s
+        """Start the first generation, report started once it serves or has failed, run until closed."""
+        runner = self.runner
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                runner.nursery = nursery
+                nursery.start_soon(self._timers)
                 nursery.start_soon(self._refresh_health)
-                if self.standby is not None:
-                    nursery.start_soon(self.standby.run)
-                while not self._closing:
-                    if self.cooldown_remaining() is not None:
-                        await self._sit_out_quarantine()
-                        continue
-                    promoted = None
-                    if self.standby is not None and self._reloading is not None:
-                        await self.standby.stop()  # a reload restarts both: the standby has the old settings
-                    elif self.standby is not None:
-                        promoted = self.standby.take()
-                    served = await self._run_active(promoted or self.spawn())
-                    self._mark_started()
-                    if self._closing or self.cooldown_remaining() is not None or self._reloading is not None:
-                        continue
-                    if served:
-                        backoff = self.sup.restart.backoff_initial_s
-                    self.restarts += 1
-                    if self.standby is not None and self.standby.ready:
-                        continue  # promoted at once: no backoff, the failed request already has its answer
-                    self.state = LaneState.RESTARTING
-                    with trio.move_on_after(backoff):
-                        await self._closed.wait()
-                    backoff = min(backoff * self.sup.restart.backoff_factor, self.sup.restart.backoff_max_s)
-                if self.standby is not None:
-                    await self.standby.stop()
-                nursery.cancel_scope.cancel()  # the health refresher and the standby keeper
+                runner.feed(self.machine.start(trio.current_time()))
+                await self.wait_state(*(s for s in LaneState if s not in (LaneState.STARTING, LaneState.LOADING)))
+                task_status.started()
+                await runner.stopped.wait()
+                nursery.cancel_scope.cancel()
         finally:
-            self._mark_started()
-            self.state = LaneState.STOPPED
-            self.pid = None
-            stopped = ClosedSupervisorError(f"lane {self.id} stopped")
-            self._fail_queued(stopped)
-            for job in (self._current, self._reloading):
-                if job is not None:
-                    job.finish(error=stopped)  # past the drain bound: answer rather than drop the caller
-            self._current = self._reloading = None
+            runner.feed(self.machine.cancel())  # past the drain bound: answer rather than drop any caller
+            runner.stopped.set()
 
-    def _mark_started(self) -> None:
-        if self._started is not None:
-            started, self._started = self._started, None
-            started()
+    def close(self) -> None:
+        """Stop admitting; what is queued is still served, then the workers are shut down."""
+        self.runner.feed(self.machine.close(trio.current_time()))
 
-    async def _sit_out_quarantine(self) -> None:
-        """No worker runs while quarantined (the standby is stopped too); queued requests fail fast. Once the
-        cool-down is over (or a reload lifts it) a fresh worker starts with zero strikes at once: the router
-        sends no traffic to a lane that is not ready, so waiting for a request could leave it out for good."""
-        self.state = LaneState.QUARANTINED
-        self.pid = None
-        if self.standby is not None:
-            await self.standby.stop()
-        while (remaining := self.cooldown_remaining()) is not None and not self._closing:
-            self._fail_queued(self.quarantine_error(remaining))
-            with trio.move_on_after(remaining):
-                self._wakeup = trio.Event()
-                await self._wakeup.wait()
+    async def _timers(self) -> None:
+        """Backoffs, standby respawns and the cool-down's end: the machine says when, this wakes it then."""
+        runner = self.runner
+        while True:
+            with trio.move_on_at(runner.deadline):
+                await runner.rearm.wait()
+            runner.rearm = trio.Event()
+            runner.feed(self.machine.tick(trio.current_time()))
 
-    def spawn(self, *, standby: bool = False) -> Generation:
-        """Start a worker process in the lane's nursery: it connects, completes HELLO and loads the lane's
-        models (`ready`), and runs until it faults or is stopped in order."""
-        assert self._nursery is not None
-        self._spawned += 1
-        number = self._spawned
-        wp = WorkerProcess(lane_id=self.id, generation=number, argv=worker_argv(self.cfg),
-                           env=worker_env(self.cfg, self.sup.state_dir, number, self._arena_env),
-                           sock_path=socket_path(self.runtime_dir, f"{self.id}.{number}"),
-                           max_frame=self.sup.max_frame, kill_grace_s=self.windows.kill_grace_s,
-                           drain_s=self.windows.exit_status_s, log=self.log, on_event=self._on_event,
-                           pass_fds=self._pass_fds)
-        gen = Generation(wp, standby=standby)
-        self._nursery.start_soon(host, gen, self.windows, lambda: self.loads.values(), self._reaped)
-        return gen
+    async def _refresh_health(self) -> None:
+        """Background PING while idle keeps rss_mb and models current; health requests never PING."""
+        while True:
+            await trio.sleep(self.sup.health_interval_s)
+            ticket, effects = self.machine.ping(trio.current_time())
+            if ticket is None:
+                continue
+            job = self.runner.register(ticket, Job("PING", {}, None))
+            self.runner.feed(effects)
+            await job.done.wait()
+            if job.result is not None and job.result.t == "PONG":
+                self.report.rss_mb = job.result["rss_mb"]
+                if (gen := self.gens.get(ticket.gen or -1)) is not None:
+                    gen.models = list(job.result["models_loaded"])
 
-    def _reaped(self, gen: Generation) -> None:
-        assert gen.rc is not None
-        self.last_reaped = (gen.wp.pid or -1, gen.rc)
-        for hook in list(self.hooks):
-            hook(self, gen.number, None)  # reaped: everything of this generation is gone
+    # --- callers -------------------------------------------------------------------------------
 
-    async def _run_active(self, gen: Generation) -> bool:
-        """Serve on `gen` until closing, a reload or a fault. Returns True if a request was served."""
-        self.active = gen
-        self.generation = gen.number
-        gen.standby = False
-        self.pid = gen.wp.pid
-        if not gen.ready.is_set():
-            self.state = LaneState.STARTING
-            await gen.ready.wait()
-        with trio.CancelScope() as scope:
-            gen.wp.cancel_on_fault(scope)
-            if gen.wp.fault is None:
-                self.pid, self.models_loaded, self.load_errors = gen.wp.pid, gen.models, dict(gen.load_errors)
-                if self._reloading is not None:
-                    self._reloading.finish(result=Message("RELOADED", {"generation": gen.number}))
-                    self._reloading = None
-                self._mark_started()
-                await self._serve(gen)
-        if gen.wp.fault is None:
-            self.state = LaneState.STOPPING
-        gen.stop_requested.set()
-        with trio.CancelScope(shield=True):  # the host reaps in a shielded scope too: this wait is short
-            await gen.reaped.wait()
-        assert gen.rc is not None
-        self.active = None
-        self.last_exit = describe_exit(gen.rc)
-        self.pid = None
-        self.models_loaded = []
-        self._after_generation(gen)
-        return gen.served
+    async def call(self, t: str, fields: dict[str, Any], raw: bytes | None = None, *, timeout: float | None = None,
+                   on_progress: Callable[[Message], None] | None = None,
+                   on_settled: Callable[[], None] | None = None,
+                   on_result: Callable[[Message | None, BaseException | None], None] | None = None,
+                   generation: int | None = None) -> Message:
+        """Run one request on this lane's worker. The lane, not the caller, owns the stream: a caller that gives
+        up (deadline or cancellation) leaves the reply to be drained by the lane. `on_settled()` runs once the
+        lane is done with the request (or at once if it is refused here); `on_result(reply, error)` then too, with
+        its answer, whether or not the caller still waits. With `generation`, only that worker generation may get
+        it (it names that generation's rings or device handles): BrokenWorkerError once that one has ended."""
+        job = Job(t, fields, raw, on_progress, on_settled=on_settled, on_result=on_result)
+        ticket, effects = self.machine.submit(t, trio.current_time(), generation)
+        self.runner.register(ticket, job)
+        self.runner.feed(effects)
+        await self._wait(job, ticket, timeout, f"{t} on lane {self.id}")
+        assert job.result is not None
+        return job.result
 
-    def _after_generation(self, gen: Generation) -> None:
-        fault = gen.wp.fault
-        if fault is None or fault.cause == "ordered":
-            return
-        if fault.cause == "crash" and self._current is not None and salvage(gen.wp, self._current, gen.requests):
-            self._current = None  # after a protocol fault or a hang nothing the worker sent is trusted
-        err = self.strike(gen)
-        for job in (self._current, self._reloading):
-            if job is not None:
-                job.finish(error=err)
-        self._current = self._reloading = None
+    async def reload(self, timeout: float | None = None) -> None:
+        """Restart both workers in order (no strike) after the requests queued before this one; lifts a
+        quarantine. Returns once the new generation has loaded its models."""
+        ticket, effects = self.machine.reload(trio.current_time())
+        job = self.runner.register(ticket, Job(RELOAD, {}, None))
+        self.runner.feed(effects)
+        await self._wait(job, ticket, timeout, f"reload of lane {self.id}")
 
-    def fault_error(self, gen: Generation) -> EngineCrashed:
-        fault, rc = gen.wp.fault, gen.rc
-        assert fault is not None
-        role = "standby worker" if gen.standby else "worker"
-        err = EngineCrashed(
-            f"{role} of lane {self.id} (generation {gen.number}) failed: {fault.detail}; {describe_exit(rc)}",
-            lane_id=self.id, generation=gen.number, cause=fault.cause,
-            exit_code=rc if rc is not None and rc >= 0 else None, signal=-rc if rc is not None and rc < 0 else None,
-            log_tail=self.log.tail(self.sup.log_tail_bytes))
-        if fault.error is not None:
-            err.__cause__ = fault.error
-        return err
+    async def _wait(self, job: Job, ticket: LaneTicket, timeout: float | None, what: str) -> None:
+        gave_up = False
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await job.done.wait()
+        finally:
+            if not job.done.is_set():  # deadline or cancellation: a queued request is dropped now, an open one
+                gave_up = job.abandoned = True  # drains on the lane (abandon() may finish the job at once)
+                self.runner.feed(self.machine.abandon(ticket, trio.current_time()))
+        if gave_up:
+            raise DeadlineExceeded(f"{what} did not finish within {timeout:g} s")
+        if job.error is not None:
+            raise job.error
 
-    def strike(self, gen: Generation) -> EngineCrashed:
-        """Count a genuine fault of `gen` (active or standby), log it and tell subscribers. A strike that
-        quarantines the lane stops it serving at the next request boundary, standby or not."""
-        fault = gen.wp.fault
-        assert fault is not None
-        err = self.fault_error(gen)
-        quarantined = self.policy.strike(Fault(fault.cause), trio.current_time())
-        self.last_error = str(err)
-        log.warning("%s", err, extra={"lane_id": self.id, "generation": gen.number})
-        self.bus.publish({"t": "WORKER_CRASHED", "lane_id": self.id, "generation": gen.number,
-                          "status": describe_exit(gen.rc), "cause": fault.cause, "standby": gen.standby})
-        if quarantined and self._idle_scope is not None:
-            self._idle_scope.cancel()
-        return err
+    def lift_quarantine(self) -> None:
+        """Lift a quarantine at once (an unload does, a reload does): a fresh worker with zero strikes starts."""
+        self.runner.feed(self.machine.lift_quarantine(trio.current_time()))
+
+    def abort_in_flight(self) -> None:
+        """Stop the active worker now with SHUTDOWN abort_in_flight (no strike): the request in flight ends with
+        worker_shutting_down, queued ones go to the fresh worker started next."""
+        self.runner.feed(self.machine.abort(trio.current_time()))
+
+    async def notify(self, generation: int, t: str, fields: dict[str, Any]) -> None:
+        """Send a notification (a wake hint) to generation `generation`, alongside any running request."""
+        gen = self.gens.get(generation)
+        wp = gen.wp if gen is not None else None
+        if wp is None or wp.fault is not None or wp.stream is None:
+            raise BrokenWorkerError(f"lane {self.id} generation {generation} is not running")
+        try:
+            await wp.send(t, fields)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise BrokenWorkerError(f"lane {self.id} generation {generation}: {exc}") from exc
 
     # --- models --------------------------------------------------------------------------------
 
     async def load_model(self, spec: LoadSpec, *, timeout: float | None = None,
                          on_progress: Callable[[Message], None] | None = None) -> Message:
-        """LOAD on the running worker; later generations load it too. Lifts quarantine only on success."""
+        """LOAD on the active worker, then on the standby, before it is acknowledged; later generations load it
+        too. A failed LOAD is recorded and raised (WorkerError)."""
         try:
             reply = await self.call("LOAD", spec.load_fields(), timeout=timeout, on_progress=on_progress)
         except WorkerError as exc:
-            self.load_errors[spec.model_ref] = f"{exc.code}: {exc.msg}"
+            if (gen := self.report.active()) is not None:
+                gen.load_errors[spec.model_ref] = f"{exc.code}: {exc.msg}"
             raise
-        self.loads[spec.model_ref] = spec
-        self.load_errors.pop(spec.model_ref, None)
-        if reply["model_ref"] not in self.models_loaded:
-            self.models_loaded.append(reply["model_ref"])
-        if self.standby is not None:  # both workers have it before the load is acknowledged
-            await self.standby.apply("LOAD", spec.load_fields())
+        self.loads = {**self._loads, spec.model_ref: spec}
+        if (gen := self.report.active()) is not None:
+            gen.loaded(spec.model_ref, reply)
+        await self._apply_to_standby("LOAD", spec.model_ref)
         return reply
 
     async def unload_model(self, model_ref: str, *, timeout: float | None = None) -> None:
-        """UNLOAD; later generations no longer load it. An unload lifts the lane's quarantine (§5)."""
-        self.loads.pop(model_ref, None)
-        self.clear_quarantine()
+        """UNLOAD on both workers; later generations no longer load it. An unload lifts the lane's quarantine."""
+        self.loads = {m: s for m, s in self._loads.items() if m != model_ref}
+        self.lift_quarantine()
         try:
             await self.call("UNLOAD", {"model_ref": model_ref}, timeout=timeout)
         except WorkerError as exc:
             if exc.code != "model_not_loaded":
                 raise
-        if model_ref in self.models_loaded:
-            self.models_loaded.remove(model_ref)
-        if self.standby is not None:
-            await self.standby.apply("UNLOAD", {"model_ref": model_ref})
+        if (gen := self.report.active()) is not None and model_ref in gen.models:
+            gen.models.remove(model_ref)
+        await self._apply_to_standby("UNLOAD", model_ref)
 
-    def _on_event(self, wp: WorkerProcess, msg: Message) -> None:
-        for hook in list(self.hooks):
-            hook(self, wp.generation, msg)
-        if msg.t not in ("RING_READABLE", "RING_WRITABLE"):
-            self.bus.publish({**msg.fields, "lane_id": self.id, "generation": wp.generation})
+    async def standby_call(self, kind: str, model: str | None = None) -> Message | None:
+        """LOAD / UNLOAD / PING on the warm standby, through the lifecycle like any request (so never beside
+        another on its connection). None without a standby that could answer."""
+        ticket, effects = self.machine.apply_to_standby(kind, model, trio.current_time())
+        if ticket is None:
+            return None
+        job = self.runner.register(ticket, self.runner.own_job(ticket))
+        self.runner.feed(effects)
+        await job.done.wait()
+        return job.result
 
-    async def abort_in_flight(self) -> None:
-        """Stop the worker now, faulting the request in flight: SHUTDOWN abort_in_flight goes out of band (no
-        req_id), so it passes that request. An ordered stop: no strike; the lane then starts a fresh worker."""
-        wp = self.active.wp if self.active is not None else None
-        if wp is None or wp.fault is not None or wp.stream is None:
+    async def _apply_to_standby(self, kind: str, model: str) -> None:
+        if self.machine.standby is None:
             return
-        wp.ordered_stop = True
-        await wp.send("SHUTDOWN", {"mode": "abort_in_flight"})
-
-    async def notify(self, generation: int, t: str, fields: dict[str, Any]) -> None:
-        """Send a notification (a wake hint) to the worker of `generation`, alongside any running request."""
-        wp = self.active.wp if self.active is not None else None
-        if wp is None or wp.generation != generation or wp.fault is not None or wp.stream is None:
-            raise BrokenWorkerError(f"lane {self.id} generation {generation} is not running")
-        await wp.send(t, fields)
-
-    async def _serve(self, gen: Generation) -> None:
-        """Take jobs one at a time until closing, a reload, or a quarantine; a fault cancels this."""
-        self.state = LaneState.READY
-        while True:
-            if self.cooldown_remaining() is not None:
-                return  # quarantined by a standby's strike: the lane sits the cool-down out
-            job = None
-            with trio.CancelScope() as self._idle_scope:  # such a strike ends the wait for work too
-                try:
-                    job = await self._jobs_recv.receive()
-                except trio.EndOfChannel:
-                    return
-            self._idle_scope = None
-            if job is None:
-                continue
-            self.queued -= 1
-            if job.abandoned:
-                job.finish()  # its caller is gone: never let it reach the worker
-                continue
-            if job.t == RELOAD:
-                if job.fields["generation"] < gen.number:
-                    job.finish(result=Message("RELOADED", {"generation": gen.number}))  # already fresh
-                    continue
-                self._reloading = job
-                return
-            self._current = job
-            self.state = LaneState.BUSY
-            try:
-                reply = await exchange(gen.wp, job, gen.requests, self.windows)
-            except InvalidRequest as exc:  # failed local validation: this request alone, nothing was sent
-                reply = None
-                job.finish(error=exc)
-            self._current = None
-            self.state = LaneState.READY
-            if reply is None:
-                continue
-            if reply.t == "ERR":
-                job.finish(error=WorkerError(reply["code"], reply["msg"]))
-                continue
-            if job.t in SERVING and reply.t != "STEP_FAILED":  # a failed reply is not drained serving work
-                self.policy.success()
-                gen.served = True  # the restart backoff starts over after this generation, even if it then fails
-            job.finish(result=reply)
-
-    async def _refresh_health(self) -> None:
-        """Background PING while idle keeps rss_mb and models current; health requests never PING."""
-        interval = self.sup.health_interval_s
-        while True:
-            await trio.sleep(interval)
-            if self.queued or self.state != LaneState.READY:
-                continue
-            try:
-                pong = await self.call("PING", {}, timeout=self.windows.control_s)
-            except GpuWorkerError:
-                continue  # a failing worker is handled by the lane itself; health stays cached
-            self.rss_mb = pong["rss_mb"]
-            self.models_loaded = list(pong["models_loaded"])
-
-    # --- status --------------------------------------------------------------------------------
-
-    def status(self) -> dict[str, Any]:
-        remaining = self.cooldown_remaining()
-        return {
-            "lane_id": self.id,
-            "state": self.state.value,
-            "generation": self.generation,
-            "pid": self.pid,
-            "strikes": self.policy.strikes,
-            "quarantined_until": time.time() + remaining if remaining is not None else None,
-            "cooldown_remaining_s": remaining,
-            "models": list(self.models_loaded),
-            "load_errors": dict(self.load_errors),
-            "rss_mb": self.rss_mb,
-            "queued": self.queued,
-            "restarts": self.restarts,
-            "last_exit": self.last_exit,
-            "last_error": self.last_error,
-            "device": self.cfg.device,
-            "standby": self.standby.describe() if self.standby is not None else None,
-            "standby_enabled": self.standby is not None,
-        }
+        reply = await self.standby_call(kind, model)
+        if reply is None or (reply.t == "ERR" and reply["code"] != "model_not_loaded"):
+            self.runner.feed(self.machine.replace_standby(trio.current_time()))  # its successor loads them as they are

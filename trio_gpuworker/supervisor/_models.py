@@ -39,10 +39,16 @@ class DigestCache:
         return self._cache[key]
 
 
+def tokenizer_file(model: ModelConfig) -> Path | None:
+    """The encoder's tokenizer.json, if it has one (the daemon tokenizes; workers receive ids only)."""
+    path = model.tokenizer_path or model.path.with_name("tokenizer.json")
+    return path if model.kind in ("embedding", "rerank") and path.is_file() else None
+
+
 def special_ids(model: ModelConfig) -> dict[str, int]:
     """[CLS]/[SEP] ids from the daemon's tokenizer, so workers compose rerank pairs without one."""
-    path = model.tokenizer_path or model.path.with_name("tokenizer.json")
-    if model.kind not in ("embedding", "rerank") or not path.is_file():
+    path = tokenizer_file(model)
+    if path is None:
         return {}
     from tokenizers import Tokenizer
 
@@ -55,7 +61,7 @@ async def load_spec(model: ModelConfig, cache: DigestCache) -> LoadSpec:
     if not model.path.is_file():
         raise ConfigError(f"models.{model.id}.path: artifact {model.path} does not exist")
     digest = model.digest or await cache.digest(model.path)
-    rc = {"kind": model.kind, "max_tokens": model.max_tokens, "beam": model.beam,
-          **await trio.to_thread.run_sync(special_ids, model),
-          **model.runtime_config}
+    # reading tokenizer.json stalls the loop: a thread, and only when there is one to read
+    ids = await trio.to_thread.run_sync(special_ids, model) if tokenizer_file(model) is not None else {}
+    rc = {"kind": model.kind, "max_tokens": model.max_tokens, "beam": model.beam, **ids, **model.runtime_config}
     return LoadSpec(model.id, model.path, digest.lower(), model.format, rc)

@@ -15,15 +15,18 @@ from .._errors import (
     InvalidRequest,
     NoLaneAvailable,
 )
+from .._proto import LaneState
 from ._admission import Router, Scheduler
 from ._api import CPU_THREADS, ServingApi
 from ._arena import ArenaManager
 from ._batching import Batcher
-from ._dataplane import DataPlane, arena_env
+from ._dataplane import DataPlane
 from ._dispatch import EmbedDispatch
 from ._events import EventBus
-from ._jobs import LaneState, LoadSpec
+from ._generation import numbering
+from ._jobs import LoadSpec
 from ._lane import Lane
+from ._launcher import Launcher, ProcessLauncher
 from ._models import DigestCache, load_spec
 from ._spawn import default_runtime_dir, workers_dir
 
@@ -38,7 +41,7 @@ class Supervisor(ServingApi):
     the bare Python API runs without byte budgets) and the batcher (off unless `batching` enables it)."""
 
     def __init__(self, config: SupervisorConfig, *, admission: AdmissionPolicy | None = None,
-                 batching: BatchPolicy | None = None) -> None:
+                 batching: BatchPolicy | None = None, launcher: Launcher | None = None) -> None:
         self.config = config
         self.runtime_dir = config.runtime_dir or default_runtime_dir(None, config.state_dir)
         self.events = EventBus()
@@ -54,8 +57,12 @@ class Supervisor(ServingApi):
         self.dataplane: DataPlane | None = None  # rings, objects and steps; None without an arena
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        self._arena_env: dict[str, str] = {}
+        self._generations = numbering()  # one numbering for all of this supervisor's lanes
         self._batcher_scope = trio.CancelScope()
+        self._dataplane_scope = trio.CancelScope()
         self._cpu = trio.CapacityLimiter(CPU_THREADS)  # tokenization and templates off the event loop
+        self.launcher = launcher  # None: real worker processes (ProcessLauncher), made at start
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -67,16 +74,19 @@ class Supervisor(ServingApi):
         self._stack = AsyncExitStack()
         if cfg.arena_bytes:
             self.arena = self._stack.enter_context(ArenaManager(cfg.arena_bytes))
-        env, fds = arena_env(self.arena)
+        env, fds = (self.arena.env(), self.arena.pass_fds) if self.arena is not None else ({}, ())
+        if self.launcher is None:
+            self.launcher = launcher = ProcessLauncher(self.runtime_dir, fds)
+            self._stack.callback(launcher.close)  # after every worker is reaped: the nursery exits first
+        self._arena_env = env
         self._nursery = await self._stack.enter_async_context(trio.open_nursery())
         try:
             await self._nursery.start(self._run_batcher)
             for lane_cfg in cfg.lanes:
-                lane = Lane(lane_cfg, cfg, self.runtime_dir, [specs[m] for m in lane_cfg.models], self.events,
-                            arena_env=env, pass_fds=fds)
-                self.lanes[lane.id] = lane
+                self.lanes[lane_cfg.id] = self._lane(lane_cfg, [specs[m] for m in lane_cfg.models])
             if self.arena is not None:
                 self.dataplane = DataPlane(self.lanes, self.arena, self.events)
+                await self._nursery.start(self._run_dataplane)
             for lane in self.lanes.values():
                 await self._nursery.start(lane.run)
         except BaseException as exc:
@@ -104,8 +114,14 @@ class Supervisor(ServingApi):
         """Stop admitting; lanes finish what is queued and shut their workers down."""
         self._closed = self.router.closed = True
         self._batcher_scope.cancel()  # callers still waiting in a batch get ClosedSupervisorError
+        self._dataplane_scope.cancel()
         for lane in self.lanes.values():
             lane.close()
+
+    async def _run_dataplane(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        assert self.dataplane is not None
+        with self._dataplane_scope:  # ends when the supervisor closes
+            await self.dataplane.run(task_status=task_status)
 
     async def _run_batcher(self, *, task_status: trio.TaskStatus[Batcher] = trio.TASK_STATUS_IGNORED) -> None:
         with self._batcher_scope:
@@ -137,13 +153,15 @@ class Supervisor(ServingApi):
             raise ClosedSupervisorError("the supervisor is shutting down")
         if cfg.id in self.lanes:
             raise InvalidRequest(f"lane {cfg.id!r} exists")
-        env, fds = arena_env(self.arena)
-        lane = Lane(cfg, self.config, self.runtime_dir, specs, self.events, arena_env=env, pass_fds=fds)
-        self.lanes[lane.id] = lane
+        lane = self.lanes[cfg.id] = self._lane(cfg, specs)
         if self.dataplane is not None:
-            lane.hooks.append(self.dataplane.on_lane_event)
+            self.dataplane.attach(lane)
         await self._nursery.start(lane.run)
         return lane
+
+    def _lane(self, cfg: LaneConfig, specs: list[LoadSpec]) -> Lane:
+        return Lane(cfg, self.config, self.runtime_dir, specs, self.events, launcher=self.launcher,
+                    generations=self._generations, arena_env=self._arena_env)
 
     async def remove_lane(self, lane_id: str) -> None:
         """Stop routing to a lane, let it finish what is queued, stop its worker, forget it."""

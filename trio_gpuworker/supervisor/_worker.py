@@ -1,12 +1,12 @@
-"""One worker generation: spawn, SO_PEERCRED, handshake, reader, log pumps, exit watcher, kill."""
+"""One worker generation's connection: launch (through the lane's Launcher), handshake, reader, exit watcher,
+fault bookkeeping and the kill path."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -14,8 +14,8 @@ import trio
 from .._channel import receive_message
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
 from .._proto import DAEMON, Connection, HandshakeRules, Message
+from ._launcher import Launched, Launcher, WorkerSpec
 from ._logring import LogRing
-from ._spawn import bind_listener, kill_and_reap, peer_credentials, spawn
 
 REPLY_BUFFER = 64
 WAKE_HINTS = {"RING_READABLE", "RING_WRITABLE"}
@@ -31,29 +31,29 @@ class Fault:
 
 
 class WorkerProcess:
-    def __init__(self, *, lane_id: str, generation: int, argv: list[str], env: dict[str, str], sock_path: Path,
-                 max_frame: int, kill_grace_s: float, drain_s: float, log: LogRing, on_event: Any = None,
-                 pass_fds: tuple[int, ...] = ()) -> None:
+    def __init__(self, *, lane_id: str, generation: int, argv: list[str], env: dict[str, str], launcher: Launcher,
+                 max_frame: int, kill_grace_s: float, drain_s: float, log: LogRing,
+                 on_event: Callable[[WorkerProcess, Message], None] | None = None,
+                 on_fault: Callable[[Fault], None] | None = None) -> None:
         self.lane_id = lane_id
         self.generation = generation
-        self.argv = argv
-        self.env = env
-        self.sock_path = sock_path
+        self.nonce = secrets.token_hex(16)
+        self.spec = WorkerSpec(lane_id, generation, argv, env, self.nonce)
+        self.launcher = launcher
         self.max_frame = max_frame
         self.kill_grace_s = kill_grace_s
         self.drain_s = drain_s
-        self.pass_fds = pass_fds
-        self._reader_done: trio.Event | None = None
         self.log = log
         self.on_event = on_event
-        self.nonce = secrets.token_hex(16)
-        self.proc: trio.Process | None = None
-        self.stream: trio.SocketStream | None = None
+        self.on_fault = on_fault  # called once, at the first fault, before anything is cancelled
+        self.body: Launched | None = None
+        self.stream: trio.abc.Stream | None = None
         self.conn = Connection(DAEMON, max_frame)
         self.fault: Fault | None = None
         self.ordered_stop = False  # set before we shut it down or kill it on purpose: no strike
         self.returncode: int | None = None
         self.hello: Message | None = None
+        self._reader_done: trio.Event | None = None
         self._scopes: list[trio.CancelScope] = []  # everything that runs on this generation's behalf
         self._send_lock = trio.Lock()
         send, recv = trio.open_memory_channel[Message](REPLY_BUFFER)
@@ -61,18 +61,23 @@ class WorkerProcess:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        return self.body.pid if self.body is not None else None
 
     def fail(self, cause: str, detail: str, error: BaseException | None = None) -> None:
-        """Record the first fault and stop everything this generation runs."""
+        """Record the first fault, tell the lane, and stop everything this generation runs."""
         if self.fault is None:
             self.fault = Fault("ordered" if self.ordered_stop else cause, detail, error)
+            if self.on_fault is not None:
+                self.on_fault(self.fault)
         for scope in self._scopes:
             scope.cancel()
 
+    def stop_now(self, detail: str) -> None:
+        """End it in order (after WORKER_STOPPED, or before it ever connected): no strike."""
+        self.ordered_stop = True
+        self.fail("ordered", detail)
+
     def cancel_on_fault(self, scope: trio.CancelScope) -> None:
-        """Work done on this worker from outside its own nursery (a lane serving it, an admin LOAD on a
-        standby) runs in `scope`, which a fault cancels like the generation's own tasks."""
         self._scopes.append(scope)
         if self.fault is not None:
             scope.cancel()
@@ -80,61 +85,43 @@ class WorkerProcess:
     # --- start ---------------------------------------------------------------------------------
 
     async def start(self, nursery: trio.Nursery, setup_s: float) -> None:
-        """Listen, spawn, accept the spawned pid only, and complete HELLO. Raises nothing: faults are recorded."""
+        """Launch, accept the spawned worker only, complete HELLO. Raises nothing: faults are recorded."""
         self.cancel_on_fault(nursery.cancel_scope)
-        listener = await bind_listener(self.sock_path)
         try:
-            argv = [*self.argv, "--socket", os.fspath(self.sock_path), "--nonce", self.nonce]
-            self.proc = await spawn(argv, self.env, self.pass_fds)
-            nursery.start_soon(self._pump, self.proc.stdout, "stdout")
-            nursery.start_soon(self._pump, self.proc.stderr, "stderr")
+            with trio.CancelScope(shield=True):  # once it runs it must be known here, or nothing would reap it
+                self.body = await self.launcher.launch(self.spec, nursery, self.log)
             nursery.start_soon(self._watch_exit)
             with trio.move_on_after(setup_s) as scope:
-                sock = await self._accept(listener)
-                self.stream = trio.SocketStream(sock)
+                self.stream = await self.body.connect()
                 await self._handshake()
             if scope.cancelled_caught:
                 self.fail("hang", f"no HELLO within the setup window of {setup_s:g} s")
         except ProtocolError as exc:
             self.fail("protocol", f"handshake failed: {exc}", exc)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # it went away mid-handshake
+            self.fail("crash", f"control socket broke during the handshake: {exc}", exc)
         except OSError as exc:
-            self.fail("crash", f"cannot start worker {self.argv[0]!r}: {exc}", exc)
+            self.fail("crash", f"cannot start worker {self.spec.argv[0]!r}: {exc}", exc)
         finally:
-            listener.close()
-            self.sock_path.unlink(missing_ok=True)  # nothing else may ever connect to this generation
+            if self.body is not None:
+                self.body.close()  # nothing else may ever connect to this generation
         if self.fault is None:
             nursery.start_soon(self._read_loop)
-
-    async def _accept(self, listener: trio.socket.SocketType) -> trio.socket.SocketType:
-        while True:
-            sock, _ = await listener.accept()
-            pid, uid, _gid = peer_credentials(sock)
-            if pid == self.proc.pid and uid == os.getuid():
-                return sock
-            sock.close()  # not our child: ignore it and keep waiting for the spawned pid
-            self.log.feed("daemon", self.generation, f"rejected connection from pid {pid} uid {uid}\n".encode())
 
     async def _handshake(self) -> None:
         hello = await self._receive()
         if hello is None:
             raise UnexpectedFrame("worker closed the socket before HELLO")
-        ack = HandshakeRules(self.nonce, self.proc.pid, self.max_frame, self.generation).check_hello(hello)
+        assert self.body is not None
+        ack = HandshakeRules(self.nonce, self.body.pid, self.max_frame, self.generation).check_hello(hello)
         self.hello = hello
         await self.send("HELLO_ACK", ack)
 
     # --- background tasks ----------------------------------------------------------------------
 
-    async def _pump(self, pipe: trio.abc.ReceiveStream, name: str) -> None:
-        async with pipe:
-            try:
-                while data := await pipe.receive_some(65536):
-                    self.log.feed(name, self.generation, data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-        self.log.flush(name, self.generation)
-
     async def _watch_exit(self) -> None:
-        self.returncode = await self.proc.wait()
+        assert self.body is not None
+        self.returncode = await self.body.wait()
         if self._reader_done is not None:
             # replies the worker wrote before exiting are still in the socket: let the reader deliver them
             with trio.move_on_after(self.drain_s):
@@ -164,6 +151,7 @@ class WorkerProcess:
             self._reader_done.set()
 
     async def _receive(self) -> Message | None:
+        assert self.stream is not None
         return await receive_message(self.conn, self.stream)
 
     # --- use -----------------------------------------------------------------------------------
@@ -177,11 +165,12 @@ class WorkerProcess:
         await self.write(t, self.encode(t, fields, raw))
 
     async def write(self, t: str, chunks: list[bytes | memoryview]) -> None:
+        assert self.stream is not None
         async with self._send_lock:
             try:
                 for chunk in chunks:
                     await self.stream.send_all(chunk)
-            except (trio.BrokenResourceError, OSError) as exc:
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
                 self.fail("crash", f"control socket broke while sending {t}: {exc}", exc)
                 raise
 
@@ -193,12 +182,12 @@ class WorkerProcess:
         with trio.CancelScope(shield=True):
             if self.stream is not None:
                 await self.stream.aclose()
-            if self.proc is None:
+            if self.body is None:
                 return -1
-            if patience_s > 0 and self.proc.returncode is None:
+            if patience_s > 0 and self.body.returncode is None:
                 with trio.move_on_after(patience_s):
-                    await self.proc.wait()
-        self.returncode = await kill_and_reap(self.proc, self.kill_grace_s)
+                    await self.body.wait()
+            self.returncode = await self.body.kill(self.kill_grace_s)
         return self.returncode
 
 

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--socket", required=True, help="the daemon's listening Unix socket for this worker")
     p.add_argument("--nonce", required=True, help="spawn nonce to present in HELLO (hex)")
     args = p.parse_args(argv)
+    from .._lifeline import watch_lifeline
+
+    watched = watch_lifeline()  # first: from here on this worker cannot outlive its daemon
     from ._compute import ComputeThread
 
     compute = ComputeThread()  # tinygrad work stays on this one thread (see _compute), the prewarm included
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ._server import serve
 
-    return trio.run(serve, args.socket, args.nonce, compute)
+    return trio.run(serve, args.socket, args.nonce, compute, watched)
 
 
 if __name__ == "__main__":

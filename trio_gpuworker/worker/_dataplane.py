@@ -10,9 +10,11 @@ import mmap
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import trio
 
 from cython_ring import EgressState, IngressState, ObjectHeaderError, ObjectSpec, Ring, write_egress
 
@@ -22,6 +24,17 @@ from ._engine import Reply
 from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
 
 Emit = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass(eq=False)
+class _Output:
+    """One output of a step, readable from host memory at `src` until the step is over."""
+
+    binding: dict[str, Any]
+    slot: RingSlot
+    src: int
+    owned: Any  # the device allocation the step made for it (freed after the step), or None for an input's own
+    staging: np.ndarray | None = None  # keeps a device's host copy alive
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections in a worker (CPython's default is 700)
 def map_arena() -> mmap.mmap | None:
     """The arena the daemon handed over (GPUWORKER_ARENA_FD/BYTES), or None when it handed none."""
@@ -56,6 +69,7 @@ class WorkerDataPlane(IngressPlane):
         self._bridge: Any = bridge
         self.arena = arena if arena is not None else map_arena()
         self.stream_window = STREAM_WINDOW
+        self.aborted = False  # SHUTDOWN abort_in_flight: steps fail worker_shutting_down
 
     @property
     def bridge(self) -> Any:
@@ -74,7 +88,8 @@ class WorkerDataPlane(IngressPlane):
 
     def install_ring(self, msg: Message) -> Reply:
         ring_id, layout = msg["ring_id"], msg["layout"]
-        fail = lambda reason, text: Reply("RING_FAULT", {"ring_id": ring_id, "reason": reason, "msg": text})  # noqa: E731
+        ids = {"ring_id": ring_id, "edge_id": msg["edge_id"], "port_id": msg["port_id"]}
+        fail = lambda reason, text: Reply("RING_FAULT", {**ids, "reason": reason, "msg": text})  # noqa: E731
         if self.arena is None:
             return fail("ring_layout_invalid", "this worker was started without an arena")
         if ring_id in self.rings:
@@ -89,7 +104,7 @@ class WorkerDataPlane(IngressPlane):
             return fail(getattr(exc, "code", "ring_layout_invalid"), str(exc))
         state = IngressState() if msg["direction"] == "ingress" else EgressState(spec)
         self.rings[ring_id] = RingSlot(ring_id, msg["edge_id"], msg["port_id"], msg["direction"], spec, ring, state)
-        return Reply("RING_INSTALLED", {"ring_id": ring_id})
+        return Reply("RING_INSTALLED", ids)
 
     def abort_ring(self, ring_id: int, reason: str = "invalid_output_ring") -> None:
         """Event loop, ahead of the queued uninstall: a step blocked on this ring's space gives up now."""
@@ -99,7 +114,9 @@ class WorkerDataPlane(IngressPlane):
             slot.writable.set()
 
     def abort_all(self) -> None:
-        """SHUTDOWN abort_in_flight (event loop): every step blocked on ring space fails worker_shutting_down."""
+        """SHUTDOWN abort_in_flight (event loop): every step fails worker_shutting_down, blocked on ring space or
+        not yet started."""
+        self.aborted = True
         for ring_id in list(self.rings):
             self.abort_ring(ring_id, "worker_shutting_down")
 
@@ -108,10 +125,10 @@ class WorkerDataPlane(IngressPlane):
         return Reply("RING_QUIESCED", {"ring_id": msg["ring_id"]})
 
     def quiesce(self, ring_id: int) -> None:
+        """Compute thread. A step blocked on this ring's space was woken on the event loop first (abort_ring)."""
         slot = self.rings.pop(ring_id, None)
         if slot is not None:
             slot.closed = True
-            slot.writable.set()
             self._drop_pending(slot)
             slot.ring.release()
 
@@ -154,25 +171,44 @@ class WorkerDataPlane(IngressPlane):
             return None
         return self.objects.get(handle["id"])
 
-    def execute_step(self, msg: Message, progress: Callable[[int, str], None]) -> Reply:
-        step_id = msg["step_id"]
+    async def execute_step(self, msg: Message, progress: Callable[[int, str], None], compute: Any) -> Reply:
+        """The role runs on the compute thread; its outputs are then written into their egress rings from the event
+        loop, so a step waiting for ring space never holds the compute thread (ingress drains go on meanwhile)."""
+        step_id, role_id = msg["step_id"], msg["role_id"]
+        plan: list[_Output] = []
         try:
-            self._execute(msg, progress)
+            plan = await compute.run(self._prepare, msg)
+            for out in plan:
+                await self._write_object(out.slot, out.binding, out.src, progress)
+                self.emit("OBJECT_PRODUCED", {"req_id": msg["req_id"], "ring_id": out.slot.ring_id,
+                                              "port_id": out.binding["port_id"], "object_id": out.binding["object_id"],
+                                              "sequence": out.binding["sequence"], "extent": out.binding["extent"]})
         except DataPlaneError as exc:
-            return Reply("STEP_FAILED", {"step_id": step_id, "reason": exc.code, "msg": str(exc)})
+            return Reply("STEP_FAILED", {"role_id": role_id, "step_id": step_id, "reason": exc.code, "msg": str(exc)})
         finally:
-            if msg["release_inputs_after"]:  # a failed step frees its inputs too: they are consumed either way
-                for binding in msg["inputs"]:
-                    obj = self._lookup(binding["device_handle"])
-                    if obj is not None:
-                        del self.objects[binding["device_handle"]["id"]]
-                        self.bridge.free_device(obj.alloc)
-        return Reply("STEP_COMPLETED", {"step_id": step_id})
+            await compute.run(self._after_step, msg, plan)
+        return Reply("STEP_COMPLETED", {"role_id": role_id, "step_id": step_id})
 
-    def _execute(self, msg: Message, progress: Callable[[int, str], None]) -> None:
+    def _after_step(self, msg: Message, plan: list[_Output]) -> None:
+        """Compute thread: free the outputs the step allocated; a failed step frees its inputs too when asked to
+        (they are consumed either way)."""
+        for out in plan:
+            if out.owned is not None:
+                self.bridge.free_device(out.owned)
+        if msg["release_inputs_after"]:
+            for binding in msg["inputs"]:
+                obj = self._lookup(binding["device_handle"])
+                if obj is not None:
+                    del self.objects[binding["device_handle"]["id"]]
+                    self.bridge.free_device(obj.alloc)
+
+    def _prepare(self, msg: Message) -> list[_Output]:
+        """Compute thread: run the role and make every output readable from host memory."""
         from ._bridge import DeviceError
         from ._roles import RoleError
 
+        if self.aborted:
+            raise DataPlaneError("worker_shutting_down", "the worker is shutting down (abort_in_flight)")
         role = self.roles.get(msg["role_id"])
         if role is None:
             raise DataPlaneError("role_unavailable", f"role {msg['role_id']!r} is not configured")
@@ -180,64 +216,70 @@ class WorkerDataPlane(IngressPlane):
         for binding in msg["inputs"]:
             obj = self._lookup(binding["device_handle"])
             if obj is None:
-                raise DataPlaneError("invalid_input_handle", f"no live device object {binding['device_handle']}")
+                raise DataPlaneError("invalid_input_handle", f"no live device object {binding['device_handle']} "
+                                                             f"in worker generation {self.generation}")
             try:
                 tensor = inputs[binding["port_id"]] = self.bridge.as_tensor(obj.alloc, obj.dtype, obj.shape)
             except DeviceError as exc:
                 raise DataPlaneError(exc.code, str(exc)) from exc
             allocs[id(tensor)] = obj.alloc
-        outs = []
+        slots = []
         for binding in msg["outputs"]:
             slot = self.rings.get(binding["ring_id"])
             if slot is None or slot.direction != "egress":
                 raise DataPlaneError("invalid_output_ring",
                                      f"ring {binding['ring_id']} is not an installed egress ring")
-            outs.append((binding, slot))
+            slots.append((binding, slot))
         try:
             produced = role.execute(inputs, msg["runtime"])
         except RoleError as exc:
             raise DataPlaneError(exc.code, str(exc)) from exc
         except MemoryError as exc:
             raise DataPlaneError("device_out_of_memory", str(exc)) from exc
-        written = 0
-        for binding, slot in outs:
-            tensor = produced.get(binding["port_id"])
-            if tensor is None:
-                raise DataPlaneError("output_extent_invalid", f"role produced no output {binding['port_id']!r}")
-            # an input handed back unchanged (echo) is written from its own allocation: no device copy, which
-            # costs a tinygrad schedule (milliseconds) per step; the input stays the caller's to release
-            alloc = allocs.get(id(tensor))
-            owned = alloc is None
+        plan: list[_Output] = []
+        try:
+            for binding, slot in slots:
+                plan.append(self._readable(binding, slot, produced.get(binding["port_id"]), allocs))
+        except BaseException:
+            self._after_step({**msg.fields, "release_inputs_after": False}, plan)  # type: ignore[arg-type]
+            raise
+        return plan
+
+    def _readable(self, binding: dict[str, Any], slot: RingSlot, tensor: Any, allocs: dict[int, Any]) -> _Output:
+        from ._bridge import DeviceError
+
+        if tensor is None:
+            raise DataPlaneError("output_extent_invalid", f"role produced no output {binding['port_id']!r}")
+        # an input handed back unchanged (echo) is written from its own allocation: no device copy, which costs a
+        # tinygrad schedule (milliseconds) per step; the input stays the caller's to release
+        alloc = allocs.get(id(tensor))
+        owned = None
+        if alloc is None:
             try:
-                alloc = self.bridge.from_tensor(tensor) if owned else alloc
+                alloc = owned = self.bridge.from_tensor(tensor)
             except DeviceError as exc:
                 raise DataPlaneError("output_copy_failed", str(exc)) from exc
-            try:
-                if alloc.nbytes != binding["extent"]:
-                    raise DataPlaneError("output_extent_invalid",
-                                         f"output {binding['port_id']!r} has {alloc.nbytes} bytes, binding says "
-                                         f"{binding['extent']}")
-                written = self._write_object(slot, binding, alloc, written, progress)
-            finally:
-                if owned:
-                    self.bridge.free_device(alloc)
-            self.emit("OBJECT_PRODUCED", {"req_id": msg["req_id"], "ring_id": slot.ring_id,
-                                          "port_id": binding["port_id"], "object_id": binding["object_id"],
-                                          "sequence": binding["sequence"], "extent": binding["extent"]})
-
-    def _write_object(self, slot: RingSlot, binding: dict[str, Any], alloc: Any, written: int,
-                      progress: Callable[[int, str], None]) -> int:
-        """Header, then payload prefixes as space frees up; blocks (never spins) on RING_WRITABLE."""
-        extent = binding["extent"]
+        out = _Output(binding, slot, 0, owned)
+        if alloc.nbytes != binding["extent"]:
+            if owned is not None:
+                self.bridge.free_device(owned)
+            raise DataPlaneError("output_extent_invalid", f"output {binding['port_id']!r} has {alloc.nbytes} bytes, "
+                                                          f"binding says {binding['extent']}")
         if self.bridge.direct:
-            src = self.bridge.host_address(alloc)
+            out.src = self.bridge.host_address(alloc)
         else:
-            staging = np.empty(max(extent, 1), dtype=np.uint8)
-            self.bridge.device_to_host(alloc, 0, memoryview(staging), extent)
-            src = staging.ctypes.data
+            out.staging = np.empty(max(binding["extent"], 1), dtype=np.uint8)
+            self.bridge.device_to_host(alloc, 0, memoryview(out.staging), binding["extent"])
+            out.src = out.staging.ctypes.data
+        return out
+
+    async def _write_object(self, slot: RingSlot, binding: dict[str, Any], src: int,
+                            progress: Callable[[int, str], None]) -> None:
+        """Event loop: header, then payload prefixes as space frees up; waits (never spins) for RING_WRITABLE."""
+        extent, written = binding["extent"], 0
         state: EgressState = slot.state
         while True:
-            slot.writable.clear()
+            slot.writable = trio.Event()
             if slot.closed:
                 state.abandon(slot.ring)  # a header already committed: the reader sees a fault, not a short object
                 raise DataPlaneError(slot.close_reason, f"ring {slot.ring_id} was closed while a step wrote to it")
@@ -255,8 +297,8 @@ class WorkerDataPlane(IngressPlane):
                 written += n
                 progress(written, "inference")  # bytes committed are completed work: renews the watchdog
             if not state.busy:
-                return written
-            slot.writable.wait()
+                return
+            await slot.writable.wait()
 
     # --- wake hints (run on the event loop) ----------------------------------------------------
 

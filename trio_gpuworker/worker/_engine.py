@@ -6,7 +6,7 @@ tinygrad is imported on the first LOAD, so a fresh worker answers HELLO fast.
 from __future__ import annotations
 
 import json
-import resource
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -72,8 +72,13 @@ def compose_pairs(query: np.ndarray, docs: list[np.ndarray], cls_id: int, sep_id
     return pairs, types
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    """The current resident set (not the peak, which never goes down), from /proc/self/statm."""
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * _PAGE / (1 << 20)
 
 
 class Engine:
@@ -89,9 +94,6 @@ class Engine:
 
     def do_configure_role(self, msg: Message, progress: Progress) -> Reply:
         return self.dataplane.configure_role(msg)
-
-    def do_execute_step(self, msg: Message, progress: Progress) -> Reply:
-        return self.dataplane.execute_step(msg, progress)
 
     def do_release_device_object(self, msg: Message, progress: Progress) -> Reply:
         return self.dataplane.release(msg)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import collections
 import math
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import trio
 
 from cython_ring import ObjectSpec, Ring, drain_ingress
 
@@ -33,7 +33,7 @@ class RingSlot:
     spec: ObjectSpec
     ring: Ring
     state: Any  # IngressState | EgressState
-    writable: threading.Event = field(default_factory=threading.Event)
+    writable: trio.Event = field(default_factory=trio.Event)  # RING_WRITABLE: a step waiting for space goes on
     # allocations handed to the drain, oldest first: one drain call may start and finish several objects
     # before its events are read. Each is (device allocation, host staging or None when copies go direct).
     pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
@@ -100,6 +100,7 @@ class IngressPlane:
         out: list[tuple[str, dict[str, Any]]] = []
         loaded: list[list[int]] = []
         rid = slot.ring_id
+        ids = {"ring_id": rid, "edge_id": slot.edge_id, "port_id": slot.port_id}
         if self.bridge.direct:
             events = drain_ingress(slot.ring, slot.state, slot.spec, self._direct_resolver(slot), None,
                                    DRAIN_CHUNK)
@@ -120,17 +121,17 @@ class IngressPlane:
                     _, code, text, object_id, sequence = ev
                     self._drop_pending(slot)
                     self._flush(slot, loaded, out)
-                    fields = {"ring_id": rid, "reason": code, "msg": text}
+                    fields = {**ids, "reason": code, "msg": text}
                     fields.update({k: v for k, v in (("object_id", object_id), ("sequence", sequence))
                                    if v is not None})
                     out.append(("OBJECT_FAILED", fields))
                     if code != "eof_mid_object":
-                        out.append(("RING_FAULT", {"ring_id": rid, "msg": text,
+                        out.append(("RING_FAULT", {**ids, "msg": text,
                                                    "reason": _RING_REASON.get(code, "header_malformed")}))
                 elif kind == "ring_fault":
                     self._drop_pending(slot)
                     self._flush(slot, loaded, out)
-                    out.append(("RING_FAULT", {"ring_id": rid, "reason": ev[1], "msg": ev[2]}))
+                    out.append(("RING_FAULT", {**ids, "reason": ev[1], "msg": ev[2]}))
                 elif kind == "writable":
                     self._flush(slot, loaded, out)
                     out.append(("RING_WRITABLE", {"ring_id": rid}))
@@ -150,8 +151,8 @@ class IngressPlane:
             self._flush(slot, loaded, out, synchronize=False)
             out = [m for m in out if m[0] != "RING_WRITABLE"]
             text = str(exc)
-            out.append(("OBJECT_FAILED", {"ring_id": rid, "reason": "device_copy_failed", "msg": text, **failed}))
-            out.append(("RING_FAULT", {"ring_id": rid, "reason": "device_copy_failed", "msg": text}))
+            out.append(("OBJECT_FAILED", {**ids, "reason": "device_copy_failed", "msg": text, **failed}))
+            out.append(("RING_FAULT", {**ids, "reason": "device_copy_failed", "msg": text}))
         return out
 
     def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[str, dict[str, Any]]],

@@ -17,6 +17,7 @@ import trio
 
 from .._channel import encode_messages, receive_message
 from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError
+from .._lifeline import die_with_the_daemon
 from .._proto import DEFAULT_MAX_FRAME, WORKER, Connection, Message, hello_fields, is_request
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
@@ -26,8 +27,10 @@ ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": []}
 
 
 class WorkerServer:
-    def __init__(self, stream: trio.SocketStream, nonce: str, compute: ComputeThread | None = None) -> None:
+    def __init__(self, stream: trio.SocketStream, nonce: str, compute: ComputeThread | None = None,
+                 die_on_eof: bool = False) -> None:
         self.stream = stream
+        self.die_on_eof = die_on_eof  # spawned by a daemon (it handed a lifeline over): its EOF ends us at once
         self.nonce = nonce
         self.conn = Connection(WORKER, DEFAULT_MAX_FRAME)
         self.engine = Engine()
@@ -111,14 +114,20 @@ class WorkerServer:
                         self._nursery.start_soon(self._quiesce, msg)
                         continue
                 if msg.t == "SHUTDOWN" and msg.get("mode") == "abort_in_flight":
+                    # what runs fails now: a step at its next ring write, EMBED/GENERATE/LOAD at their next
+                    # PROGRESS (worker_shutting_down); the SHUTDOWN itself is served once it has stopped
                     self.stopping = "abort_in_flight"
-                    self.engine.dataplane.abort_all()  # in-flight steps fail now instead of finishing
+                    self.engine.dataplane.abort_all()
                 if is_request(msg.t):
                     await send_req.send(msg)
                 elif msg.t == "RING_WRITABLE":
                     self.engine.dataplane.on_writable(msg["ring_id"])  # wakes a step blocked on egress space
                 elif msg.t == "RING_READABLE":
                     self._kick_drain(msg["ring_id"])
+        if self.die_on_eof:
+            # EOF: the daemon is gone, or it is killing us. Do not wait for the compute thread, which may be
+            # minutes into a LOAD: everything this worker started goes now.
+            die_with_the_daemon("its control socket closed")
 
     async def _quiesce(self, msg: Message) -> None:
         """The out-of-band UNINSTALL_RING: quiesce once the compute thread is free of the step, then tell."""
@@ -172,10 +181,15 @@ class WorkerServer:
         req_id = msg["req_id"]
 
         def progress(completed: int, phase: str) -> None:
+            if self.stopping == "abort_in_flight":  # on the compute thread, inside the model's loop
+                raise WorkerRequestError("worker_shutting_down", "SHUTDOWN abort_in_flight stopped this request")
             self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
 
         try:
-            reply: Reply = await self.compute.run(self.engine.handle, msg, progress)
+            if msg.t == "EXECUTE_STEP":  # its egress writes wait for ring space on the loop, not the compute thread
+                reply: Reply = await self.engine.dataplane.execute_step(msg, progress, self.compute)
+            else:
+                reply = await self.compute.run(self.engine.handle, msg, progress)
         except WorkerRequestError as exc:
             await self.send("ERR", {"req_id": req_id, "code": exc.code, "msg": str(exc)})
             return
@@ -194,11 +208,11 @@ class WorkerServer:
                                     "msg": f"{reply.t} does not fit the negotiated max_frame: {exc}"})
 
 
-async def serve(socket_path: str, nonce: str, compute: ComputeThread | None = None) -> int:
+async def serve(socket_path: str, nonce: str, compute: ComputeThread | None = None, die_on_eof: bool = False) -> int:
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     await sock.connect(socket_path)
     stream = trio.SocketStream(sock)
-    server = WorkerServer(stream, nonce, compute)
+    server = WorkerServer(stream, nonce, compute, die_on_eof)
     try:
         await server.run()
     except BaseException as exc:  # what ends the worker is logged as itself, then its exit code

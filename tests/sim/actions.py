@@ -1,0 +1,297 @@
+"""What the steps of a schedule do to the supervisor, and the ledger of every request they made: each must end
+exactly once, typed, within the bound, with a result that is its own (the content it sent) or a GpuWorkerError."""
+
+from __future__ import annotations
+
+import random
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from tests.sim.launcher import SimLauncher
+from tests.sim.schedule import Schedule, Step
+from trio_gpuworker import GpuWorkerError, Supervisor, Windows
+from trio_gpuworker._proto import LaneState
+from trio_gpuworker.supervisor import Lane, LoadSpec
+
+WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, kill_grace_s=1.0, shutdown_s=2.0,
+                  exit_status_s=0.1)
+# every request ends within this much simulated time of its start, whatever the workers do (it may wait for a
+# queue, a restart with backoff and a standby's load, each bounded by a window)
+BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
+SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
+        "sequence_policy": "strict"}
+
+
+@dataclass
+class Entry:
+    step: Step
+    started: float
+    done: float | None = None
+    outcome: str = ""
+
+
+@dataclass
+class World:
+    schedule: Schedule
+    rng: random.Random
+    found: list[str]
+    sup: Supervisor | None = None
+    launcher: SimLauncher | None = None
+    injected: set[int] = field(default_factory=set)  # generations that misbehaved or that the schedule killed
+    ledger: list[Entry] = field(default_factory=list)
+    _changed: trio.Event = field(default_factory=trio.Event)
+    _roles: set[tuple[str, int]] = field(default_factory=set)
+    _handles: list[tuple[str, dict[str, int], np.ndarray]] = field(default_factory=list)  # (lane, handle, bytes)
+
+    def misbehaved(self, generation: int, what: str) -> None:
+        self.injected.add(generation)
+
+    async def idle(self) -> None:
+        while any(e.done is None for e in self.ledger):
+            self._changed = trio.Event()
+            await self._changed.wait()
+
+    # --- performing a step --------------------------------------------------------------------
+
+    async def perform(self, step: Step) -> None:
+        entry = Entry(step, trio.current_time())
+        self.ledger.append(entry)
+        try:
+            entry.outcome = await getattr(self, f"_{step.action}")(step) or "ok"
+        except Exception as exc:
+            typed = [e for e in _leaves(exc) if isinstance(e, GpuWorkerError)]
+            if typed and len(typed) == len(_leaves(exc)):  # (a session's pulling task may add its own)
+                entry.outcome = typed[0].code
+            else:  # an untyped error reached a caller
+                text = "".join(traceback.format_exception(exc))
+                self.found.append(f"{step}: untyped {type(exc).__name__}: {exc}\n{text}")
+                entry.outcome = "untyped"
+        entry.done = trio.current_time()
+        if entry.done - entry.started > BOUND:
+            self.found.append(f"{step}: took {entry.done - entry.started:.1f} s (bound {BOUND:g} s)")
+        self._changed.set()
+
+    def _lane(self, step: Step) -> Lane:
+        assert self.sup is not None
+        lanes = list(self.sup.lanes.values())
+        return lanes[step.lane % len(lanes)]
+
+    def _ids(self, n: int) -> np.ndarray:
+        base = self.rng.randrange(1, 1 << 12)
+        return np.arange(base, base + n, dtype=np.int32)
+
+    async def _embed(self, step: Step) -> str | None:
+        assert self.sup is not None
+        rows = [self._ids(1 + (step.arg * (k + 3)) % 17) for k in range(1 + step.arg % 6)]
+        out = await self.sup.embed_ids(rows, model="sim-a", pooling="mean", normalize=False, timeout=step.timeout)
+        want = np.array([[r.sum(), len(r)] for r in rows], dtype=np.float32)
+        if out.shape != (len(rows), 4) or not np.array_equal(out[:, :2], want):
+            self.found.append(f"{step}: vectors are not its own: {out[:, :2].tolist()} != {want.tolist()}")
+        return None
+
+    async def _rerank(self, step: Step) -> str | None:
+        assert self.sup is not None
+        q, docs = self._ids(3), [self._ids(1 + k % 5) for k in range(1 + step.arg % 5)]
+        raw = np.concatenate([q, *docs]).astype("<i4").tobytes()
+        reply = await self.sup.pick_lane("sim-a").call(
+            "RERANK", {"model_ref": "sim-a", "query_n_tokens": len(q),
+                       "candidates": [{"n_tokens": len(d)} for d in docs]}, raw, timeout=step.timeout)
+        scores = np.frombuffer(reply.raw or b"", dtype="<f4")
+        if not np.array_equal(scores, np.array([d.sum() for d in docs], dtype=np.float32)):
+            self.found.append(f"{step}: scores are not its own: {scores.tolist()}")
+        return None
+
+    async def _generate(self, step: Step) -> str | None:
+        assert self.sup is not None
+        lane = self.sup.pick_lane("sim-a")
+        ids = self._ids(1 + step.arg % 9)
+        reply = await lane.call("GENERATE", {"model_ref": "sim-a", "max_tokens": step.arg}, ids.tobytes(),
+                                timeout=step.timeout)
+        text, gen = reply["text"].rsplit(" g", 1)
+        if text != f"sim {int(ids.sum())}":
+            self.found.append(f"{step}: text {reply['text']!r} is not its own")
+        if int(gen) not in self._gens_of(lane):
+            self.found.append(f"{step}: answered by generation {gen}, which lane {lane.id} never ran")
+        return None
+
+    def _gens_of(self, lane: Lane) -> set[int]:
+        assert self.launcher is not None
+        return {g for g, p in self.launcher.procs.items() if p.spec.lane_id == lane.id}
+
+    async def _load(self, step: Step) -> str | None:
+        assert self.sup is not None
+        spec = LoadSpec("sim-b", Path(self.sup.config.models[0].path), "0" * 64, "safetensors", {})
+        await self._lane(step).load_model(spec, timeout=step.timeout)
+        return None
+
+    async def _unload(self, step: Step) -> str | None:
+        await self._lane(step).unload_model("sim-b", timeout=step.timeout)
+        return None
+
+    async def _reload(self, step: Step) -> str | None:
+        assert self.sup is not None
+        await self.sup.reload_lane(self._lane(step).id, timeout=step.timeout)
+        return None
+
+    async def _drain(self, step: Step) -> str | None:
+        assert self.sup is not None
+        self.sup.router.drain(self._lane(step).id)
+        return None
+
+    async def _resume(self, step: Step) -> str | None:
+        assert self.sup is not None
+        self.sup.router.resume(self._lane(step).id)
+        return None
+
+    def _target(self, step: Step) -> Any:
+        m = self._lane(step).machine
+        g = m.standby if step.arg and m.standby is not None else m.active
+        proc = self.launcher.procs.get(g.number) if g is not None and self.launcher is not None else None
+        if proc is not None:
+            self.injected.add(g.number)
+        return proc
+
+    async def _kill(self, step: Step) -> str | None:
+        if (proc := self._target(step)) is not None:
+            proc.crash()
+        return None
+
+    async def _hang(self, step: Step) -> str | None:
+        if (proc := self._target(step)) is not None:
+            proc.worker.hung.set()
+        return None
+
+    async def _abort(self, step: Step) -> str | None:
+        self._lane(step).abort_in_flight()
+        return None
+
+    async def _ring(self, step: Step) -> str | None:
+        """A whole data-plane session: rings in and out, an object in, an echo step, the bytes back, release."""
+        assert self.sup is not None and self.sup.dataplane is not None
+        dp, lane = self.sup.dataplane, self._lane(step)
+        ends = []
+        try:
+            ingress = await dp.install_ring(lane.id, direction="ingress", capacity=4096, object_spec=SPEC,
+                                            port_id="in", timeout=step.timeout)
+            ends.append(ingress)
+            egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC,
+                                           port_id="out", timeout=step.timeout)
+            ends.append(egress)
+            data = self._ids(64 * step.arg).astype(np.float32)
+            handle = await dp.load(ingress, data, object_id=1, sequence=0)
+            self._handles.append((lane.id, handle, data))
+            await self._echo(step, lane, egress, handle, data, release=step.arg % 2 == 1)
+            if step.arg % 2 == 0:
+                await dp.release_handle(lane.id, handle)
+        finally:
+            with trio.CancelScope(shield=True):
+                for end in ends:
+                    try:
+                        await dp.uninstall_ring(end, timeout=5.0)
+                    except GpuWorkerError:
+                        pass
+        return None
+
+    async def _echo(self, step: Step, lane: Lane, egress: Any, handle: dict[str, int], data: np.ndarray, *,
+                    release: bool) -> None:
+        """An echo step of `handle` into `egress`: what comes back must be `data`, the handle's own bytes."""
+        assert self.sup is not None and self.sup.dataplane is not None
+        dp = self.sup.dataplane
+        role = f"echo-{lane.generation}"
+        if (lane.id, lane.generation) not in self._roles:
+            self._roles.add((lane.id, lane.generation))
+            await dp.configure_role(lane.id, role, {"kind": "echo"})
+        got: list[Any] = []
+        async with trio.open_nursery() as pulling:
+            pulling.start_soon(lambda: _pull(dp, egress, got))
+            await dp.execute_step(lane.id, role, 1, [{"port_id": "in", "object_id": 1, "sequence": 0,
+                                                      "device_handle": handle}],
+                                  [{"port_id": "out", "ring_id": egress.ring_id, "object_id": 2, "sequence": 0,
+                                    "extent": data.nbytes}], release_inputs_after=release, timeout=step.timeout)
+        if not got or not np.array_equal(got[0][2].view(np.float32), data):
+            self.found.append(f"{step}: the echoed bytes are not the handle's own (silently wrong data)")
+
+    async def _stale(self, step: Step) -> str | None:
+        """An echo step on any lane with any handle a session ever had (released, of another lane, of a dead
+        worker): it must fail typed or echo that handle's own bytes, never another object's."""
+        assert self.sup is not None and self.sup.dataplane is not None
+        if not self._handles:
+            return "nothing"
+        dp, lane = self.sup.dataplane, self._lane(step)
+        _, handle, data = self._handles[step.arg % len(self._handles)]
+        egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC, port_id="out")
+        try:
+            await self._echo(step, lane, egress, handle, data, release=False)
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await dp.uninstall_ring(egress, timeout=5.0)
+                except GpuWorkerError:
+                    pass
+        return None
+
+    async def _park(self, step: Step) -> str | None:
+        """A pull parked on an egress ring nothing writes to: only the ring's end (a reload, a crash, the close)
+        may end it, and it must, with a typed RingFault."""
+        assert self.sup is not None and self.sup.dataplane is not None
+        dp = self.sup.dataplane
+        egress = await dp.install_ring(self._lane(step).id, direction="egress", capacity=4096, object_spec=SPEC,
+                                       port_id="parked")
+        try:
+            await dp.pull(egress)
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await dp.uninstall_ring(egress, timeout=5.0)
+                except GpuWorkerError:
+                    pass
+        self.found.append(f"{step}: a pull from a ring nothing wrote to returned an object")
+        return None
+
+    # --- the end ---------------------------------------------------------------------------------
+
+    async def sigterm(self, drain_s: float) -> None:
+        """As the daemon's SIGTERM does: wait (bounded) for what is in flight, abort what still runs, then the
+        supervisor closes (stop admitting, shut every worker down in order)."""
+        with trio.move_on_after(drain_s):
+            await self.idle()
+        assert self.sup is not None
+        for lane in self.sup.lanes.values():
+            if lane.state in (LaneState.BUSY, LaneState.DRAINING):
+                lane.abort_in_flight()
+
+    def check_end(self) -> None:
+        sup = self.sup
+        assert sup is not None
+        for e in self.ledger:
+            if e.done is None:
+                self.found.append(f"{e.step}: never answered")
+        for lane in sup.lanes.values():
+            if lane.state is not LaneState.STOPPED:
+                self.found.append(f"{lane.id}: {lane.state.value} after the supervisor closed")
+        dp = sup.dataplane
+        if dp is not None and dp.ends:
+            self.found.append(f"ring ends left: {sorted(dp.ends)}")
+        if dp is not None and dp.steps.handles.count():
+            self.found.append(f"device handles left: {dp.steps.handles.count()}")
+        if sup.arena is not None and sup.arena.live():
+            self.found.append(f"arena leases left: {[le.ring_id for le in sup.arena.live()]}")
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+async def _pull(dp: Any, end: Any, got: list[Any]) -> None:
+    try:
+        got.append(await dp.pull(end))
+    except GpuWorkerError:
+        pass
+

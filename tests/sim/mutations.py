@@ -1,0 +1,115 @@
+"""Known defects put back, one at a time, to show the simulation finds them (issue 17 items 1-4): each undoes its
+fix by monkeypatching, only inside `mutated(name)`, only in the simulation's process. tests/test_sim.py pins a
+seed that catches each, and `python -m tests.sim mutate NAME` searches for more."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from trio_gpuworker._proto import _lifecycle, _lifecycle_rules
+from trio_gpuworker.supervisor import _dataplane, _generation, _steps, _supervisor
+
+
+def _patch(obj: Any, name: str, make: Callable[[Any], Any]) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def patched() -> Iterator[None]:
+        original = getattr(obj, name)
+        setattr(obj, name, make(original))
+        try:
+            yield
+        finally:
+            setattr(obj, name, original)
+    return patched()
+
+
+def _serving_ignores_own_requests(original: Any) -> Any:
+    """Item 1: the serving loop (and a promotion) did not wait for the lane's own request on that connection
+    (an admin LOAD applied to the standby, a PING): the next request went out beside it."""
+    def serve_next(m: Any) -> bool:
+        a = m.active
+        hidden = a.open if a is not None and a.open is not None and a.open.internal else None
+        if hidden is not None:
+            a.open = None
+        try:
+            return bool(original(m))
+        finally:
+            if hidden is not None and a.open is None:
+                a.open = hidden
+    return serve_next
+
+
+def _promote_ignores_the_standbys_request(original: Any) -> Any:
+    def promote(m: Any, now: float) -> bool:
+        s = m.standby
+        hidden = s.open if s is not None and s.open is not None else None
+        if hidden is not None:
+            s.open = None
+        try:
+            return bool(original(m, now))
+        finally:
+            if hidden is not None and s.open is None:
+                s.open = hidden
+    return promote
+
+
+def _ordered_end_drops_the_open_request(original: Any) -> Any:
+    """Item 2: after an ordered stop nothing answered the request that was in flight."""
+    def ended(self: Any, gen: int, salvaged: object, now: float) -> Any:
+        g = self.gens.get(gen)
+        if g is not None and g.cause == "ordered":
+            g.open = None
+        return original(self, gen, salvaged, now)
+    return ended
+
+
+def _quiesce_without_waking(original: Any) -> Any:
+    """Item 3: RING_QUIESCED released the ring without faulting it, so its waiters stayed parked."""
+    def on_lane_event(self: Any, lane: Any, generation: int, msg: Any) -> None:
+        end = self.ends.get(msg.get("ring_id", -1)) if msg is not None else None
+        if msg is not None and msg.t == "RING_QUIESCED" and end is not None and end.lane is lane:
+            end.ring.release()
+            self.arena.release(end.lease, _dataplane.Quiesced(end.ring_id, pump_stopped=True))
+            end.released = True
+            self.ends.pop(end.ring_id, None)
+            return
+        original(self, lane, generation, msg)
+    return on_lane_event
+
+
+def _lane_local_generations(original: Any) -> Any:
+    """Item 4: every lane numbered its generations from 1 and the daemon checked a handle's generation only."""
+    def make_lane(self: Any, cfg: Any, specs: Any) -> Any:
+        lane = original(self, cfg, specs)
+        lane.machine.new_generation = _generation.numbering()
+        return lane
+    return make_lane
+
+
+def _check_generation_only(original: Any) -> Any:
+    def check(self: Any, lane: Any, handle: dict[str, int], code: str) -> None:
+        if handle.get("worker_generation") != lane.generation:
+            original(self, lane, handle, code)
+    return check
+
+
+MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
+    "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
+                            (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
+    "ordered_stop_unanswered": [(_lifecycle.LaneLifecycle, "ended", _ordered_end_drops_the_open_request)],
+    "quiesced_ring_waiters_hang": [(_dataplane.DataPlane, "on_lane_event", _quiesce_without_waking)],
+    "handles_cross_lanes": [(_steps.HandleRegistry, "check", _check_generation_only),
+                            (_supervisor.Supervisor, "_lane", _lane_local_generations)],
+}
+
+
+@contextlib.contextmanager
+def mutated(name: str | None) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for obj, attr, make in MUTATIONS.get(name or "", []):
+            stack.enter_context(_patch(obj, attr, make))
+        yield
+
+
+__all__ = ["MUTATIONS", "mutated"]

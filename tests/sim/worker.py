@@ -1,0 +1,265 @@
+"""A simulated protocol-v3 worker: a trio task speaking the real wire format (the sans-I/O Connection) over an
+in-memory stream, with the data plane on the real arena and native rings, and scripted misbehaviour.
+
+Replies carry their request's content and the answering generation, so the driver can tell a result that reached
+the wrong caller or came from the wrong worker: VECTORS rows are [sum(ids), n_tokens, item id, generation],
+SCORES are each candidate's sum(ids), TEXT is "sim <sum(ids)> g<generation>".
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import numpy as np
+import trio
+
+from tests.sim.rings import SimRings
+from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message, hello_fields, is_request
+
+SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP")
+# what a request may do instead of its normal answer; each must end in a typed error at the caller, never a hang
+MISBEHAVIOURS = ("crash", "crash_after_header", "hang_silent", "hang_after_progress", "garbage", "wrong_req_id",
+                 "regressing_progress", "exit_after_reply", "stop_reading", "slow")
+
+
+@dataclass
+class Fate:
+    """What one worker generation will do: its misbehaviour per serving request (by 1-based count), a slow LOAD,
+    and whether its SIGTERM is ignored (then only the SIGKILL after the grace period ends it)."""
+
+    misbehave: dict[int, str] = field(default_factory=dict)
+    load_s: float = 0.01
+    crash_in_load: bool = False
+    slow_s: float = 1.0
+    ignore_sigterm: bool = False
+
+
+class SimWorker:
+    def __init__(self, stream: trio.abc.HalfCloseableStream, *, nonce: str, pid: int, env: dict[str, str],
+                 fate: Fate, on_misbehave: Callable[[int, str], None]) -> None:
+        self.stream, self.nonce, self.pid, self.fate = stream, nonce, pid, fate
+        self.on_misbehave = on_misbehave  # (generation, what): the driver's ledger of faults it may be struck for
+        self.conn = Connection("worker")
+        self.generation = 0
+        self.served = 0
+        self.models: list[str] = []
+        self.exit_code: int | None = None
+        self.hung = trio.Event()  # set: it stops reading, writing and answering (a hang, or a SIGSTOP)
+        self.stopping: str | None = None
+        self.abort = trio.Event()
+        self.rings: SimRings | None = None
+        self._arena = _map_arena(env)
+        self._send_lock = trio.Lock()
+        self._scope = trio.CancelScope()
+
+    # --- process life --------------------------------------------------------------------------
+
+    async def main(self) -> int:
+        """Run until it exits; returns its exit code."""
+        with self._scope:
+            try:
+                await self._session()
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        return self.exit_code if self.exit_code is not None else 0
+
+    async def exit(self, code: int) -> NoReturn:
+        """The process exits (from any of its tasks)."""
+        if self.exit_code is None:
+            self.exit_code = code
+        self._scope.cancel()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def _session(self) -> None:
+        engine = {"engine": "sim", "version": "1", "build_flags": []}
+        await self.send("HELLO", hello_fields(self.nonce, self.pid, DEFAULT_MAX_FRAME, engine))
+        ack = await self.receive()
+        if ack is None:
+            return
+        self.generation = ack["generation"]
+        self.rings = SimRings(self, self._arena)
+        requests = trio.open_memory_channel[Message](1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_loop, requests[0], nursery)
+            async with requests[1]:
+                async for msg in requests[1]:
+                    await self._serve(msg)
+                    if self.stopping is not None and msg.t == "SHUTDOWN":
+                        await self.exit(0)
+            await self.exit(0)  # the daemon closed the socket
+
+    async def _read_loop(self, send: trio.MemorySendChannel[Message], nursery: trio.Nursery) -> None:
+        assert self.rings is not None
+        async with send:
+            while (msg := await self.receive()) is not None:
+                if msg.t == "SHUTDOWN" and "req_id" not in msg.fields:  # abort_in_flight, out of band
+                    self.stopping = "abort_in_flight"
+                    self.abort.set()
+                    self.rings.close_all("worker_shutting_down")
+                    nursery.start_soon(self._stop_aborted)
+                elif msg.t == "UNINSTALL_RING" and "req_id" not in msg.fields:
+                    self.rings.close(msg["ring_id"], "invalid_output_ring")
+                    nursery.start_soon(self._quiesce_later, msg["ring_id"])
+                elif is_request(msg.t):
+                    await send.send(msg)
+                elif msg.t == "RING_READABLE":
+                    await self.rings.drain(msg["ring_id"])
+                elif msg.t == "RING_WRITABLE":
+                    self.rings.writable(msg["ring_id"])
+
+    async def _stop_aborted(self) -> None:
+        await self.send_all([("RING_QUIESCED", {"ring_id": r}) for r in self.rings.quiesce_all()] if self.rings else [])
+        await self.send("WORKER_STOPPED", {"reason": "abort_in_flight"})
+        await self.exit(0)
+
+    async def _quiesce_later(self, ring_id: int) -> None:
+        assert self.rings is not None
+        if self.rings.busy:
+            await self.rings.idle.wait()
+        self.rings.quiesce(ring_id)
+        await self.send("RING_QUIESCED", {"ring_id": ring_id})
+
+    # --- I/O -------------------------------------------------------------------------------------
+
+    async def send(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> None:
+        await self.write(b"".join(bytes(c) for c in self.conn.send(t, fields, raw)))
+
+    async def send_all(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
+        if messages:
+            await self.write(b"".join(bytes(c) for t, f in messages for c in self.conn.send(t, f)))
+
+    async def write(self, data: bytes) -> None:
+        if self.hung.is_set():
+            await trio.sleep_forever()
+        async with self._send_lock:
+            await self.stream.send_all(data)
+
+    async def receive(self) -> Message | None:
+        while True:
+            if self.hung.is_set():
+                await trio.sleep_forever()
+            ev = self.conn.next_event()
+            if isinstance(ev, Message):
+                return ev
+            if ev is CLOSED:
+                return None
+            self.conn.receive_data(await self.stream.receive_some(65536))
+
+    def misbehave(self, what: str) -> None:
+        self.on_misbehave(self.generation, what)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    async def _serve(self, msg: Message) -> None:
+        req_id, t = msg["req_id"], msg.t
+        if self.stopping is not None and t != "SHUTDOWN":
+            await self.send("ERR", {"req_id": req_id, "code": "worker_shutting_down", "msg": "shutting down"})
+            return
+        if t == "LOAD":
+            await self._load(msg)
+        elif t in SERVING:
+            self.served += 1
+            await self._serve_work(msg, self.fate.misbehave.get(self.served))
+        elif t == "UNLOAD":
+            if msg["model_ref"] in self.models:
+                self.models.remove(msg["model_ref"])
+                await self.send("UNLOADED", {"req_id": req_id})
+            else:
+                await self.send("ERR", {"req_id": req_id, "code": "model_not_loaded", "msg": msg["model_ref"]})
+        elif t == "PING":
+            await self.send("PONG", {"req_id": req_id, "rss_mb": 10.0, "models_loaded": list(self.models)})
+        elif t == "SHUTDOWN":
+            self.stopping = "graceful"
+            assert self.rings is not None
+            await self.send_all([("RING_QUIESCED", {"ring_id": r}) for r in self.rings.quiesce_all()])
+            await self.send("WORKER_STOPPED", {"req_id": req_id, "reason": "graceful"})
+        else:
+            assert self.rings is not None
+            reply = await self.rings.request(msg)
+            await self.send(reply[0], {"req_id": req_id, **reply[1]})
+
+    async def _load(self, msg: Message) -> None:
+        req_id = msg["req_id"]
+        await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "setup"})
+        if self.fate.crash_in_load:
+            self.misbehave("crash_in_load")
+            await self.exit(4)
+        await trio.sleep(self.fate.load_s)
+        model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
+        if model_ref not in self.models:
+            self.models.append(model_ref)
+        await self.send("LOADED", {"req_id": req_id, "model_ref": model_ref, "dims": 4, "cold_load_ms": 1.0})
+
+    async def _serve_work(self, msg: Message, how: str | None) -> None:
+        req_id = msg["req_id"]
+        if how is not None:
+            self.misbehave(how)
+        if how == "crash":
+            await self.exit(5)
+        if how == "hang_silent" or how == "stop_reading":
+            self.hung.set()
+            await trio.sleep_forever()
+        if how == "regressing_progress":
+            await self.send("PROGRESS", {"req_id": req_id, "completed": 2, "phase": "inference"})
+            await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "inference"})
+        else:
+            await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "inference"})
+        if how == "hang_after_progress":
+            self.hung.set()
+            await trio.sleep_forever()
+        if how == "slow":  # longer than the window with no progress: a hang the watchdog must catch
+            with trio.move_on_after(self.fate.slow_s):
+                await self.abort.wait()
+        if self.abort.is_set():
+            await self.send("ERR", {"req_id": req_id, "code": "worker_shutting_down", "msg": "aborted"})
+            return
+        if msg.t == "EXECUTE_STEP":
+            assert self.rings is not None
+            t, fields, raw = await self.rings.execute(msg)
+        else:
+            t, fields, raw = self.answer(msg)
+        if how == "wrong_req_id":
+            fields = {**fields, "req_id": req_id + 1}
+        if how == "garbage":
+            await self.write(struct.pack("<I", 8) + b"\xff" * 8)
+            await trio.sleep_forever()
+        if how == "crash_after_header" and raw is not None:
+            await self.write(bytes(self.conn.send(t, fields, raw)[0]))
+            await self.exit(6)
+        await self.send(t, fields, raw)
+        if how == "exit_after_reply":
+            await self.exit(0)
+
+    def answer(self, msg: Message) -> tuple[str, dict[str, Any], bytes | None]:
+        req_id, ids = msg["req_id"], np.frombuffer(msg.raw or b"", dtype="<i4")
+        if msg.t == "EMBED_BATCH":
+            rows, at = [], 0
+            for item in msg["items"]:
+                n = item["n_tokens"]
+                rows.append([float(ids[at:at + n].sum()), float(n), float(item["id"]), float(self.generation)])
+                at += n
+            out = np.asarray(rows, dtype="<f4").reshape(len(rows), 4)
+            return "VECTORS", {"req_id": req_id, "dims": 4, "n": len(rows)}, out.tobytes()
+        if msg.t == "RERANK":
+            at, scores = msg["query_n_tokens"], []
+            for cand in msg["candidates"]:
+                scores.append(float(ids[at:at + cand["n_tokens"]].sum()))
+                at += cand["n_tokens"]
+            return "SCORES", {"req_id": req_id, "n": len(scores)}, np.asarray(scores, dtype="<f4").tobytes()
+        gen = ids[::-1][: msg["max_tokens"]].astype("<i4")
+        return "TEXT", {"req_id": req_id, "text": f"sim {int(ids.sum())} g{self.generation}", "n_prompt": len(ids),
+                        "n_gen": len(gen), "finish_reason": "length"}, gen.tobytes()
+
+
+def _map_arena(env: dict[str, str]) -> mmap.mmap | None:
+    fd, size = env.get("GPUWORKER_ARENA_FD"), int(env.get("GPUWORKER_ARENA_BYTES", "0") or 0)
+    return mmap.mmap(int(fd), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if fd and size else None
+
+
+__all__ = ["MISBEHAVIOURS", "Fate", "SimWorker"]
