@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.sim.__main__ import shrink
 from tests.sim.mutations import MUTATIONS, mutated
 from tests.sim.run import run_schedule
 from tests.sim.schedule import make_schedule
+from tests.sim.search import shrink
 
 SCHEDULES = int(os.environ.get("SIM_SCHEDULES", "2000"))
 # a seed that catches each defect of issue 17 when its fix is undone (found with `python -m tests.sim mutate`)
