@@ -58,9 +58,14 @@ class World:
 
     # --- performing a step --------------------------------------------------------------------
 
-    async def perform(self, step: Step) -> None:
+    def begin(self, step: Step) -> Entry:
+        """The step's ledger entry, made when it is started (so an idle() right after it waits for it too)."""
         entry = Entry(step, trio.current_time())
         self.ledger.append(entry)
+        return entry
+
+    async def perform(self, entry: Entry) -> None:
+        step = entry.step
         try:
             entry.outcome = await getattr(self, f"_{step.action}")(step) or "ok"
         except Exception as exc:
@@ -225,7 +230,9 @@ class World:
         if not self._handles:
             return "nothing"
         dp, lane = self.sup.dataplane, self._lane(step)
-        _, handle, data = self._handles[step.arg % len(self._handles)]
+        # another lane's handles first: a handle resolving on the wrong lane is the silent failure this looks for
+        pool = [h for h in self._handles if h[0] != lane.id] or self._handles
+        _, handle, data = pool[step.arg % len(pool)]
         egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC, port_id="out")
         try:
             await self._echo(step, lane, egress, handle, data, release=False)

@@ -95,7 +95,7 @@ async def _run(schedule: Schedule, base: Path, found: list[str], worlds: list[ac
                 for step in schedule.steps:
                     await trio.sleep_until(t0 + step.at)
                     check_lanes(world, events)
-                    steps.start_soon(world.perform, step)
+                    steps.start_soon(world.perform, world.begin(step))
                 with trio.move_on_after(act.BOUND):
                     await world.idle()
                 check_lanes(world, events)
