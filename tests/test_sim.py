@@ -9,14 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.sim.__main__ import shrink
 from tests.sim.mutations import MUTATIONS, mutated
 from tests.sim.run import run_schedule
-from tests.sim.schedule import make_schedule
+from tests.sim.schedule import Schedule, Step, make_schedule
+from tests.sim.search import shrink
 
 SCHEDULES = int(os.environ.get("SIM_SCHEDULES", "2000"))
-# a seed that catches each defect of issue 17 when its fix is undone (found with `python -m tests.sim mutate`)
-CATCHES: dict[str, int] = {}
+# a seed that catches each defect of issue 17 when its fix is undone (found with `python -m tests.sim mutate NAME
+# --seeds 0:2000`, PYTHONHASHSEED=0); the random search did not find a cross-lane handle in 2,000 seeds, so that one
+# is the shortest schedule that shows it, run by the same simulation
+CATCHES: dict[str, int | Schedule] = {
+    "standby_carries_two": 436,
+    "ordered_stop_unanswered": 0,
+    "quiesced_ring_waiters_hang": 8,
+    "handles_cross_lanes": Schedule(seed=1, lanes=2, standby=False, strikes=2, fault_rate=0.0, steps=(
+        Step(0.5, "ring", 0, 3), Step(1.0, "ring", 1, 3), Step(2.0, "stale", 1, 0))),
+}
 
 
 def test_schedules_keep_every_invariant(tmp_path: Path) -> None:
@@ -32,7 +40,7 @@ def test_schedules_keep_every_invariant(tmp_path: Path) -> None:
 
 def test_a_seed_replays_exactly(tmp_path: Path) -> None:
     """The same seed gives the same run: same findings, same generations, under a mutation that fails."""
-    schedule = make_schedule(7)
+    schedule = make_schedule(0)
     with mutated("ordered_stop_unanswered"):
         assert run_schedule(schedule, tmp_path) == run_schedule(schedule, tmp_path)
 
@@ -43,7 +51,7 @@ def test_each_known_defect_is_found_again(tmp_path: Path, name: str) -> None:
     seed = CATCHES.get(name)
     if seed is None:
         pytest.fail(f"no seed pinned for {name}")
-    schedule = make_schedule(seed)
+    schedule = seed if isinstance(seed, Schedule) else make_schedule(seed)
     assert run_schedule(schedule, tmp_path) == []
     with mutated(name):
         found = run_schedule(schedule, tmp_path)
@@ -52,6 +60,7 @@ def test_each_known_defect_is_found_again(tmp_path: Path, name: str) -> None:
 
 def test_a_failing_schedule_shrinks_and_still_fails(tmp_path: Path) -> None:
     seed = CATCHES["ordered_stop_unanswered"]
+    assert isinstance(seed, int)
     with mutated("ordered_stop_unanswered"):
         schedule = make_schedule(seed)
         small = shrink(schedule, tmp_path)

@@ -13,10 +13,15 @@ from pathlib import Path
 FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"
 
 
+OPTIONS = ("on_request", "once_file", "delay", "load_delay", "first_load_delay", "progress_every", "fault_rate",
+           "seed")
+
+
 def fake_command(behavior: str | None = None, **opts: object) -> tuple[str, ...]:
     """`(python, fake_worker.py, --behavior NAME, --on-request N, ...)`; keyword `on_request=2` -> `--on-request 2`.
 
-    Options: on_request, once_file, delay, progress_every, fault_rate, seed. None values are left out.
+    Options: on_request, once_file, delay, load_delay, first_load_delay, progress_every, fault_rate, seed. None
+    values are left out.
     """
     from .fake_worker import BEHAVIORS
 
@@ -26,7 +31,7 @@ def fake_command(behavior: str | None = None, **opts: object) -> tuple[str, ...]
     if behavior is not None:
         args += ["--behavior", behavior]
     for name, value in opts.items():
-        if name not in ("on_request", "once_file", "delay", "progress_every", "fault_rate", "seed"):
+        if name not in OPTIONS:
             raise TypeError(f"fake_command() got an unknown option {name!r}")
         if value is not None:
             args += ["--" + name.replace("_", "-"), str(value)]

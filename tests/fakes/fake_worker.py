@@ -1,7 +1,7 @@
 """A scripted protocol-v3 worker: a real process on a real socket, no tinygrad, no trio.
 
     python tests/fakes/fake_worker.py [--behavior NAME] [--on-request N] [--once-file PATH]
-        [--delay S] [--progress-every S] --socket PATH --nonce HEX
+        [--delay S] [--progress-every S] [--load-delay S] [--first-load-delay S] --socket PATH --nonce HEX
 
 Normal service (one request at a time; dims are always 4):
 
@@ -67,6 +67,7 @@ if __name__ == "__main__":
     _package.__path__ = [str(Path(__file__).resolve().parents[2] / "trio_gpuworker")]
     sys.modules.setdefault("trio_gpuworker", _package)
 
+from trio_gpuworker._lifeline import watch_lifeline
 from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message, hello_fields
 
 DIMS = 4
@@ -201,6 +202,9 @@ class FakeWorker:
             if self.at_request(self.loads, "crash_during_load"):
                 os._exit(4)
             started = time.monotonic()
+            delay = self.args.first_load_delay if self.loads == 1 else self.args.load_delay
+            if delay:
+                time.sleep(delay)
             model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
             if model_ref not in self.models:
                 self.models.append(model_ref)
@@ -308,6 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--on-request", type=int, default=1)
     p.add_argument("--once-file")
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--load-delay", type=float, default=0.0, help="every LOAD after the first takes this long")
+    p.add_argument("--first-load-delay", type=float, default=0.0, help="the first LOAD takes this long (silent)")
     p.add_argument("--progress-every", type=float)
     p.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random fault per serving request")
     p.add_argument("--seed", type=int, default=None)
@@ -317,6 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> int:
+    watch_lifeline()  # as an engine should: it dies with the daemon, however the daemon ends
     worker = FakeWorker(parse_args())
     try:
         return worker.run()

@@ -58,9 +58,14 @@ class World:
 
     # --- performing a step --------------------------------------------------------------------
 
-    async def perform(self, step: Step) -> None:
+    def begin(self, step: Step) -> Entry:
+        """The step's ledger entry, made when it is started (so an idle() right after it waits for it too)."""
         entry = Entry(step, trio.current_time())
         self.ledger.append(entry)
+        return entry
+
+    async def perform(self, entry: Entry) -> None:
+        step = entry.step
         try:
             entry.outcome = await getattr(self, f"_{step.action}")(step) or "ok"
         except Exception as exc:
@@ -72,7 +77,7 @@ class World:
                 self.found.append(f"{step}: untyped {type(exc).__name__}: {exc}\n{text}")
                 entry.outcome = "untyped"
         entry.done = trio.current_time()
-        if entry.done - entry.started > BOUND:
+        if entry.done - entry.started > BOUND and step.action != "park":  # a parked pull waits for its ring's end
             self.found.append(f"{step}: took {entry.done - entry.started:.1f} s (bound {BOUND:g} s)")
         self._changed.set()
 
@@ -121,7 +126,7 @@ class World:
 
     def _gens_of(self, lane: Lane) -> set[int]:
         assert self.launcher is not None
-        return {g for g, p in self.launcher.procs.items() if p.spec.lane_id == lane.id}
+        return {g for (lane_id, g) in self.launcher.procs if lane_id == lane.id}
 
     async def _load(self, step: Step) -> str | None:
         assert self.sup is not None
@@ -151,7 +156,8 @@ class World:
     def _target(self, step: Step) -> Any:
         m = self._lane(step).machine
         g = m.standby if step.arg and m.standby is not None else m.active
-        proc = self.launcher.procs.get(g.number) if g is not None and self.launcher is not None else None
+        lane_id = self._lane(step).id
+        proc = self.launcher.procs.get((lane_id, g.number)) if g is not None and self.launcher is not None else None
         if proc is not None:
             self.injected.add(g.number)
         return proc
@@ -185,8 +191,9 @@ class World:
             data = self._ids(64 * step.arg).astype(np.float32)
             handle = await dp.load(ingress, data, object_id=1, sequence=0)
             self._handles.append((lane.id, handle, data))
-            await self._echo(step, lane, egress, handle, data, release=step.arg % 2 == 1)
-            if step.arg % 2 == 0:
+            # a third of the sessions keep their object on the device (for `stale` steps, on any lane, to find)
+            await self._echo(step, lane, egress, handle, data, release=step.arg % 3 == 1)
+            if step.arg % 3 == 2:
                 await dp.release_handle(lane.id, handle)
         finally:
             with trio.CancelScope(shield=True):
@@ -223,7 +230,9 @@ class World:
         if not self._handles:
             return "nothing"
         dp, lane = self.sup.dataplane, self._lane(step)
-        _, handle, data = self._handles[step.arg % len(self._handles)]
+        # another lane's handles first: a handle resolving on the wrong lane is the silent failure this looks for
+        pool = [h for h in self._handles if h[0] != lane.id] or self._handles
+        _, handle, data = pool[step.arg % len(pool)]
         egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC, port_id="out")
         try:
             await self._echo(step, lane, egress, handle, data, release=False)

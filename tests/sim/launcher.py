@@ -78,12 +78,12 @@ class SimLauncher:
     def __init__(self, nursery: trio.Nursery, fate: Callable[[WorkerSpec], Fate],
                  on_misbehave: Callable[[int, str], None]) -> None:
         self.nursery, self.fate, self.on_misbehave = nursery, fate, on_misbehave
-        self.procs: dict[int, SimProc] = {}  # generation -> its process
+        self.procs: dict[tuple[str, int], SimProc] = {}  # (lane, generation) -> its process
         self._pids = itertools.count(40_000)
 
     async def launch(self, spec: WorkerSpec, nursery: trio.Nursery, log: LogRing) -> SimProc:
         proc = SimProc(spec, next(self._pids), self.fate(spec), self.on_misbehave)
-        self.procs[spec.generation] = proc
+        self.procs[(spec.lane_id, spec.generation)] = proc
         self.nursery.start_soon(proc.run)
         return proc
 

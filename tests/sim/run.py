@@ -40,19 +40,50 @@ def config(schedule: Schedule, base: Path) -> SupervisorConfig:
         restart=RestartPolicy(0.1, 2.0, 2.0), arena_bytes=4 << 20, health_interval_s=3.0, max_batch_items=64)
 
 
+# a run that has not ended this long (simulated) after its last step hangs somewhere, and one that takes this many
+# task steps spins: either is a finding, not a test that never ends
+HORIZON_S = act.BOUND + DRAIN_S + 4 * act.WINDOWS.shutdown_s + 60.0
+MAX_BATCHES = 500_000  # scheduler batches (one per I/O wait: cheaper to count than task steps)
+
+
+class _Spin(trio.abc.Instrument):
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope, self.steps = scope, 0
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.steps += 1
+        if self.steps == MAX_BATCHES:
+            self.scope.cancel()
+
+
 def run_schedule(schedule: Schedule, base: Path) -> list[str]:
     logging.getLogger("trio_gpuworker").setLevel(logging.CRITICAL)  # faults are the point here, not news
     trio._core._run._r.seed(schedule.seed)  # the scheduler's own tie-breaks, so the seed fixes the whole run
     found: list[str] = []
+    scope = trio.CancelScope()
     try:
-        trio.run(_run, schedule, base, found, clock=trio.testing.MockClock(autojump_threshold=0))
+        trio.run(_bounded, schedule, base, found, scope, clock=trio.testing.MockClock(autojump_threshold=0),
+                 instruments=[_Spin(scope)])
     except BaseException as exc:
         found.append(f"escaped: {''.join(traceback.format_exception(exc))}")
     return found
 
 
-async def _run(schedule: Schedule, base: Path, found: list[str]) -> None:
+async def _bounded(schedule: Schedule, base: Path, found: list[str], scope: trio.CancelScope) -> None:
+    last = schedule.steps[-1].at if schedule.steps else 0.0
+    scope.deadline = trio.current_time() + last + HORIZON_S
+    worlds: list[act.World] = []
+    with scope:
+        await _run(schedule, base, found, worlds)
+    if scope.cancelled_caught:
+        waiting = [str(e.step) for w in worlds for e in w.ledger if e.done is None]
+        found.append(f"the run did not end: {trio.current_time():.1f} s simulated (horizon {last + HORIZON_S:g} s), "
+                     f"{MAX_BATCHES} scheduler batches at most; never answered: {waiting}")
+
+
+async def _run(schedule: Schedule, base: Path, found: list[str], worlds: list[act.World]) -> None:
     world = act.World(schedule, random.Random(schedule.seed ^ 0x5EED), found)
+    worlds.append(world)
     async with trio.open_nursery() as sim:
         launcher = SimLauncher(sim, lambda spec: schedule.fate(spec.generation), world.misbehaved)
         world.launcher = launcher
@@ -64,11 +95,12 @@ async def _run(schedule: Schedule, base: Path, found: list[str]) -> None:
                 for step in schedule.steps:
                     await trio.sleep_until(t0 + step.at)
                     check_lanes(world, events)
-                    steps.start_soon(world.perform, step)
+                    steps.start_soon(world.perform, world.begin(step))
                 with trio.move_on_after(act.BOUND):
                     await world.idle()
                 check_lanes(world, events)
                 await world.sigterm(DRAIN_S)
+                sup.close()  # as the daemon does after its drain; a parked pull ends only here
             check_lanes(world, events)
         world.check_end()
         if launcher.running():
@@ -104,7 +136,7 @@ def check_lanes(world: act.World, events: trio.MemoryReceiveChannel[dict[str, ob
         if m.state is LaneState.QUARANTINED and (m.standby is not None or m.tickets.queue):
             found.append(f"{where}: quarantined with a standby or queued requests")
         if a is not None and a.number in lane.gens and world.launcher is not None:
-            proc = world.launcher.procs.get(a.number)
+            proc = world.launcher.procs.get((lane.id, a.number))
             if proc is not None and status["pid"] != proc.pid:
                 found.append(f"{where}: /v1/lanes pid {status['pid']} is not its active worker's {proc.pid}")
 

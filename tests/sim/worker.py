@@ -64,8 +64,8 @@ class SimWorker:
         with self._scope:
             try:
                 await self._session()
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            except* (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the daemon closed the socket (from whichever task wrote or read): the process exits
         return self.exit_code if self.exit_code is not None else 0
 
     async def exit(self, code: int) -> NoReturn:

@@ -7,6 +7,7 @@ from ._arena import ArenaManager
 from ._batching import Batcher
 from ._dataplane import DataPlane, RingEnd
 from ._events import EventBus
+from ._exchange import silence_window
 from ._jobs import Job, LoadSpec
 from ._lane import Lane
 from ._launcher import Launched, Launcher, ProcessLauncher, WorkerSpec
@@ -35,4 +36,5 @@ __all__ = [
            "Ticket",
            "WorkerSpec",
            "load_spec",
+           "silence_window",
 ]

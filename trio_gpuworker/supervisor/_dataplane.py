@@ -46,9 +46,7 @@ STALL_BYTES = 64  # less free space than this in an egress ring: a producer is w
 
 class DataPlane:
     def __init__(self, lanes: dict[str, Lane], arena: ArenaManager, bus: Any) -> None:
-        self.lanes = lanes
-        self.arena = arena
-        self.bus = bus
+        self.lanes, self.arena, self.bus = lanes, arena, bus
         self.ends: dict[int, RingEnd] = {}
         self.bytes_moved = {"ingress": 0, "egress": 0}  # payload bytes through rings, exported as a metric
         self._nursery: trio.Nursery | None = None
@@ -98,11 +96,12 @@ class DataPlane:
                       EgressState(spec) if direction == "ingress" else IngressState())
         self.ends[lease.ring_id] = end
         layout = {"offset": lease.offset, "header_len": 128, "capacity": lease.capacity}
-        waiting = [True]
+        waiting, early = [True], []
 
         def answered(reply: Message | None, error: BaseException | None) -> None:
-            if not waiting[0]:
-                self._orphan_answered(end, reply, error)
+            if waiting[0]:  # its caller may be leaving right now (see DeadlineExceeded below)
+                return early.append((reply, error))
+            self._orphan_answered(end, reply, error)
 
         try:
             # if the worker dies meanwhile, the reaped-worker hook releases the lease
@@ -112,6 +111,8 @@ class DataPlane:
                                     on_result=answered, generation=generation)
         except DeadlineExceeded:
             waiting[0] = False
+            for answer in early:  # settled as its caller left (dropped from the queue): undo it now
+                self._orphan_answered(end, *answer)
             raise
         except BrokenWorkerError as exc:  # its worker ended first: the reaped-worker hook released the lease
             raise RingFault("worker_process_exited", str(exc)) from exc
@@ -132,9 +133,9 @@ class DataPlane:
         if reply is not None and reply.t == "RING_INSTALLED":
             if self._nursery is not None:
                 self._nursery.start_soon(self._uninstall_quietly, end)
-        elif reply is not None or isinstance(error, WorkerError):
+        elif reply is not None or error is None or isinstance(error, WorkerError):  # refused, or never sent
             self._release(end, Quiesced(end.ring_id, pump_stopped=True),
-                          RingFault("worker_internal", "the worker refused the ring after its installer left"))
+                          RingFault("worker_internal", "the ring was refused or never sent: its installer left"))
 
     async def _uninstall_quietly(self, end: RingEnd) -> None:
         with contextlib.suppress(GpuWorkerError):
@@ -142,9 +143,7 @@ class DataPlane:
 
     async def uninstall_ring(self, end: RingEnd, reason: str = "edge_stopped", timeout: float | None = None) -> None:
         """Stop our pump, then UNINSTALL_RING; the lease is released on RING_QUIESCED (or when the worker is reaped)."""
-        end.fault = end.fault or RingFault("worker_shutting_down", "ring uninstalled")
-        end.hint.set()
-        end.event_ready.set()
+        end.fail(RingFault("worker_shutting_down", "ring uninstalled"))
         if end.released:
             return
         fields = {"ring_id": end.ring_id, "reason": reason}
@@ -164,9 +163,7 @@ class DataPlane:
     def _release(self, end: RingEnd, proof: Any, fault: RingFault) -> None:
         """The ring is gone on the worker's side: every waiter wakes with a typed RingFault, and so does any later
         push, pull or load on it; then the lease is released on the proof."""
-        end.fault = end.fault or fault
-        end.hint.set()
-        end.event_ready.set()
+        end.fail(fault)
         if end.released:
             return
         end.ring.release()
@@ -241,6 +238,7 @@ class DataPlane:
 
     async def load(self, end: RingEnd, data: Any, *, object_id: int, sequence: int, flags: int = 0) -> dict[str, Any]:
         """push + wait for its OBJECT_LOADED; returns the device handle."""
+        end.raise_if_faulted()  # one typed error (else the push and the wait would each raise it)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: self.push(end, data, object_id=object_id, sequence=sequence, flags=flags))
             msg = await self.next_event(end)
@@ -253,6 +251,7 @@ class DataPlane:
         """push_many + wait until every object is loaded; returns their device handles, in order. Completions
         arrive in batches (one OBJECTS_LOADED per worker drain), so many callers wake from one message."""
         handles: list[dict[str, int]] = []
+        end.raise_if_faulted()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: self.push_many(end, objects, first_object_id=first_object_id,
                                                       first_sequence=first_sequence, flags=flags))
@@ -380,24 +379,21 @@ class DataPlane:
                               RingFault("worker_shutting_down", f"ring {end.ring_id} was quiesced"))
             return
         if msg.t == "RING_FAULT":
-            end.fault = RingFault(msg["reason"], msg.get("msg", ""))
-            end.hint.set()
+            end.fail(RingFault(msg["reason"], msg.get("msg", "")))
         end.events.append(msg)
         end.event_ready.set()
 
     def _generation_gone(self, lane: Lane, generation: int) -> None:
         """The worker is reaped: its handles are void; fault every ring it had, tell subscribers, release leases."""
         self.steps.handles.generation_gone(lane, generation)
-        pid, rc = lane.last_reaped
+        pid, rc, gone = *lane.last_reaped, f"worker of lane {lane.id} generation {generation} exited"
         for end in [e for e in self.ends.values() if e.lane is lane and e.generation == generation]:
             fault = {"ring_id": end.ring_id, "edge_id": end.edge_id, "port_id": end.port_id,
                      "reason": "worker_process_exited"}
             end.events.append(Message("RING_FAULT", fault))
             self.bus.publish({"t": "RING_FAULT", **fault, "lane_id": lane.id, "generation": generation,
                               "synthetic": True})
-            self._release(end, Reaped(pid, rc, pump_stopped=True),
-                          RingFault("worker_process_exited", f"worker of lane {lane.id} generation {generation} "
-                                                             "exited"))
+            self._release(end, Reaped(pid, rc, pump_stopped=True), RingFault("worker_process_exited", gone))
 
 
 __all__ = ["DataPlane", "ObjectFailed", "RingEnd", "RingFault"]

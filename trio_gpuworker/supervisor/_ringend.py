@@ -50,3 +50,9 @@ class RingEnd:
     def raise_if_faulted(self) -> None:
         if self.fault is not None:
             raise self.fault
+
+    def fail(self, fault: RingFault) -> None:
+        """Fault the end (the first fault stays) and wake every waiter on it, so each raises it."""
+        self.fault = self.fault or fault
+        self.hint.set()
+        self.event_ready.set()
