@@ -46,6 +46,19 @@ def zombie_or_gone(pid: int) -> bool:
         return True
 
 
+def live_procs(field: int, value: int) -> list[int]:
+    """Processes (not zombies) whose /proc stat field `field` after the name is `value`: 1 ppid, 2 pgid."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[field]) == value and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
 async def embed(sup: Supervisor, rs: list[np.ndarray], **kw: object) -> np.ndarray:
     return await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True, **kw)
 
@@ -208,19 +221,8 @@ async def _kill_daemon_while_loading(tmp_path: Path, model: Path, extra: str, co
     daemon = await trio.lowlevel.open_process([sys.executable, ROOT / "bin" / "gpuworkerd", "--config", cfg],
                                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        def workers() -> list[int]:
-            found = []
-            for stat in Path("/proc").glob("[0-9]*/stat"):
-                try:
-                    fields = stat.read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[1]) == daemon.pid and fields[0] != "Z":  # a child of the daemon
-                    found.append(int(stat.parent.name))
-            return found
-
-        await wait_until(lambda: bool(workers()), within_s=60)
-        [worker] = workers()
+        await wait_until(lambda: bool(live_procs(1, daemon.pid)), within_s=60)
+        [worker] = live_procs(1, daemon.pid)  # the daemon's one child
         await trio.sleep(1.5)  # past HELLO, inside its LOAD
         assert alive(worker)
         group = os.getpgid(worker)
@@ -229,18 +231,7 @@ async def _kill_daemon_while_loading(tmp_path: Path, model: Path, extra: str, co
             await daemon.wait()
         await wait_until(lambda: zombie_or_gone(worker), within_s=5)
 
-        def group_members() -> list[int]:
-            out = []
-            for stat in Path("/proc").glob("[0-9]*/stat"):
-                try:
-                    fields = stat.read_text().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[2]) == group and fields[0] != "Z":
-                    out.append(int(stat.parent.name))
-            return out
-
-        await wait_until(lambda: not group_members(), within_s=5)  # and everything it started
+        await wait_until(lambda: not live_procs(2, group), within_s=5)  # and everything it started
     finally:
         if daemon.returncode is None:
             daemon.kill()

@@ -196,12 +196,8 @@ class World:
             if step.arg % 3 == 2:
                 await dp.release_handle(lane.id, handle)
         finally:
-            with trio.CancelScope(shield=True):
-                for end in ends:
-                    try:
-                        await dp.uninstall_ring(end, timeout=5.0)
-                    except GpuWorkerError:
-                        pass
+            for end in ends:
+                await _uninstall(dp, end)
         return None
 
     async def _echo(self, step: Step, lane: Lane, egress: Any, handle: dict[str, int], data: np.ndarray, *,
@@ -237,11 +233,7 @@ class World:
         try:
             await self._echo(step, lane, egress, handle, data, release=False)
         finally:
-            with trio.CancelScope(shield=True):
-                try:
-                    await dp.uninstall_ring(egress, timeout=5.0)
-                except GpuWorkerError:
-                    pass
+            await _uninstall(dp, egress)
         return None
 
     async def _park(self, step: Step) -> str | None:
@@ -254,11 +246,7 @@ class World:
         try:
             await dp.pull(egress)
         finally:
-            with trio.CancelScope(shield=True):
-                try:
-                    await dp.uninstall_ring(egress, timeout=5.0)
-                except GpuWorkerError:
-                    pass
+            await _uninstall(dp, egress)
         self.found.append(f"{step}: a pull from a ring nothing wrote to returned an object")
         return None
 
@@ -296,6 +284,14 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
     return [exc]
+
+
+async def _uninstall(dp: Any, end: Any) -> None:
+    with trio.CancelScope(shield=True):
+        try:
+            await dp.uninstall_ring(end, timeout=5.0)
+        except GpuWorkerError:
+            pass
 
 
 async def _pull(dp: Any, end: Any, got: list[Any]) -> None:
