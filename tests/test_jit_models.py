@@ -27,7 +27,7 @@ SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float
 
 def config(jit_dir: Path, order: tuple[str, ...]) -> SupervisorConfig:
     models = (ModelConfig("enc", MINILM / "model.safetensors", max_tokens=16,
-                          runtime_config={"warmup_shapes": [[16, 1], [16, 4]]}),
+                          runtime_config={"warmup_shapes": [[16, 1], [16, 4]], "encoder": "graph"}),
               ModelConfig("lm", gguf_path(), kind="generate", format="gguf"))
     return SupervisorConfig(lanes=(LaneConfig("duo", order, env={"GPUWORKER_JIT_CACHE": str(jit_dir)}),),
                             models=models, state_dir=SESSION_STATE,  # the session's kernels; this test's JITs
