@@ -76,7 +76,7 @@ async def test_soak_with_random_faults(tmp_path: Path) -> None:
     assert set(outcomes) <= {"ok", "engine_crashed", "deadline_exceeded"}, outcomes
     assert worst <= TIMEOUT_S + 1.0
     assert children_of(os.getpid()) == kids_before
-    assert open_fds() == fds_before
+    assert open_fds() <= fds_before  # none left behind (fewer: an earlier test's fds were collected meanwhile)
     assert list((tmp_path / "run" / "gpuworker" / "workers").iterdir()) == []
 
 
