@@ -8,21 +8,22 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trio_gpuworker._proto import StrikePolicy
-from trio_gpuworker._proto._lifecycle import LaneLifecycle
-from trio_gpuworker._proto._lifecycle_parts import (
+from trio_gpuworker._proto import (
     Abort,
     Backoff,
     Crashed,
     Effect,
     Finish,
+    GenState,
     Kill,
+    LaneLifecycle,
+    LaneState,
     Outcome,
     Send,
     Spawn,
-    Ticket,
+    StrikePolicy,
 )
-from trio_gpuworker._proto._lifecycle_table import GenState, LaneState
+from trio_gpuworker._proto import LaneTicket as Ticket
 
 
 @dataclass

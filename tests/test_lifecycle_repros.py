@@ -18,6 +18,7 @@ from tests.fakes import fake_command
 from tests.helpers import wait_until
 from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
 from tests.test_dataplane_faults import SPEC, config
+from tests.test_lane_supervision import pid_alive as alive
 from trio_gpuworker import (
     GpuWorkerError,
     LaneState,
@@ -29,14 +30,6 @@ from trio_gpuworker import (
 from trio_gpuworker.supervisor import LoadSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def zombie_or_gone(pid: int) -> bool:
