@@ -229,11 +229,22 @@ class World:
         # another lane's handles first: a handle resolving on the wrong lane is the silent failure this looks for
         pool = [h for h in self._handles if h[0] != lane.id] or self._handles
         _, handle, data = pool[step.arg % len(pool)]
-        egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC, port_id="out")
+        ends = []
         try:
+            # a decoy kept on this lane's worker: its handle numbers collide with the other lane's, so a handle
+            # let through to the wrong lane finds an object there and echoes the decoy's bytes (seen, not a typed
+            # "invalid handle" that would hide the defect)
+            ingress = await dp.install_ring(lane.id, direction="ingress", capacity=4096, object_spec=SPEC,
+                                            port_id="decoy")
+            ends.append(ingress)
+            await dp.load(ingress, self._ids(64).astype(np.float32) + 0.5, object_id=1, sequence=0)
+            egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC,
+                                           port_id="out")
+            ends.append(egress)
             await self._echo(step, lane, egress, handle, data, release=False)
         finally:
-            await _uninstall(dp, egress)
+            for end in ends:
+                await _uninstall(dp, end)
         return None
 
     async def _park(self, step: Step) -> str | None:
