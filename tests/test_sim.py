@@ -36,6 +36,17 @@ def test_schedules_keep_every_invariant(tmp_path: Path) -> None:
     assert not failing, "\n".join(failing)
 
 
+# seeds the 10^5-schedule `make sim` found failing, each fixed: they stay in the suite
+# 94281: a worker hung after filling an egress ring, before its RING_READABLE: the parked puller never drained it,
+# so the step looked blocked on us and its watchdog was extended forever (fixed: extending the window wakes it)
+REGRESSIONS = (94281,)
+
+
+@pytest.mark.parametrize("seed", REGRESSIONS)
+def test_seeds_make_sim_found(tmp_path: Path, seed: int) -> None:
+    assert run_schedule(make_schedule(seed), tmp_path) == []
+
+
 def test_a_seed_replays_exactly(tmp_path: Path) -> None:
     """The same seed gives the same run: same findings, same generations, under a mutation that fails."""
     schedule = make_schedule(0)
