@@ -27,6 +27,7 @@ from tests.reference_llama import NumpyLlama, gguf_path
 from trio_gpuworker import Supervisor
 from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT, parse_config
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
+from trio_gpuworker.models.sampling import GREEDY, SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain in one sentence what a GPU does."]
@@ -37,8 +38,10 @@ def prompts(tok: ChatTokenizer) -> list[np.ndarray]:
             for q in QUESTIONS]
 
 
-async def daemon_run(ids: list[np.ndarray], max_tokens: int) -> list[tuple[float, float, int]]:
-    """(seconds to first token, seconds total, tokens) per prompt, through the lane's worker process."""
+async def daemon_run(ids: list[np.ndarray], max_tokens: int) -> tuple[list[tuple[float, float, int]], ...]:
+    """(seconds to first token, seconds total, tokens) per prompt, through the lane's worker process: GENERATE on
+    the lane (first PROGRESS), then Supervisor.generate streamed (its first text delta, as an SSE client sees
+    it, chat template and tokenization included)."""
     env = {"GPUWORKER_STATE_DIR": str(ROOT / ".state"), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-gen-")}
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor
     cfg = type(cfg)(**{**cfg.__dict__, "lanes": tuple(ln for ln in cfg.lanes if DEFAULT_LM in ln.models)})
@@ -51,10 +54,19 @@ async def daemon_run(ids: list[np.ndarray], max_tokens: int) -> list[tuple[float
             reply = await lane.call("GENERATE", {"model_ref": DEFAULT_LM, "max_tokens": max_tokens}, p.tobytes(),
                                     on_progress=lambda m: first.append(time.perf_counter()) if not first else None)
             out.append((first[0] - t0, time.perf_counter() - t0, reply["n_gen"]))
-    return out
+        streamed = []
+        for q in QUESTIONS:
+            first = []
+            t0 = time.perf_counter()
+            got = await sup.generate(messages=[{"role": "user", "content": q}], model=DEFAULT_LM,
+                                     max_tokens=max_tokens,
+                                     on_delta=lambda d: first.append(time.perf_counter()) if not first else None)
+            streamed.append((first[0] - t0, time.perf_counter() - t0, got["n_gen"]))
+    return out, streamed
 
 
-def inprocess_run(ids: list[np.ndarray], max_tokens: int, decoder: str) -> list[tuple[float, float, int]]:
+def inprocess_run(ids: list[np.ndarray], max_tokens: int, decoder: str,
+                  sampling: SamplingParams = GREEDY) -> list[tuple[float, float, int]]:
     from trio_gpuworker.models.llama import LlamaLM
     from trio_gpuworker.models.llama_fused import FusedLlamaLM
 
@@ -63,7 +75,8 @@ def inprocess_run(ids: list[np.ndarray], max_tokens: int, decoder: str) -> list[
     for p in ids:
         first: list[float] = []
         t0 = time.perf_counter()
-        gen, _ = lm.generate(p, max_tokens, lambda n: first.append(time.perf_counter()) if n == 1 else None)
+        gen, _ = lm.generate(p, max_tokens, lambda n: first.append(time.perf_counter()) if n == 1 else None,
+                             sampling=sampling)
         out.append((first[0] - t0, time.perf_counter() - t0, len(gen)))
     return out
 
@@ -92,19 +105,23 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     args = p.parse_args()
     ids = prompts(ChatTokenizer.from_gguf(gguf_path()))
+    daemon, streamed = trio.run(daemon_run, ids, args.max_tokens)
+    sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
     results = {
         "in-process, fused decoder (CPU default)": inprocess_run(ids, args.max_tokens, "fused"),
+        "in-process, fused, sampled T=0.8 top_p=.95": inprocess_run(ids, args.max_tokens, "fused", sampled),
         "in-process, graph decoder (other devices)": inprocess_run(ids, args.max_tokens, "graph"),
-        "daemon (Supervisor -> worker, UDS)": trio.run(daemon_run, ids, args.max_tokens),
+        "daemon (Supervisor -> worker, UDS)": daemon,
+        "daemon, streamed (TTFT: first text delta)": streamed,
         "numpy reference decoder": reference_run(ids, min(args.max_tokens, 16)),
     }
     base = summary(results["numpy reference decoder"])[0]
     print(f"SmolLM2-135M-Instruct Q4_1, greedy, {len(ids)} chat prompts of {[len(i) for i in ids]} tokens, "
           f"max_tokens {args.max_tokens}, {os.cpu_count()} CPUs, DEV={os.environ['DEV']}")
-    print(f"{'path':<42}{'tokens/s':>10}{'TTFT ms':>10}{'ms/token':>10}{'ratio':>8}")
+    print(f"{'path':<44}{'tokens/s':>10}{'TTFT ms':>10}{'ms/token':>10}{'ratio':>8}")
     for name, rows in results.items():
         rate, ttft, step = summary(rows)
-        print(f"{name:<42}{rate:>10.2f}{ttft:>10.0f}{step:>10.1f}{rate / base:>7.2f}x")
+        print(f"{name:<44}{rate:>10.2f}{ttft:>10.0f}{step:>10.1f}{rate / base:>7.2f}x")
     print("(ratio = tokens/s / numpy reference; TTFT includes the prompt's prefill; tokens/s counts it too;"
           " ms/token = (total - TTFT) / (tokens - 1))")
 

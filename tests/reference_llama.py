@@ -47,6 +47,7 @@ class NumpyLlama:
         ks: list[list[np.ndarray]] = [[] for _ in range(self.n_layers)]
         vs: list[list[np.ndarray]] = [[] for _ in range(self.n_layers)]
         out, gaps, toks, p0 = [], [], list(ids), 0
+        self.logits: list[np.ndarray] = []  # each step's, for the logprobs checks
         for _ in range(n_new):
             new = np.array(toks[p0:])
             pos = np.arange(p0, p0 + len(new))
@@ -70,6 +71,7 @@ class NumpyLlama:
                 g = h @ b("ffn_gate").T
                 x = x + ((g / (1 + np.exp(-g))) * (h @ b("ffn_up").T)) @ b("ffn_down").T
             logits = self._norm(x[-1], self.w["output_norm.weight"]) @ self.out.T
+            self.logits.append(logits)
             top2 = np.sort(logits)[-2:]
             out.append(int(np.argmax(logits)))
             gaps.append(float(top2[1] - top2[0]))

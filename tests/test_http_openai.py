@@ -108,11 +108,17 @@ async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatToke
     assert [d.embedding[:2] for d in out["ids"].data] == [[101 + 7592 + 102, 3.0], [203.0, 2.0]]
     assert out["ids"].usage.prompt_tokens == 5
     assert out["too_long"].status_code == 400 and out["too_long"].body["code"] == "invalid_request"
-    for name in ("stream", "temperature", "seed", "stop", "top_p", "n", "logprobs", "top_k", "chat_stream",
-                 "chat_temperature", "chat_tools"):
+    for name in ("n", "chat_tools"):
         err = out[name]
         assert err.status_code == 400 and err.body["code"] == "unsupported_field", name
         assert err.body["param"] == name.removeprefix("chat_"), name  # the field is named
+    # the fake is a plain v3 worker: what needs an extension it did not advertise is refused, typed, never downgraded
+    for name in ("stream", "temperature", "stop", "logprobs", "chat_stream", "chat_temperature"):
+        err = out[name]
+        assert err.status_code == 400 and err.body["code"] == "invalid_request", name
+        assert "this worker does not support" in err.body["message"], name
+    for name in ("seed", "top_p", "top_k"):  # at temperature 0 (greedy) they change nothing: accepted
+        assert name not in out, name
     assert out["dimensions"].body["code"] == "invalid_request" and "matryoshka" in out["dimensions"].body["message"]
     assert out["grammar"].body["code"] == "grammar_unsupported"
     assert out["missing"].body["code"] == "model_not_found"

@@ -15,10 +15,12 @@ pytestmark = pytest.mark.slow
 gguf = pytest.importorskip("gguf")
 
 from tests.reference_llama import NumpyLlama, gguf_path  # noqa: E402
+from trio_gpuworker._proto import V3_MAX_GEN_TOKENS as MAX_NEW_TOKENS  # noqa: E402
 from trio_gpuworker.llm_tokenizer import ChatTokenizer  # noqa: E402
-from trio_gpuworker.models.greedy import MAX_NEW_TOKENS, GreedyDecoder  # noqa: E402
+from trio_gpuworker.models.greedy import GreedyDecoder  # noqa: E402
 from trio_gpuworker.models.llama import LlamaLM  # noqa: E402
 from trio_gpuworker.models.llama_fused import FusedLlamaLM  # noqa: E402
+from trio_gpuworker.models.sampling import SamplingParams, log_softmax  # noqa: E402
 
 N_CHECK = 16
 
@@ -92,10 +94,40 @@ def test_length_limit(lm: GreedyDecoder, tok: ChatTokenizer) -> None:
     assert reason == "length" and len(got) == 1
 
 
-@pytest.mark.parametrize("bad", [0, -1, MAX_NEW_TOKENS + 1])
+@pytest.mark.parametrize("bad", [0, -1])
 def test_max_tokens_bounds(lm: GreedyDecoder, bad: int) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
         lm.generate(np.array([1, 2, 3], dtype=np.int32), bad)
+
+
+def test_logits_and_logprobs_match_the_reference(lm: GreedyDecoder, ref: NumpyLlama, tok: ChatTokenizer) -> None:
+    """What sampling reads: each step's logits (here through logprobs at temperature 0) against the numpy
+    reference's, and greedy unchanged by reading them."""
+    ids = tok.encode(tok.apply_chat_template(PROMPTS[0]))
+    want, _ = ref.generate(ids, 6)
+    seen: list[tuple[int, tuple[float, list[tuple[int, float]]] | None]] = []
+    got, _ = lm.generate(np.array(ids, dtype=np.int32), 6, sampling=SamplingParams(logprobs=3),
+                         on_token=lambda t, lp: seen.append((t, lp)) is None and False)
+    assert got == want[: len(got)] and [t for t, _ in seen] == got
+    for step, (token, lp) in enumerate(seen):
+        assert lp is not None
+        ref_lp = log_softmax(ref.logits[step])
+        assert lp[0] == pytest.approx(ref_lp[token], abs=2e-3)
+        assert [i for i, _ in lp[1]][:1] == [token] and len(lp[1]) == 3
+
+
+def test_seeded_sampling_is_reproducible(lm: GreedyDecoder, tok: ChatTokenizer) -> None:
+    ids = np.array(tok.encode(tok.apply_chat_template(PROMPTS[1])), dtype=np.int32)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=11)
+    a, b = lm.generate(ids, 24, sampling=params), lm.generate(ids, 24, sampling=params)
+    c = lm.generate(ids, 24, sampling=SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=12))
+    assert a == b and a != c
+
+
+def test_past_the_reference_limit(lm: GreedyDecoder, ref: NumpyLlama, tok: ChatTokenizer) -> None:
+    ids = tok.encode("Once upon a time")
+    got, reason = lm.generate(np.array(ids, dtype=np.int32), MAX_NEW_TOKENS + 16, ignore_eos=True)
+    assert reason == "length" and len(got) == MAX_NEW_TOKENS + 16
 
 
 def test_prompt_validation(lm: GreedyDecoder) -> None:

@@ -39,6 +39,11 @@ behaves.
     exit_after_reply              the reply, then exit 0
     stop_after_reply              the reply, then SIGSTOP itself: it never reads the next request
 
+--stream-token-s S: the worker advertises every protocol extension (_proto/_extensions.py) and answers a streamed
+GENERATE with one TEXT_DELTA "t<k> " per token every S s, up to max_tokens, watching for CANCEL between tokens
+(then ERR request_cancelled, and "fake worker: cancelled after k tokens" on stderr); with crash_mid_request it
+exits 5 after the second delta instead.
+
 --fault-rate P [--seed S]: besides any behavior, each serving request misbehaves with probability P, drawing
 from RANDOM_FAULTS (crash, crash between header and raw, silent hang, garbage, wrong req_id, regressing progress).
 """
@@ -68,7 +73,7 @@ if __name__ == "__main__":
     sys.modules.setdefault("trio_gpuworker", _package)
 
 from trio_gpuworker._lifeline import watch_lifeline
-from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message, hello_fields
+from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, EXTENSIONS, Connection, Message, hello_fields
 
 DIMS = 4
 SERVING = ("EMBED_BATCH", "RERANK", "GENERATE")
@@ -162,7 +167,7 @@ class FakeWorker:
             return 3
         self.sock.connect(a.socket)
         print(f"fake worker {os.getpid()} connected", file=sys.stderr, flush=True)  # what a crash's log tail shows
-        engine = {"engine": "fake", "version": "1", "build_flags": []}
+        engine = {"engine": "fake", "version": "1", "build_flags": list(EXTENSIONS) if a.stream_token_s else []}
         hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, engine)
         if self.at_start("garbage_hello"):
             self.write(frame(garbage_bytes()))
@@ -186,6 +191,8 @@ class FakeWorker:
                 print(f"fake worker: SHUTDOWN {msg.get('mode')} out of band", file=sys.stderr, flush=True)
                 self.send("WORKER_STOPPED", {"reason": msg.get("mode", "abort_in_flight")})
                 return 0
+            elif msg.t == "CANCEL":
+                pass  # of a request already answered
             elif "req_id" in msg.fields:
                 self.completed = 0
                 if self.serve(msg):
@@ -232,6 +239,8 @@ class FakeWorker:
 
     def serve_inference(self, msg: Message, behavior: str | None) -> None:
         req_id = msg["req_id"]
+        if msg.t == "GENERATE" and msg.get("stream") and self.args.stream_token_s:
+            return self.stream(msg, behavior)
         if behavior == "crash_mid_request":
             os._exit(5)
         if behavior in ("hang_silent", "hang_sigstop"):
@@ -275,6 +284,39 @@ class FakeWorker:
         if behavior == "stop_after_reply":
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    def stream(self, msg: Message, behavior: str | None) -> None:
+        req_id, text = msg["req_id"], ""
+        for k in range(1, msg["max_tokens"] + 1):
+            if self.cancelled(req_id):
+                print(f"fake worker: cancelled after {k - 1} tokens", file=sys.stderr, flush=True)
+                self.send("ERR", {"req_id": req_id, "code": "request_cancelled", "msg": "CANCEL stopped it"})
+                return
+            self.progress(req_id, "inference")
+            self.send("TEXT_DELTA", {"req_id": req_id, "text": f"t{k} ", "n_gen": k})
+            text += f"t{k} "
+            if k == 2 and behavior == "crash_mid_request":
+                os._exit(5)
+        ids = ids_of(msg.raw or b"")
+        self.send("TEXT", {"req_id": req_id, "text": text, "n_prompt": len(ids), "n_gen": msg["max_tokens"],
+                           "finish_reason": "length"}, struct.pack(f"<{msg['max_tokens']}i", *range(msg["max_tokens"])))
+
+    def cancelled(self, req_id: int) -> bool:
+        """Wait one token's time for a CANCEL of `req_id` (anything else arriving meanwhile is a protocol bug)."""
+        deadline = time.monotonic() + self.args.stream_token_s
+        while (left := deadline - time.monotonic()) > 0:
+            event = self.conn.next_event()
+            if isinstance(event, Message):
+                return event.t == "CANCEL" and event["req_id"] == req_id
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(1 << 16)
+            except TimeoutError:
+                return False
+            finally:
+                self.sock.settimeout(None)
+            self.conn.receive_data(data)
+        return False
+
     @staticmethod
     def reply(msg: Message) -> tuple[str, dict[str, Any], bytes | None]:
         """The normal reply to a serving request: (type, fields, raw frame)."""
@@ -315,6 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-delay", type=float, default=0.0, help="every LOAD after the first takes this long")
     p.add_argument("--first-load-delay", type=float, default=0.0, help="the first LOAD takes this long (silent)")
     p.add_argument("--progress-every", type=float)
+    p.add_argument("--stream-token-s", type=float, default=0.0, help="stream GENERATE, a token every S s")
     p.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random fault per serving request")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--socket", required=True)

@@ -4,6 +4,14 @@ Nothing here imports trio, socket, os or tinygrad; time is passed in, never read
 """
 
 from ._connection import CLOSED, NEED_DATA, Connection, decode_control
+from ._extensions import ALL as EXTENSIONS
+from ._extensions import CANCEL as EXT_CANCEL
+from ._extensions import LONG as EXT_LONG
+from ._extensions import MAX_TOP_LOGPROBS, V3_MAX_GEN_TOKENS, advertised
+from ._extensions import SAMPLING as EXT_SAMPLING
+from ._extensions import STREAM as EXT_STREAM
+from ._extensions import describe as describe_extensions
+from ._extensions import required as required_extensions
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, encode_frame, frame_prefix
 from ._handshake import PROTOCOL_VERSION, RING_ABI, TRANSITIONS, Handshake, HandshakeRules, HandshakeState, hello_fields
 from ._leases import (
@@ -50,9 +58,15 @@ __all__ = [
     "CLOSED",
     "DAEMON",
     "DEFAULT_MAX_FRAME",
+    "EXTENSIONS",
+    "EXT_CANCEL",
+    "EXT_LONG",
+    "EXT_SAMPLING",
+    "EXT_STREAM",
     "GENERATION_TRANSITIONS",
     "INTERMEDIATE",
     "LANE_TRANSITIONS",
+    "MAX_TOP_LOGPROBS",
     "NEED_DATA",
     "PROTOCOL_VERSION",
     "RELOAD",
@@ -63,6 +77,7 @@ __all__ = [
     "SERVING",
     "TERMINAL",
     "TRANSITIONS",
+    "V3_MAX_GEN_TOKENS",
     "WORKER",
     "Abort",
     "Backoff",
@@ -101,10 +116,13 @@ __all__ = [
     "StrikePolicy",
     "Ticket",
     "Verdict",
+    "advertised",
     "check_fields",
     "decode_control",
+    "describe_extensions",
     "encode_frame",
     "frame_prefix",
     "hello_fields",
     "is_request",
+    "required_extensions",
 ]

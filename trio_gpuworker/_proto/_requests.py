@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .._errors import LocalProtocolError, RemoteProtocolError, UnexpectedFrame
+from .._errors import LocalProtocolError, ProgressViolation, RemoteProtocolError, UnexpectedFrame
 from ._connection import Message
 from ._progress import ProgressValidator
 from ._ring_messages import INTERMEDIATE
@@ -57,6 +57,7 @@ class RequestTracker:
         self.last_req_id = 0
         self.open: OpenRequest | None = None
         self._progress: ProgressValidator | None = None
+        self._delta_tokens = 0  # n_gen of the open GENERATE's last TEXT_DELTA
 
     def begin(self, t: str, phase: str = "setup") -> int:
         """Open a request of type `t`; returns its req_id."""
@@ -67,6 +68,7 @@ class RequestTracker:
         self.last_req_id += 1
         self.open = OpenRequest(t, self.last_req_id)
         self._progress = ProgressValidator(self.last_req_id, phase)
+        self._delta_tokens = 0
         return self.last_req_id
 
     def abort(self) -> None:
@@ -92,6 +94,12 @@ class RequestTracker:
             return Verdict(Kind.PROGRESS, phase, renews=msg["completed"] > (before or 0))
         if msg.get("req_id") != req.req_id:
             raise UnexpectedFrame(f"{msg.t} for req_id {msg.get('req_id')} while {req.req_id} is current")
+        if msg.t == "TEXT_DELTA" and req.t == "GENERATE":
+            # streamed text is completed work, like PROGRESS: it renews the window when it adds tokens
+            if msg["n_gen"] <= self._delta_tokens:
+                raise ProgressViolation(f"TEXT_DELTA n_gen {msg['n_gen']} does not exceed {self._delta_tokens}")
+            self._delta_tokens = msg["n_gen"]
+            return Verdict(Kind.PROGRESS, self.phase, renews=True)
         if msg.t in INTERMEDIATE.get(req.t, ()):
             return Verdict(Kind.INTERMEDIATE)
         if msg.t == "ERR":

@@ -53,18 +53,25 @@ SCHEMAS: dict[str, Spec] = {
                                  "items": list_of(ITEM)}, raw=True),
     "RERANK": Spec(DAEMON, {**REQ, "model_ref": text, "query_n_tokens": uint,
                             "candidates": list_of(CANDIDATE)}, raw=True),
-    "GENERATE": Spec(DAEMON, {**REQ, "model_ref": text, "max_tokens": uint}, {"grammar": optional(text)},
-                     raw=True),
+    # the optional fields past `grammar` are negotiated extensions (_extensions.py): sent only to a worker that
+    # advertised them
+    "GENERATE": Spec(DAEMON, {**REQ, "model_ref": text, "max_tokens": uint},
+                     {"grammar": optional(text), "stream": flag, "temperature": number, "top_p": number,
+                      "top_k": uint, "seed": uint, "stop": list_of(text), "logprobs": uint}, raw=True),
     "UNLOAD": Spec(DAEMON, {**REQ, "model_ref": text}),
     "PING": Spec(DAEMON, REQ),
     # without req_id: out of band, past a request in flight (abort_in_flight); WORKER_STOPPED then has none
     "SHUTDOWN": Spec(DAEMON, {}, {"req_id": uint, "mode": one_of("graceful", "abort_in_flight")}),
+    # out of band too (the CANCEL extension): stop that GENERATE; it ends with ERR request_cancelled
+    "CANCEL": Spec(DAEMON, REQ),
     # replies
     "LOADED": Spec(WORKER, {**REQ, "model_ref": text, "dims": uint, "cold_load_ms": number}),
     "VECTORS": Spec(WORKER, {**REQ, "dims": uint, "n": uint}, raw=True),
     "SCORES": Spec(WORKER, {**REQ, "n": uint}, {"method": text}, raw=True),
     "TEXT": Spec(WORKER, {**REQ, "text": text, "n_prompt": uint, "n_gen": uint,
-                          "finish_reason": one_of("stop", "length")}, raw=True),
+                          "finish_reason": one_of("stop", "length")}, {"logprobs": list_of(mapping)}, raw=True),
+    # the STREAM extension: text generated so far past the previous delta, before TEXT
+    "TEXT_DELTA": Spec(WORKER, {**REQ, "text": text, "n_gen": uint}, {"logprobs": list_of(mapping)}),
     "UNLOADED": Spec(WORKER, REQ),
     "PONG": Spec(WORKER, {**REQ, "rss_mb": number, "models_loaded": list_of(text)},
                  {"placement_share": number}),

@@ -33,6 +33,7 @@ from .http_auth import bearer_token, challenge, key_matches
 from .http_common import (
     DRAIN_RETRY_AFTER_S,
     ClientGone,
+    EventStream,
     HttpError,
     Raw,
     Receive,
@@ -42,8 +43,10 @@ from .http_common import (
     Stream,
     error_body,
     error_status,
+    send_events,
 )
 from .http_fields import UnsupportedField, check_fields
+from .http_generate import GenerationRoutes
 from .http_rerank import RerankRoutes
 from .http_state import StateRoutes
 from .http_tokens import TokenRoutes
@@ -57,7 +60,7 @@ JSON_INLINE_BYTES = 64 * 1024  # bodies up to this size decode on the loop (well
 JSON_THREADS = 2  # large bodies decoding at once
 
 
-class Api(AdminRoutes, StateRoutes, RerankRoutes, TokenRoutes):
+class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes):
     def __init__(self, sup: Supervisor, http: HttpConfig, *, metrics: Metrics | None = None,
                  reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  liveness: Callable[[], tuple[bool, str]] | None = None) -> None:
@@ -336,6 +339,8 @@ class Api(AdminRoutes, StateRoutes, RerankRoutes, TokenRoutes):
             await result.produce(emit)
             await send({"type": "http.response.body", "body": b""})
             return 200
+        if isinstance(result, EventStream):
+            return await send_events(send, result)
         status, payload, *headers = result  # (status, payload) or (status, payload, headers)
         await self._respond(send, status, payload, headers[0] if headers else {})
         return status

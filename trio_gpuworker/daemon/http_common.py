@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -59,6 +61,15 @@ class Stream:
     produce: Callable[[Emit], Awaitable[None]]
 
 
+@dataclass
+class EventStream:
+    """Server-sent events (OpenAI's streams): `produce(emit)` awaits `emit(event)` for each `data:` event. The
+    response starts at the first event; an error raised before it is a plain HTTP error, one after it ends the
+    stream with an `error` event. `data: [DONE]` closes it."""
+
+    produce: Callable[[Emit], Awaitable[None]]
+
+
 # Worker-side ERR codes that mean the caller's input was at fault.
 _CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loaded", "unsupported_request"}
 
@@ -103,3 +114,27 @@ class Route:
     query: tuple[str, ...] = ()  # the query parameters it takes
 
 
+
+
+async def send_events(send: Send, result: EventStream) -> int:
+    """An EventStream's answer: `data: <json>` events, `data: [DONE]` last."""
+    started = False
+
+    async def emit(event: dict[str, Any]) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+        data = b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": data, "more_body": True})
+
+    try:
+        await result.produce(emit)
+    except GpuWorkerError as exc:
+        if not started:
+            raise
+        logging.getLogger("trio_gpuworker.http").warning("a stream failed after it began: %s", exc)
+        await emit(error_body(exc))
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    return 200

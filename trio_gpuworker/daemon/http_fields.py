@@ -63,30 +63,23 @@ def check_fields(body: Mapping[str, Any], spec: Spec, where: str = "") -> None:
             raise UnsupportedField(where + key, reason)
 
 
-GREEDY = "generation is greedy (sampling is not implemented yet)"
 _GENERATION: dict[str, Check | None] = {
-    "model": None, "max_tokens": None, "grammar": None,
+    "model": None, "max_tokens": None, "grammar": None, "stream": None, "stream_options": None,
+    "temperature": None, "top_p": None, "top_k": None, "seed": None, "stop": None, "logprobs": None,
     "user": None,  # an end-user identifier for the caller's records: the answer is the same whatever it is
     "n": only(1, "one choice per request"),
-    "stream": only(False, "streaming is not implemented yet"),
-    "stream_options": never("streaming is not implemented yet"),
-    "temperature": only(0, GREEDY), "top_p": only(1, GREEDY),
-    "frequency_penalty": only(0, GREEDY), "presence_penalty": only(0, GREEDY),
-    "seed": never(GREEDY), "logit_bias": only({}, GREEDY),
-    "stop": only([], "stop sequences are not implemented yet"),
-    "logprobs": never("log probabilities are not implemented yet"),
+    "frequency_penalty": only(0, "repetition penalties are not implemented"),
+    "presence_penalty": only(0, "repetition penalties are not implemented"),
+    "logit_bias": only({}, "logit biases are not implemented"),
 }
 COMPLETIONS: Spec = {
     **_GENERATION, "prompt": None,
-    "logprobs": never("log probabilities are not implemented yet"),
     "best_of": only(1, "one candidate per request"),
     "echo": only(False, "the prompt is not echoed"),
     "suffix": never("insertion is not implemented"),
 }
 CHAT: Spec = {
-    **_GENERATION, "messages": None, "max_completion_tokens": None,
-    "logprobs": only(False, "log probabilities are not implemented yet"),
-    "top_logprobs": never("log probabilities are not implemented yet"),
+    **_GENERATION, "messages": None, "max_completion_tokens": None, "top_logprobs": None,
     "tools": only([], "tool calls are not implemented"),
     "tool_choice": only("none", "tool calls are not implemented"),
     "response_format": only({"type": "text"}, "structured output is not implemented (see 'grammar')"),

@@ -1,4 +1,4 @@
-"""The serving routes (embeddings, completions, chat completions), mixed into `Api`.
+"""The serving routes' shared parsing, and embeddings, mixed into `Api` (completions are http_generate's).
 
 They only parse the OpenAI-shaped bodies and shape the answers: the Supervisor checks, admits, tokenizes and
 splits every request, once, with the same typed errors as the Python API.
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import secrets
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +16,6 @@ import trio
 
 from .._errors import InvalidRequest
 from .http_common import Raw
-from .http_fields import CONTENT_PART, MESSAGE, check_fields
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
@@ -107,66 +104,3 @@ class ServingRoutes:
         body = await trio.to_thread.run_sync(lambda: json.dumps(answer(), separators=(",", ":")).encode(),
                                              limiter=self._json_cpu)
         return Raw(200, body, "application/json")
-
-    def _generation_args(self, body: dict[str, Any]) -> dict[str, Any]:
-        """What a completion takes; the fields it does not implement were refused by the route's spec."""
-        both = body.get("max_tokens"), body.get("max_completion_tokens")
-        if None not in both and both[0] != both[1]:
-            raise InvalidRequest("max_tokens and max_completion_tokens differ: give one of them")
-        max_tokens = both[1] if both[1] is not None else both[0]  # checked by the Supervisor, as for the Python API
-        if max_tokens is None:
-            max_tokens = DEFAULT_GEN_TOKENS
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise InvalidRequest("'user' must be a string")
-        grammar = body.get("grammar")
-        if grammar is not None and not isinstance(grammar, str):
-            raise InvalidRequest("'grammar' must be a string")
-        return {"max_tokens": max_tokens, "grammar": grammar or None, "timeout": self.http.request_timeout_s}
-
-    @staticmethod
-    def _usage(out: dict[str, Any]) -> dict[str, int]:
-        return {"prompt_tokens": out["n_prompt"], "completion_tokens": out["n_gen"],
-                "total_tokens": out["n_prompt"] + out["n_gen"]}
-
-    async def completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body, ("generate",), "completions")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidRequest("'prompt' must be a non-empty string (one prompt per request)")
-        out = await self.sup.generate(prompt, model=model, **self._generation_args(body))
-        return 200, {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                     "model": model,
-                     "choices": [{"index": 0, "text": out["text"], "logprobs": None,
-                                  "finish_reason": out["finish_reason"]}],
-                     "usage": self._usage(out)}
-
-    async def chat_completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body, ("generate",), "chat completions")
-        raw = body.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise InvalidRequest("'messages' must be a non-empty list")
-        messages: list[dict[str, str]] = []
-        for i, m in enumerate(raw):
-            if isinstance(m, dict):
-                check_fields(m, MESSAGE, f"messages[{i}].")
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # content parts: text only
-                for k, part in enumerate(content):
-                    if isinstance(part, dict):
-                        check_fields(part, CONTENT_PART, f"messages[{i}].content[{k}].")
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-                raise InvalidRequest(f"messages[{i}] must be {{role, content}} with string content")
-            messages.append({"role": m["role"], "content": content})
-        out = await self.sup.generate(model=model, messages=messages, **self._generation_args(body))
-        return 200, {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion",
-                     "created": int(time.time()), "model": model,
-                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
-                                  "logprobs": None, "finish_reason": out["finish_reason"]}],
-                     "usage": self._usage(out)}

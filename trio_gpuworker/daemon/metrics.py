@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 RING_DIRECTIONS = ("ingress", "egress")
 
@@ -45,8 +46,18 @@ class Metrics:
         self.quarantines = Counter("gpuworker_lane_quarantines", "times a lane entered quarantine", ["lane"],
                                    registry=r)
         self.reloads = Counter("gpuworker_config_reloads", "configuration reloads (SIGHUP)", ["outcome"], registry=r)
+        # per model, from admission (Ticket.timing): what routers and autoscalers read for generation
+        self.timings = {
+            what: Histogram(f"gpuworker_{what}_seconds", help_, ["model"], buckets=buckets, registry=r)
+            for what, help_, buckets in (
+                ("queue_wait", "from admission to the request's write to a worker (tokenization and queues)",
+                 LATENCY_BUCKETS),
+                ("time_to_first_token", "from admission to the first generated token", LATENCY_BUCKETS),
+                ("inter_token", "between generated tokens of one request", TOKEN_BUCKETS))}
         r.register(_StateCollector(self))
         sup.batcher.subscribe(on_batch=self.on_batch, on_drop=self.on_drop)
+        if sup.scheduler is not None:
+            sup.scheduler.observe = self.on_timing
 
     # --- updates ---------------------------------------------------------------------------------
 
@@ -57,6 +68,9 @@ class Metrics:
     def on_batch(self, model: str, rows: int, callers: int) -> None:
         self.batch_rows.labels(model).observe(rows)
         self.batch_callers.labels(model).observe(callers)
+
+    def on_timing(self, what: str, model: str, seconds: float) -> None:
+        self.timings[what].labels(model).observe(seconds)
 
     def on_drop(self, model: str, n: int) -> None:
         self.dropped.labels(model).inc(n)

@@ -1,7 +1,8 @@
-"""Greedy generation shared by the decoders: prompt checks, chunked prefill, the decode loop, stop tokens.
+"""Generation shared by the decoders: prompt checks, chunked prefill, the decode loop, stop tokens, sampling.
 
 A decoder supplies two replays of its captured graphs: `_prefill_step` (a PREFILL_CHUNK-row chunk, padded)
-and `_decode_step` (one token); both return the greedy next id.
+and `_decode_step` (one token); both return the greedy next id, and `_logits()` then reads that step's logits
+(only sampling and logprobs read them, so greedy decoding costs what it did).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ..gguf_file import end_of_generation_ids
+from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
-MAX_NEW_TOKENS = 64
 PREFILL_CHUNK = 32
 DEFAULT_CONTEXT = 2048
 
@@ -50,6 +51,10 @@ class GreedyDecoder(abc.ABC):
     def _decode_step(self, token: int, pos: int) -> int:
         """`token` at position `pos` -> the greedy next id."""
 
+    @abc.abstractmethod
+    def _logits(self) -> np.ndarray:
+        """The float32 logits (vocab_size,) of the last step's predicted row (valid until the next step)."""
+
     def warmup(self, progress: Callable[[int], None] | None = None) -> None:
         """Trace and capture both JIT graphs. `progress` sees 1..4 after the (slow) first prefill calls."""
         # TinyJit runs eagerly once, captures on the second call and replays from the third: two prefill
@@ -63,17 +68,20 @@ class GreedyDecoder(abc.ABC):
         progress: Callable[[int], None] | None = None,
         *,
         ignore_eos: bool = False,
+        sampling: SamplingParams = GREEDY,
+        on_token: OnToken | None = None,
     ) -> tuple[list[int], str]:
-        """Greedy continuation of `prompt_ids`: (generated ids without the stop token, "stop" | "length").
+        """Continuation of `prompt_ids`: (generated ids without the stop token, "stop" | "length").
 
-        `progress(n)` is called after each generated token (n = 1, 2, ...). `ignore_eos` keeps going past
-        end-of-generation tokens (warm-up, benchmarks). ValueError when max_tokens is outside
-        1..MAX_NEW_TOKENS, or the prompt is empty, not integers, holds an id outside the vocabulary, or
-        prompt + max_tokens exceeds max_context."""
-        if not 1 <= max_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"max_tokens must be 1..{MAX_NEW_TOKENS}, got {max_tokens}")
+        `progress(n)` is called after each generated token (n = 1, 2, ...). `on_token(id, logprobs)` too, with
+        (logprob, [(id, logprob)...]) when `sampling.logprobs` asks for them, else None; it returns True to stop
+        there (a stop string was generated). `ignore_eos` keeps going past end-of-generation tokens (warm-up,
+        benchmarks). ValueError when max_tokens < 1, or the prompt is empty, not integers, holds an id outside
+        the vocabulary, or prompt + max_tokens exceeds max_context."""
         ids = np.asarray(prompt_ids).reshape(-1)
         n = len(ids)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if n == 0:
             raise ValueError("empty prompt")
         if ids.dtype.kind not in "iu":
@@ -83,18 +91,31 @@ class GreedyDecoder(abc.ABC):
         # An out-of-range id would index past the embedding table rather than fail.
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"prompt holds token ids outside 0..{self.vocab_size - 1}")
+        sampler = Sampler(sampling)
         nxt = 0
         for s in range(0, n, PREFILL_CHUNK):
             nxt = self._prefill_step(ids[s : s + PREFILL_CHUNK].astype(np.int32), s, min(PREFILL_CHUNK, n - s) - 1)
         out_ids: list[int] = []
         pos = n
         while True:
+            lp = None
+            if sampling.needs_logits:
+                logits = self._logits()
+                # greedy keeps the kernel's own argmax, so logprobs never change which token greedy picks
+                nxt = nxt if sampling.greedy else sampler.pick(logits)
+                if sampling.logprobs is not None:
+                    lp = token_logprobs(logits, nxt, sampling.logprobs)
             if nxt in self.eos_ids and not ignore_eos:
                 return out_ids, "stop"
             out_ids.append(nxt)
             if progress is not None:
                 progress(len(out_ids))
+            if on_token is not None and on_token(nxt, lp):
+                return out_ids, "stop"
             if len(out_ids) == max_tokens:
                 return out_ids, "length"
             nxt = self._decode_step(nxt, pos)
             pos += 1
+
+
+OnToken = Callable[[int, "tuple[float, list[tuple[int, float]]] | None"], bool]

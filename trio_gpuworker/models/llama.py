@@ -12,6 +12,7 @@ captured graph per phase serves every position up to max_context.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,7 @@ class LlamaLM(GreedyDecoder):
         self._last = UOp.variable("last_row", 0, PREFILL_CHUNK - 1)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
+        self._last_logits: Tensor | None = None
 
     @classmethod
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> LlamaLM:
@@ -131,13 +133,24 @@ class LlamaLM(GreedyDecoder):
     def _prefill_step(self, tokens: np.ndarray, start: int, last: int) -> int:
         chunk = np.zeros(PREFILL_CHUNK, dtype=np.int32)
         chunk[: len(tokens)] = tokens
-        return int(self._prefill(Tensor(chunk), self._start.bind(start), self._last.bind(last)).item())
+        nxt, self._last_logits = self._prefill(Tensor(chunk), self._start.bind(start), self._last.bind(last))
+        return int(nxt.item())
 
     def _decode_step(self, token: int, pos: int) -> int:
-        return int(self._decode(Tensor([token], dtype=dtypes.int32), self._start.bind(pos)).item())
+        nxt, self._last_logits = self._decode(Tensor([token], dtype=dtypes.int32), self._start.bind(pos))
+        return int(nxt.item())
 
-    def _forward(self, tokens: Tensor, start: UOp, last: UOp | None = None) -> Tensor:
-        """tokens (T,) int32 at positions start..start+T-1 -> greedy next id after row `last`, (1,) int32."""
+    def _logits(self) -> np.ndarray:
+        assert self._last_logits is not None, "no step has run"
+        return self._last_logits.numpy().reshape(-1)
+
+    def warmup(self, progress: Callable[[int], None] | None = None) -> None:
+        super().warmup(progress)
+        self._last_logits = None  # a JIT output: not part of the model the JIT cache stores
+
+    def _forward(self, tokens: Tensor, start: UOp, last: UOp | None = None) -> tuple[Tensor, Tensor]:
+        """tokens (T,) int32 at positions start..start+T-1 -> (greedy next id after row `last`, (1,) int32, and
+        that row's logits, (1, V) float32: realized anyway for the argmax, read only when sampling)."""
         T = tokens.shape[0]
         x = self.tok_embd[tokens]
         cos, sin = self.cos[start : start + T].reshape(1, T, -1), self.sin[start : start + T].reshape(1, T, -1)
@@ -145,5 +158,7 @@ class LlamaLM(GreedyDecoder):
             x = _block(x, cache, cos, sin, start, self.dims, *lay.values(), self.pos)
         if last is not None:
             x = x[last : last + 1]
-        logits = _mv(_rms_norm(x, self.out_norm, self.eps), self.output)
-        return logits.argmax(-1).cast(dtypes.int32).realize()
+        logits = _mv(_rms_norm(x, self.out_norm, self.eps), self.output).contiguous()
+        nxt = logits.argmax(-1).cast(dtypes.int32)
+        Tensor.realize(nxt, logits)
+        return nxt, logits

@@ -114,6 +114,12 @@ class FusedLlamaLM(GreedyDecoder):
         # Persistent JIT inputs, written in place: a fresh Tensor(ids) and .item() schedule a copy each, which
         # cost ~2.5 ms of Python per decode step here.
         self._ids = {n: Tensor.zeros(n + 2, dtype=dtypes.int32).contiguous().realize() for n in (PREFILL_CHUNK, 1)}
+        # The kernel's scratch, persistent too: its last vocab_size floats are the step's logits, which sampling
+        # and logprobs read in place after the replay (greedy never does).
+        nqkv = (self.n_heads + 2 * self.n_kv) * self.head_dim
+        self._scratch = {n: Tensor.zeros(n * 2 * self.dim + n * max(nqkv + self.dim, 3 * self.ff) + self.vocab_size)
+                         .contiguous().realize() for n in (PREFILL_CHUNK, 1)}
+        self._last_t = 1
 
     @classmethod
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> FusedLlamaLM:
@@ -133,12 +139,17 @@ class FusedLlamaLM(GreedyDecoder):
 
     def _step(self, jit: TinyJit, tokens: np.ndarray | list[int], start: int, last: int) -> int:
         """One replay: `tokens` at positions start.., the next id after row `last`."""
-        ids = self._ids[PREFILL_CHUNK if jit is self._prefill else 1]
+        self._last_t = PREFILL_CHUNK if jit is self._prefill else 1
+        ids = self._ids[self._last_t]
         view = np.frombuffer(ids.uop.buffer.as_memoryview(force_zero_copy=True), np.int32)
         view[:] = 0
         view[: len(tokens)], view[-2:] = tokens, (start, last)
         out = jit(ids).uop.buffer.as_memoryview(force_zero_copy=True)
         return int(np.frombuffer(out, np.int32)[0])
+
+    def _logits(self) -> np.ndarray:
+        scratch = self._scratch[self._last_t].uop.buffer.as_memoryview(force_zero_copy=True)
+        return np.frombuffer(scratch, np.float32)[-self.vocab_size:]
 
     def _forward(self, ids: Tensor) -> Tensor:
         """ids (T + 2,) int32: T tokens, their start position, the row to predict from -> next id, (1,) int32."""
@@ -149,7 +160,8 @@ class FusedLlamaLM(GreedyDecoder):
                          g=quant.G, type_embd=self.embd_type, type_out=self.out_type, type_qkv=ty["q"],
                          type_o=ty["o"], type_gu=ty["gu"], type_down=ty["d"])
         src = csource.source("llama_forward.c", dims, Step(t=T, nt=4 if T % 4 == 0 else 1))
-        scratch = Tensor.empty(T * 2 * D + T * max(nqkv + D, 3 * FF) + V)
+        scratch = self._scratch[T]
+        assert scratch.shape[0] == T * 2 * D + T * max(nqkv + D, 3 * FF) + V
         macs = T * self.n_layers * D * (nqkv + D + 3 * FF) + D * V
         mem = sum(w.nbytes() for w in (self.wqkv, self.wo, self.wgu, self.wd, self.output))
         return ckernel.kernel("forward", src, [Tensor.empty(1, dtype=dtypes.int32), scratch, self.cache],

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+import time
+
 from .._config import AdmissionPolicy, SupervisorConfig
 from .._errors import ClosedSupervisorError, InvalidRequest, NoLaneAvailable, OverCapacity
 from .._proto import LaneState
@@ -34,6 +36,8 @@ class Scheduler:
         # tokens of the inputs the model's workers were sent, and of the text they generated (usage)
         self.prompt_tokens: dict[str, int] = {}
         self.generated_tokens: dict[str, int] = {}
+        # (what, model, seconds) for the latency histograms: queue_wait, time_to_first_token, inter_token
+        self.observe: Callable[[str, str, float], None] | None = None
 
     def acquire(self, model: str, nbytes: int) -> Ticket:
         """Count `nbytes` against the model's budget until the ticket is released."""
@@ -73,6 +77,15 @@ class Ticket:
         self.pending = 0
         self._caller = True
         self.released = False
+        self.admitted_at = time.monotonic()  # latency metrics are wall time, whatever clock trio runs
+
+    def timing(self) -> Timing:
+        """Latency observations of one worker request of this ticket: its queue wait, first token, gaps."""
+        return Timing(self)
+
+    def observe(self, what: str, seconds: float) -> None:
+        if (hook := self._scheduler.observe) is not None:
+            hook(what, self.model, seconds)
 
     def job(self) -> Callable[[], None]:
         """An `on_settled` callback for one lane job."""
@@ -105,6 +118,29 @@ class Ticket:
         s = self._scheduler
         s.queued_bytes[self.model] -= self.nbytes
         s.queued[self.model] -= 1
+
+
+class Timing:
+    """Times from admission: to the request's write to a worker (queue wait: tokenization, the model's queue and
+    the lane's), to its first generated token, and between tokens (from the worker's PROGRESS as it arrives)."""
+
+    def __init__(self, ticket: Ticket) -> None:
+        self.ticket = ticket
+        self._last: float | None = None
+        self._seen = 0
+
+    def started(self) -> None:
+        self.ticket.observe("queue_wait", time.monotonic() - self.ticket.admitted_at)
+
+    def token(self, n: int) -> None:
+        now = time.monotonic()
+        if self._last is None:
+            self.ticket.observe("time_to_first_token", now - self.ticket.admitted_at)
+        elif n > self._seen:
+            gap = (now - self._last) / (n - self._seen)  # PROGRESS frames may coalesce several tokens
+            for _ in range(n - self._seen):
+                self.ticket.observe("inter_token", gap)
+        self._last, self._seen = now, n
 
 
 def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset[str] = frozenset()) -> Lane:

@@ -20,7 +20,9 @@ import trio
 
 from .._config import ModelConfig, SupervisorConfig
 from .._errors import DeadlineExceeded, InvalidRequest, ModelNotFound, RemoteProtocolError
+from . import _generate
 from . import _requests as rq
+from ._generate import OnDelta
 
 if TYPE_CHECKING:
     from ..tokenization import EmbeddingTokenizer
@@ -347,45 +349,15 @@ class ServingApi:
     # --- generation ----------------------------------------------------------------------------
 
     async def generate(self, prompt: str | None = None, *, model: str, messages: list[dict[str, str]] | None = None,
-                       max_tokens: int = 16, grammar: str | None = None,
-                       timeout: float | None = None) -> dict[str, Any]:
-        """Greedy completion of `prompt`, or of `messages` through the model's chat template (daemon-side)."""
-        mc = self.config.model(model)
-        if mc.kind != "generate":
-            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not generation")
-        max_tokens = rq.check_max_tokens(max_tokens)
-        if grammar is not None and not isinstance(grammar, str):
-            raise InvalidRequest("grammar must be a string")
-        if (prompt is None) == (messages is None):
-            raise InvalidRequest("give exactly one of prompt or messages")
-        if messages is not None:
-            messages = rq.check_messages(messages)
-            texts = [m["content"] for m in messages] + [m["role"] for m in messages]
-            extra = rq.CHAT_TEMPLATE_BYTES * len(messages)
-        else:
-            if not isinstance(prompt, str) or not prompt:
-                raise InvalidRequest("prompt must be a non-empty string")
-            texts, extra = [prompt], 0
-        cap, n_chars = rq.gen_char_cap(mc), sum(map(len, texts))
-        if n_chars > cap:
-            raise rq.RequestTooLarge(f"the prompt has {n_chars} characters; model {model!r} takes at most {cap}")
-        rq.check_unicode(texts, "messages" if messages is not None else "prompt")
-        deadline = self._deadline(timeout)
-        with self._admit(model, rq.id_bytes_bound(texts) + rq.ID_BYTES * extra) as ticket:
-            tok = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
-
-            def encode() -> np.ndarray:
-                text = prompt if messages is None else tok.apply_chat_template(messages, add_generation_prompt=True)
-                return np.asarray(tok.encode(text), dtype="<i4")
-
-            ids = await self._off_loop(encode)
-            fields: dict[str, Any] = {"model_ref": model, "max_tokens": max_tokens}
-            if grammar:
-                fields["grammar"] = grammar
-            lane, left = self.pick_lane(model), self._left(deadline, f"generate on {model!r}", timeout)
-            reply = await lane.call("GENERATE", fields, ids.tobytes(), timeout=left,
-                                    on_settled=ticket.job() if ticket else None)
-            if ticket is not None:
-                ticket.count_tokens(reply["n_prompt"], reply["n_gen"])
-        return {"text": reply["text"], "n_prompt": reply["n_prompt"], "n_gen": reply["n_gen"],
-                "finish_reason": reply["finish_reason"]}
+                       max_tokens: int = 16, grammar: str | None = None, timeout: float | None = None,
+                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                       seed: int | None = None, stop: str | list[str] | None = None, logprobs: int | None = None,
+                       on_delta: OnDelta | None = None) -> dict[str, Any]:
+        """Completion of `prompt`, or of `messages` through the model's chat template (daemon-side): greedy at
+        temperature 0 (the default), else sampled (seeded: reproducible). `stop`: up to 4 strings that end the
+        text before them. `logprobs`: per generated token its log probability and that many alternatives.
+        `on_delta({text, n_gen, logprobs?})` streams the text as it is generated; the deltas joined are the
+        answer's text. Returns {text, n_prompt, n_gen, finish_reason[, logprobs]}."""
+        return await _generate.generate(
+            self, prompt, model=model, messages=messages, max_tokens=max_tokens, grammar=grammar, timeout=timeout,
+            sampling=_generate.Sampling(temperature, top_p, top_k, seed, stop, logprobs), on_delta=on_delta)

@@ -10,7 +10,16 @@ import trio
 
 from .._config import Windows
 from .._errors import InvalidRequest, LocalProtocolError, OutgoingFrameTooLarge, RemoteProtocolError, RequestTooLarge
-from .._proto import SERVING, Message, ReplyKind, RequestTracker
+from .._proto import (
+    EXT_CANCEL,
+    SERVING,
+    Message,
+    ReplyKind,
+    RequestTracker,
+    advertised,
+    describe_extensions,
+    required_extensions,
+)
 from ._jobs import Job
 from ._worker import WorkerProcess
 
@@ -42,12 +51,23 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
     the worker is waiting on us rather than hung (an EXECUTE_STEP blocked on an egress ring nobody pulls): then
     the window starts again instead of striking it.
     """
+    has = advertised(wp.hello)
+    if missing := required_extensions(job.t, job.fields) - has:
+        raise InvalidRequest(f"{job.t}: this worker does not support {describe_extensions(missing)} (its HELLO "
+                             "did not advertise it)")
     try:
         req_id = tracker.begin(job.t)
         chunks = wp.encode(job.t, {**job.fields, "req_id": req_id}, job.raw)
     except LocalProtocolError as exc:
         tracker.abort()
         raise rejected(job.t, exc) from exc
+    # a caller that leaves a GENERATE stops it (CANCEL, out of band) where the worker can; else it drains
+    cancellable = job.t == "GENERATE" and EXT_CANCEL in has
+    interrupt: trio.CancelScope | None = None
+    if cancellable:
+        job.on_abandon = lambda: interrupt.cancel() if interrupt is not None else None
+    if job.on_started is not None:
+        job.on_started()
     extras: list[Message] = []
     window = silence_window(windows, job.t)
     deadline, written = trio.current_time() + window, False
@@ -60,7 +80,13 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
                     await trio.sleep_forever()  # the write recorded the fault and cancelled this generation
                 written = True
             while True:
-                msg = await wp.replies.receive()
+                if cancellable and job.abandoned:
+                    cancellable = False
+                    await wp.send("CANCEL", {"req_id": req_id})  # a broken socket: recorded, cancels us
+                with trio.CancelScope() as interrupt:
+                    msg = await wp.replies.receive()
+                if interrupt.cancelled_caught:
+                    continue
                 try:
                     verdict = tracker.classify(msg)
                 except RemoteProtocolError as exc:

@@ -42,6 +42,14 @@ class Job:
     on_settled: Callable[[], None] | None = None  # the lane is done with it: answered, failed or skipped
     # its answer, even once its caller has left (an install whose caller gave up must still be undone)
     on_result: Callable[[Message | None, BaseException | None], None] | None = None
+    on_abandon: Callable[[], None] | None = None  # set while it runs where a caller's leaving can stop it
+    on_started: Callable[[], None] | None = None  # written to a worker: its queue wait is over
+
+    def abandon(self) -> None:
+        """Its caller gave up (deadline or cancellation): the lane drains it, or stops it where it can."""
+        self.abandoned = True
+        if self.on_abandon is not None:
+            self.on_abandon()
 
     def finish(self, result: Message | None = None, error: BaseException | None = None) -> None:
         if not self.done.is_set():

@@ -181,13 +181,15 @@ class Lane:
                    on_progress: Callable[[Message], None] | None = None,
                    on_settled: Callable[[], None] | None = None,
                    on_result: Callable[[Message | None, BaseException | None], None] | None = None,
+                   on_started: Callable[[], None] | None = None,
                    generation: int | None = None) -> Message:
         """Run one request on this lane's worker. The lane, not the caller, owns the stream: a caller that gives
         up (deadline or cancellation) leaves the reply to be drained by the lane. `on_settled()` runs once the
         lane is done with the request (or at once if it is refused here); `on_result(reply, error)` then too, with
         its answer, whether or not the caller still waits. With `generation`, only that worker generation may get
-        it (it names that generation's rings or device handles): BrokenWorkerError once that one has ended."""
-        job = Job(t, fields, raw, on_progress, on_settled=on_settled, on_result=on_result)
+        it (it names that generation's rings or device handles): BrokenWorkerError once that one has ended.
+        `on_started()` runs when the request is written to a worker (the end of its queue wait)."""
+        job = Job(t, fields, raw, on_progress, on_settled=on_settled, on_result=on_result, on_started=on_started)
         ticket, effects = self.machine.submit(t, trio.current_time(), generation)
         self.runner.register(ticket, job)
         self.runner.feed(effects)
@@ -210,7 +212,8 @@ class Lane:
                 await job.done.wait()
         finally:
             if not job.done.is_set():  # deadline or cancellation: a queued request is dropped now, an open one
-                gave_up = job.abandoned = True  # drains on the lane (abandon() may finish the job at once)
+                gave_up = True  # drains on the lane (abandon() may finish the job at once), or is cancelled
+                job.abandon()
                 self.runner.feed(self.machine.abandon(ticket, trio.current_time()))
         if gave_up:
             raise DeadlineExceeded(f"{what} did not finish within {timeout:g} s")

@@ -15,7 +15,6 @@ import numpy as np
 from .._config import POOLINGS, ModelConfig
 from .._errors import InvalidRequest, RequestTooLarge
 
-MAX_GEN_TOKENS = 64
 # A WordPiece token covers at most 100 characters (longer words become one [UNK]); a text with more than 128
 # characters per token of its truncation is mostly whitespace, so cutting it there never changes its ids in
 # practice, and an 8 MB input costs the tokenizer 32 KiB of work instead of 8 MB.
@@ -59,9 +58,11 @@ def check_normalize(normalize: Any, mc: ModelConfig) -> bool:
     return normalize
 
 
-def check_max_tokens(max_tokens: Any) -> int:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_GEN_TOKENS:
-        raise InvalidRequest(f"max_tokens must be an integer in 1..{MAX_GEN_TOKENS}, got {max_tokens!r}")
+def check_max_tokens(max_tokens: Any, cap: int) -> int:
+    """1..cap new tokens (cap: the model's context less one prompt token; past 64 the worker needs the LONG
+    extension, checked where the request is sent)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= cap:
+        raise InvalidRequest(f"max_tokens must be an integer in 1..{cap}, got {max_tokens!r}")
     return max_tokens
 
 

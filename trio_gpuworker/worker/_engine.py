@@ -18,6 +18,7 @@ import numpy as np
 
 from .._digest import sha256_file
 from .._proto import Message
+from ._generate import generate
 from ._loaders import LoadError, load_bert, load_llama
 
 Progress = Callable[[int, str], None]
@@ -85,6 +86,7 @@ class Engine:
     def __init__(self) -> None:
         self.models: dict[str, Any] = {}
         self.dataplane: Any = None  # WorkerDataPlane, set once the handshake gave us a generation
+        self.post: Callable[[str, dict[str, Any]], None] | None = None  # queues a notice (TEXT_DELTA) to the daemon
 
     def do_install_ring(self, msg: Message, progress: Progress) -> Reply:
         return self.dataplane.install_ring(msg)
@@ -203,13 +205,11 @@ class Engine:
         m = self.model(msg["model_ref"], "generate")
         if msg.get("grammar"):
             raise WorkerRequestError("grammar_unsupported", "this worker does not constrain decoding by grammar")
-        ids = np.frombuffer(msg.raw or b"", dtype="<i4").astype(np.int32)
         try:
-            out, finish = m.impl.generate(ids, msg["max_tokens"], lambda n: progress(n, "inference"))
+            fields, raw = generate(m, msg, lambda n: progress(n, "inference"), self.post)
         except ValueError as exc:
             raise WorkerRequestError("invalid_request", str(exc)) from exc
-        return Reply("TEXT", {"text": m.detokenizer.decode(out, skip_special=True), "n_prompt": len(ids),
-                              "n_gen": len(out), "finish_reason": finish}, np.asarray(out, dtype="<i4").tobytes())
+        return Reply("TEXT", fields, raw)
 
 
 class _Served:

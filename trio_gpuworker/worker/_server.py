@@ -18,12 +18,13 @@ import trio
 from .._channel import encode_messages, receive_message
 from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError
 from .._lifeline import die_with_the_daemon
-from .._proto import DEFAULT_MAX_FRAME, WORKER, Connection, Message, hello_fields, is_request
+from .._proto import DEFAULT_MAX_FRAME, EXTENSIONS, WORKER, Connection, Message, hello_fields, is_request
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
 from ._engine import Engine, Reply, WorkerRequestError
 
-ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": []}
+# build_flags: the protocol extensions this worker implements (_proto/_extensions.py)
+ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": list(EXTENSIONS)}
 
 
 class WorkerServer:
@@ -34,6 +35,8 @@ class WorkerServer:
         self.nonce = nonce
         self.conn = Connection(WORKER, DEFAULT_MAX_FRAME)
         self.engine = Engine()
+        self.engine.post = self.post
+        self.cancelled: int | None = None  # the req_id a CANCEL named
         self.compute = compute or ComputeThread()
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
@@ -118,7 +121,9 @@ class WorkerServer:
                     # PROGRESS (worker_shutting_down); the SHUTDOWN itself is served once it has stopped
                     self.stopping = "abort_in_flight"
                     self.engine.dataplane.abort_all()
-                if is_request(msg.t):
+                if msg.t == "CANCEL":
+                    self.cancelled = msg["req_id"]  # the running GENERATE stops at its next token
+                elif is_request(msg.t):
                     await send_req.send(msg)
                 elif msg.t == "RING_WRITABLE":
                     self.engine.dataplane.on_writable(msg["ring_id"])  # wakes a step blocked on egress space
@@ -183,6 +188,8 @@ class WorkerServer:
         def progress(completed: int, phase: str) -> None:
             if self.stopping == "abort_in_flight":  # on the compute thread, inside the model's loop
                 raise WorkerRequestError("worker_shutting_down", "SHUTDOWN abort_in_flight stopped this request")
+            if self.cancelled == req_id:
+                raise WorkerRequestError("request_cancelled", "CANCEL stopped this request")
             self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
 
         try:

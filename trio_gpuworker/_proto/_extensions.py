@@ -1,0 +1,62 @@
+"""Negotiated extensions of worker-protocol-v3: what a worker can do beyond the reference, and what a request needs.
+
+A worker advertises each extension as one string in HELLO's `engine.build_flags` (a field v3 already has, whose
+values the reference leaves free), so a plain v3 worker advertises none and a plain v3 daemon ignores them. The
+daemon sends a field of an extension only to a worker that advertised it; a request that needs one the worker
+lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently downgraded.
+
+- STREAM: GENERATE `stream: true`; the worker sends TEXT_DELTA {req_id, text, n_gen} frames before TEXT, each
+  renewing the inference window as completed work (n_gen strictly increasing).
+- SAMPLING: GENERATE `temperature`, `top_p`, `top_k`, `seed`, `stop` (strings) and `logprobs` (alternatives per
+  token, 0..5); TEXT then may carry `logprobs` (one record per generated token).
+- LONG: GENERATE `max_tokens` beyond the reference's 64, up to the model's context.
+- CANCEL: CANCEL {req_id}, out of band: the worker stops that GENERATE at its next token and answers ERR
+  `request_cancelled` (a caller that left, not a fault: no strike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+STREAM = "gpuworker.stream"
+SAMPLING = "gpuworker.sampling"
+LONG = "gpuworker.long_generation"
+CANCEL = "gpuworker.cancel"
+ALL = (STREAM, SAMPLING, LONG, CANCEL)
+
+V3_MAX_GEN_TOKENS = 64  # the reference's GENERATE limit ("micro-LLM is <= 64 tokens")
+MAX_TOP_LOGPROBS = 5  # GENERATE `logprobs`: alternatives per token, as OpenAI allows for completions
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+
+
+def advertised(hello: Mapping[str, Any] | None) -> frozenset[str]:
+    """The extensions a worker's HELLO advertised (none before HELLO)."""
+    if hello is None:
+        return frozenset()
+    flags = hello["engine"]["build_flags"]
+    return frozenset(f for f in flags if f in ALL)
+
+
+def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
+    """The extensions a request with these fields needs its worker to have."""
+    if t != "GENERATE":
+        return frozenset()
+    need = set()
+    if fields.get("stream"):
+        need.add(STREAM)
+    if any(k in fields for k in SAMPLING_FIELDS):
+        need.add(SAMPLING)
+    if fields.get("max_tokens", 0) > V3_MAX_GEN_TOKENS:
+        need.add(LONG)
+    return frozenset(need)
+
+
+def describe(missing: frozenset[str]) -> str:
+    what = {STREAM: "streamed text", SAMPLING: "sampling, stop sequences or logprobs",
+            LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation"}
+    return ", ".join(what[m] for m in sorted(missing))
+
+
+__all__ = ["ALL", "CANCEL", "LONG", "MAX_TOP_LOGPROBS", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS",
+           "advertised", "describe", "required"]

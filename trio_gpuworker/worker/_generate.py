@@ -1,0 +1,123 @@
+"""GENERATE in the worker: sampling parameters from the message, stop strings, logprobs, and streamed text.
+
+Streamed text is decoded incrementally over a short window of ids (as text-generation-inference does), so a
+delta never ends inside a UTF-8 character (a partial one decodes to U+FFFD and is held back) and never shows
+text that may turn out to begin a stop string. The deltas of a request, joined, are its TEXT's text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._proto import Message
+from ..models.sampling import SamplingParams
+
+Post = Callable[[str, dict[str, Any]], None]
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    """The text of the ids generated so far, released as it becomes final."""
+
+    def __init__(self, detokenizer: Any, stops: list[str]) -> None:
+        self.detok = detokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.text = ""  # decoded so far (complete characters)
+        self.sent = 0  # characters of `text` released
+        self._prefix, self._read = 0, 0  # the decode window: ids[prefix:read] decoded to what is in `text`
+        self.stopped_at: int | None = None  # where a stop string begins in `text`
+
+    def add(self, token: int) -> bool:
+        """One more id; True when a stop string now appears (the text ends before it)."""
+        self.ids.append(token)
+        before = self.detok.decode(self.ids[self._prefix:self._read], skip_special=True)
+        now = self.detok.decode(self.ids[self._prefix:], skip_special=True)
+        if len(now) > len(before) and not now.endswith(REPLACEMENT):
+            self.text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.ids)
+        hits = [i for s in self.stops if (i := self.text.find(s, max(0, self.sent - len(s)))) >= 0]
+        if hits:
+            self.stopped_at = min(hits)
+            return True
+        return False
+
+    def release(self) -> str:
+        """Text that is now final: all of it but a tail that may still become a stop string."""
+        end = len(self.text) if self.stopped_at is None else self.stopped_at
+        if self.stopped_at is None:
+            for s in self.stops:
+                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def finish(self) -> str:
+        """The rest, at the end: a held-back tail that no stop string completed, a last partial character."""
+        if self.stopped_at is None:
+            tail = self.detok.decode(self.ids[self._prefix:], skip_special=True)
+            head = self.detok.decode(self.ids[self._prefix:self._read], skip_special=True)
+            self.text += tail[len(head):]
+            self._prefix = self._read = len(self.ids)
+        if self.stopped_at is not None:
+            return self.release()
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out
+
+
+def sampling_params(msg: Message) -> SamplingParams:
+    lp = msg.get("logprobs")
+    return SamplingParams(temperature=float(msg.get("temperature", 0.0)), top_p=float(msg.get("top_p", 1.0)),
+                          top_k=int(msg.get("top_k", 0)), seed=msg.get("seed"), logprobs=lp)
+
+
+def generate(m: Any, msg: Message, progress: Callable[[int], None], post: Post | None) -> tuple[dict[str, Any], bytes]:
+    """Run one GENERATE on served model `m`: (TEXT's fields, its raw ids). ValueError for a bad request."""
+    ids = np.frombuffer(msg.raw or b"", dtype="<i4").astype(np.int32)
+    params = sampling_params(msg)
+    stops = list(msg.get("stop") or [])
+    if any(not s for s in stops):
+        raise ValueError("a stop string is empty")
+    stream = bool(msg.get("stream")) and post is not None
+    text = TextStream(m.detokenizer, stops) if stops or stream else None
+    records: list[dict[str, Any]] = []
+    shown = 0  # records already sent in a TEXT_DELTA
+
+    def record(token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> None:
+        if lp is not None:
+            word = lambda i: m.detokenizer.decode([i])  # noqa: E731
+            records.append({"token": word(token), "id": token, "logprob": lp[0],
+                            "top": [{"token": word(i), "id": i, "logprob": v} for i, v in lp[1]]})
+
+    def on_token(token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> bool:
+        nonlocal shown
+        record(token, lp)
+        if text is None:
+            return False
+        hit = text.add(token)
+        if stream and (delta := text.release()):
+            assert post is not None
+            fields: dict[str, Any] = {"req_id": msg["req_id"], "text": delta, "n_gen": len(text.ids)}
+            if records[shown:]:
+                fields["logprobs"], shown = records[shown:], len(records)
+            post("TEXT_DELTA", fields)
+        return hit
+
+    out, finish = m.impl.generate(ids, msg["max_tokens"], progress, sampling=params, on_token=on_token)
+    if text is None:
+        final = m.detokenizer.decode(out, skip_special=True)
+    else:
+        text.finish()  # streamed: what no delta carried is in TEXT, whose text is all of it
+        final = text.text[: text.sent]
+    fields: dict[str, Any] = {"text": final, "n_prompt": len(ids), "n_gen": len(out), "finish_reason": finish}
+    if params.logprobs is not None:
+        fields["logprobs"] = records
+    return fields, np.asarray(out, dtype="<i4").tobytes()
+
+
+__all__ = ["TextStream", "generate", "sampling_params"]
