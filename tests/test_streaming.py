@@ -17,6 +17,7 @@ import trio
 
 from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config
+from tests.supervision_helpers import MODEL
 from tests.test_http_openai import GGUF
 from trio_gpuworker import LaneConfig, ModelConfig
 from trio_gpuworker.daemon.config import DEFAULT_LM
@@ -152,7 +153,8 @@ async def test_a_crash_mid_stream_ends_it_with_a_typed_error(daemon: tuple[httpx
         got = [e async for e in events(r)]
     assert r.status_code == 200 and got[-1] == "[DONE]"
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in got[1:-2])
-    assert text == "t1 t2 "  # what it streamed before it died
+    # what reached us of what it streamed before it died (its last delta may go down with it), then the error
+    assert "t1 t2 ".startswith(text)
     assert got[-2]["error"]["code"] == "engine_crashed", got[-2]  # EngineCrashed, typed as everywhere
 
 
@@ -160,9 +162,38 @@ async def test_latency_histograms_per_model(daemon: tuple[httpx.AsyncClient, Dae
     http, _ = daemon
     async with http.stream("POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 5}) as r:
         assert len([e async for e in events(r)]) == 8  # role, 5 deltas, the finish, [DONE]
+    assert (await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a", "b c"]})).status_code == 200
     text = (await http.get("/metrics")).text
     counts = {name: float(line.split()[-1]) for line in text.splitlines()
               if (name := line.split("{")[0]).endswith("_count") and f'model="{DEFAULT_LM}"' in line}
+    assert f'gpuworker_queue_wait_seconds_count{{model="{MODEL}"}} 1.0' in text  # an embedding waits too
     assert counts["gpuworker_queue_wait_seconds_count"] == 1
     assert counts["gpuworker_time_to_first_token_seconds_count"] == 1
     assert counts["gpuworker_inter_token_seconds_count"] == 4  # between 5 tokens
+
+
+async def test_the_openai_client_leaving_mid_stream_cancels(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
+    http, d = daemon
+    lane = d.sup.lanes["gen0"]
+
+    def run() -> int:
+        client = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="unused", max_retries=0, timeout=30)
+        with client:
+            stream = client.chat.completions.create(model=DEFAULT_LM, messages=[{"role": "user", "content": "x"}],
+                                                    max_tokens=1000, stream=True)
+            seen = 0
+            for _ in stream:
+                seen += 1
+                if seen == 3:
+                    stream.close()  # the client's own way to stop reading: it closes the connection
+                    break
+            return seen
+
+    assert await trio.to_thread.run_sync(run) == 3
+    for _ in range(1000):
+        if "cancelled after" in lane.log.tail(4096):
+            break
+        await trio.sleep(0.01)
+    line = next(x for x in lane.log.tail(4096).splitlines() if "cancelled after" in x)
+    assert int(line.split("cancelled after ")[1].split()[0]) < 1000
+    assert lane.report.status()["strikes"] == 0

@@ -11,11 +11,10 @@ per model whatever the callers do.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
-
-import time
 
 from .._config import AdmissionPolicy, SupervisorConfig
 from .._errors import ClosedSupervisorError, InvalidRequest, NoLaneAvailable, OverCapacity
@@ -128,9 +127,13 @@ class Timing:
         self.ticket = ticket
         self._last: float | None = None
         self._seen = 0
+        self._started = False
 
     def started(self) -> None:
-        self.ticket.observe("queue_wait", time.monotonic() - self.ticket.admitted_at)
+        """Once per ticket request: a request split over micro-batches or replicas waited until its first went."""
+        if not self._started:
+            self._started = True
+            self.ticket.observe("queue_wait", time.monotonic() - self.ticket.admitted_at)
 
     def token(self, n: int) -> None:
         now = time.monotonic()

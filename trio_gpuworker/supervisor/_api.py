@@ -240,18 +240,19 @@ class ServingApi:
                               deadline: float, timeout: float | None, ticket: Ticket | None) -> np.ndarray:
         chunks = rq.plan_chunks([len(r) for r in rows], max_items=self.config.max_batch_items,
                                 max_bytes=self.config.max_frame)
-        batcher = self.batcher
+        batcher, started = self.batcher, ticket.timing().started if ticket else None
         if batcher.enabled and len(chunks) == 1:
             # batches hold at most max_batch_items rows, which config validation guarantees fit a frame
             return await batcher.embed(rows, model=model, pooling=pooling, normalize=normalize,
                                        timeout=self._left(deadline, "embedding request", timeout),
-                                       on_settled=ticket.job if ticket else None)
+                                       on_settled=ticket.job if ticket else None, on_started=started)
         parts = []
         for a, b in chunks:  # one micro-batch at a time: a caller that leaves stops the rest
             left = self._left(deadline, f"embedding request on {model!r}", timeout)
             # rows were checked above and each chunk was planned to fit a frame: straight to the lane
             parts.append(await self.dispatch(rows[a:b], model=model, pooling=pooling, normalize=normalize,
-                                             timeout=left, on_settled=ticket.job() if ticket else None))
+                                             timeout=left, on_settled=ticket.job() if ticket else None,
+                                             on_started=started))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def embed_ids(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
@@ -340,7 +341,8 @@ class ServingApi:
         raw = np.concatenate([q, *docs]).astype("<i4").tobytes()
         reply = await lane.call("RERANK", {"model_ref": model, "query_n_tokens": len(q),
                                            "candidates": [{"n_tokens": len(d)} for d in docs]}, raw,
-                                timeout=timeout, on_settled=ticket.job() if ticket else None)
+                                timeout=timeout, on_settled=ticket.job() if ticket else None,
+                                on_started=ticket.timing().started if ticket else None)
         if reply["n"] != len(docs) or len(reply.raw or b"") != 4 * len(docs):
             raise RemoteProtocolError(
                 f"SCORES: n={reply['n']} raw_len={len(reply.raw or b'')} for {len(docs)} documents")

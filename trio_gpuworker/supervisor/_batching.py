@@ -32,8 +32,8 @@ Key = tuple[str, str, bool]  # model, pooling, normalize
 
 class Send(Protocol):
     def __call__(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
-                 timeout: float | None = None,
-                 on_settled: Callable[[], None] | None = None) -> Awaitable[np.ndarray]: ...
+                 timeout: float | None = None, on_settled: Callable[[], None] | None = None,
+                 on_started: Callable[[], None] | None = None) -> Awaitable[np.ndarray]: ...
 
 
 @dataclass(eq=False)
@@ -46,6 +46,7 @@ class _Member:
     gone: bool = False
     batch: _Batch | None = None
     settled: Callable[[], None] | None = None  # its rows are no longer queued or in flight (idempotent)
+    started: Callable[[], None] | None = None  # its batch was written to a worker (idempotent)
 
     def settle(self) -> None:
         if self.settled is not None:
@@ -104,20 +105,21 @@ class Batcher:
             self._nursery = None
 
     async def embed(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
-                    timeout: float | None = None,
-                    on_settled: Callable[[], Callable[[], None]] | None = None) -> np.ndarray:
+                    timeout: float | None = None, on_settled: Callable[[], Callable[[], None]] | None = None,
+                    on_started: Callable[[], None] | None = None) -> np.ndarray:
         """`on_settled()`, when given, makes one idempotent callback per part of `rows`, called once the lane
         is done with that part (answered, failed, or drained after every caller of its batch left)."""
         if self._nursery is None:
             raise ClosedSupervisorError("the batcher is not running")
         if not rows:
             return await self._send(rows, model=model, pooling=pooling, normalize=normalize, timeout=timeout,
-                                    on_settled=on_settled() if on_settled is not None else None)
+                                    on_settled=on_settled() if on_settled is not None else None,
+                                    on_started=on_started)
         key: Key = (model, pooling, normalize)
         deadline = math.inf if timeout is None else trio.current_time() + timeout
         step = self.policy.max_items
-        members = [self._join(key, rows[i:i + step], deadline, on_settled() if on_settled is not None else None)
-                   for i in range(0, len(rows), step)]
+        members = [self._join(key, rows[i:i + step], deadline, on_settled() if on_settled is not None else None,
+                              on_started) for i in range(0, len(rows), step)]
         try:
             with trio.move_on_at(deadline):
                 for m in members:
@@ -136,8 +138,8 @@ class Batcher:
 
     # --- batches -------------------------------------------------------------------------------
 
-    def _join(self, key: Key, rows: list[np.ndarray], deadline: float,
-              settled: Callable[[], None] | None) -> _Member:
+    def _join(self, key: Key, rows: list[np.ndarray], deadline: float, settled: Callable[[], None] | None,
+              started: Callable[[], None] | None = None) -> _Member:
         batch = self._open.get(key)
         if batch is not None and batch.rows + len(rows) > self.policy.max_items:
             self._close(batch)
@@ -146,7 +148,7 @@ class Batcher:
             batch = self._open[key] = _Batch(key)
             assert self._nursery is not None
             self._nursery.start_soon(self._flush, batch)
-        m = _Member(rows, deadline, batch=batch, settled=settled)
+        m = _Member(rows, deadline, batch=batch, settled=settled, started=started)
         batch.members.append(m)
         batch.rows += len(rows)
         if batch.rows >= self.policy.max_items:
@@ -206,10 +208,16 @@ class Batcher:
                 for m in live:
                     m.settle()
 
+            def started() -> None:
+                for m in live:
+                    if m.started is not None:
+                        m.started()
+
             try:
                 with batch.scope:
                     vecs = await self._send(rows, model=model, pooling=pooling, normalize=normalize,
-                                            timeout=None if math.isinf(left) else max(left, 0.0), on_settled=settled)
+                                            timeout=None if math.isinf(left) else max(left, 0.0), on_settled=settled,
+                                            on_started=started)
             except Exception as exc:  # delivered to every caller of the batch, typed as the lane raised it
                 self._finish(batch, error=exc)
                 return

@@ -36,7 +36,8 @@ class EmbedDispatch:
         self.dims: dict[str, int] = {}
 
     async def __call__(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
-                       timeout: float | None = None, on_settled: Callable[[], None] | None = None) -> np.ndarray:
+                       timeout: float | None = None, on_settled: Callable[[], None] | None = None,
+                       on_started: Callable[[], None] | None = None) -> np.ndarray:
         try:
             idle = self.router.idle(model)[: len(rows) // MIN_ROWS_PER_REPLICA]
             lanes = idle if len(idle) > 1 else [self.router.pick(model)]
@@ -45,11 +46,12 @@ class EmbedDispatch:
                 on_settled()
             raise
         if len(lanes) == 1:
-            return await self._one(lanes[0], rows, model, pooling, normalize, timeout, on_settled)
-        return await self._spread(lanes, rows, model, pooling, normalize, timeout, on_settled)
+            return await self._one(lanes[0], rows, model, pooling, normalize, timeout, on_settled, on_started)
+        return await self._spread(lanes, rows, model, pooling, normalize, timeout, on_settled, on_started)
 
     async def _spread(self, lanes: list[Lane], rows: list[np.ndarray], model: str, pooling: str, normalize: bool,
-                      timeout: float | None, on_settled: Callable[[], None] | None) -> np.ndarray:
+                      timeout: float | None, on_settled: Callable[[], None] | None,
+                      on_started: Callable[[], None] | None) -> np.ndarray:
         """One part per lane, at once. The first failure is the job's (typed, not a group) and cancels the
         other parts; `on_settled` fires once the last part has settled."""
         parts = split_rows([len(r) for r in rows], len(lanes))
@@ -67,7 +69,7 @@ class EmbedDispatch:
         async def part(k: int, lane: Lane, cancel: trio.CancelScope) -> None:
             try:
                 out[k] = await self._one(lane, [rows[i] for i in parts[k]], model, pooling, normalize, timeout,
-                                         settled)
+                                         settled, on_started)
             except Exception as exc:
                 errors.append(exc)
                 cancel.cancel()
@@ -83,11 +85,13 @@ class EmbedDispatch:
         return vecs
 
     async def _one(self, lane: Lane, rows: list[np.ndarray], model: str, pooling: str, normalize: bool,
-                   timeout: float | None, on_settled: Callable[[], None] | None) -> np.ndarray:
+                   timeout: float | None, on_settled: Callable[[], None] | None,
+                   on_started: Callable[[], None] | None = None) -> np.ndarray:
         items = [{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)]
         raw = (np.concatenate(rows) if rows else np.zeros(0)).astype("<i4").tobytes()
         reply = await lane.call("EMBED_BATCH", {"model_ref": model, "pooling": pooling, "normalize": normalize,
-                                                "items": items}, raw, timeout=timeout, on_settled=on_settled)
+                                                "items": items}, raw, timeout=timeout, on_settled=on_settled,
+                                on_started=on_started)
         n, dims = reply["n"], reply["dims"]
         if n != len(rows) or len(reply.raw or b"") != n * dims * 4:
             raise RemoteProtocolError(f"VECTORS: n={n} dims={dims} raw_len={len(reply.raw or b'')} "
