@@ -143,6 +143,8 @@ class Timing:
             gap = (now - self._last) / (n - self._seen)  # PROGRESS frames may coalesce several tokens
             for _ in range(n - self._seen):
                 self.ticket.observe("inter_token", gap)
+        else:
+            return  # a second report of a token already seen (a worker may send PROGRESS and a delta)
         self._last, self._seen = now, n
 
 

@@ -139,11 +139,10 @@ async def generate(api: Any, prompt: str | None, *, model: str, messages: list[d
         timing = ticket.timing() if ticket is not None else None
 
         def progress(msg: Message) -> None:
-            if msg.t != "TEXT_DELTA":
-                if timing is not None and msg.t == "PROGRESS":
-                    timing.token(msg["completed"])
-                return
-            if on_delta is not None:
+            """PROGRESS and TEXT_DELTA both count generated tokens (a token streamed in a delta has no PROGRESS)."""
+            if timing is not None:
+                timing.token(msg["completed"] if msg.t == "PROGRESS" else msg["n_gen"])
+            if msg.t == "TEXT_DELTA" and on_delta is not None:
                 on_delta({k: msg[k] for k in ("text", "n_gen", "logprobs") if k in msg.fields})
 
         reply = await lane.call("GENERATE", fields, ids.tobytes(), timeout=left, on_progress=progress,

@@ -21,7 +21,7 @@ from .._proto import Message
 from ._generate import generate
 from ._loaders import LoadError, load_bert, load_llama
 
-Progress = Callable[[int, str], None]
+Progress = Callable[..., None]  # (completed, phase[, post=False: check for an abort only, send nothing])
 
 
 class WorkerRequestError(Exception):
@@ -206,7 +206,7 @@ class Engine:
         if msg.get("grammar"):
             raise WorkerRequestError("grammar_unsupported", "this worker does not constrain decoding by grammar")
         try:
-            fields, raw = generate(m, msg, lambda n: progress(n, "inference"), self.post)
+            fields, raw = generate(m, msg, progress, self.post)
         except ValueError as exc:
             raise WorkerRequestError("invalid_request", str(exc)) from exc
         return Reply("TEXT", fields, raw)

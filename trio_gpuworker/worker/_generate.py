@@ -76,8 +76,10 @@ def sampling_params(msg: Message) -> SamplingParams:
                           top_k=int(msg.get("top_k", 0)), seed=msg.get("seed"), logprobs=lp)
 
 
-def generate(m: Any, msg: Message, progress: Callable[[int], None], post: Post | None) -> tuple[dict[str, Any], bytes]:
-    """Run one GENERATE on served model `m`: (TEXT's fields, its raw ids). ValueError for a bad request."""
+def generate(m: Any, msg: Message, progress: Callable[..., None], post: Post | None) -> tuple[dict[str, Any], bytes]:
+    """Run one GENERATE on served model `m`: (TEXT's fields, its raw ids). ValueError for a bad request.
+    `progress(n, phase, post=...)` is the request's completed-work report and abort check: a token whose text
+    goes out in a TEXT_DELTA needs no PROGRESS of its own (the delta renews the window), halving the frames."""
     ids = np.frombuffer(msg.raw or b"", dtype="<i4").astype(np.int32)
     params = sampling_params(msg)
     stops = list(msg.get("stop") or [])
@@ -98,17 +100,25 @@ def generate(m: Any, msg: Message, progress: Callable[[int], None], post: Post |
         nonlocal shown
         record(token, lp)
         if text is None:
-            return False
+            return False  # tokens() reported it
         hit = text.add(token)
+        n = len(text.ids)
         if stream and (delta := text.release()):
             assert post is not None
-            fields: dict[str, Any] = {"req_id": msg["req_id"], "text": delta, "n_gen": len(text.ids)}
+            progress(n, "inference", post=False)  # an abort or a CANCEL stops it here, before the delta
+            fields: dict[str, Any] = {"req_id": msg["req_id"], "text": delta, "n_gen": n}
             if records[shown:]:
                 fields["logprobs"], shown = records[shown:], len(records)
             post("TEXT_DELTA", fields)
+        else:
+            progress(n, "inference")
         return hit
 
-    out, finish = m.impl.generate(ids, msg["max_tokens"], progress, sampling=params, on_token=on_token)
+    def tokens(n: int) -> None:  # the decoder's per-token call: PROGRESS now unless on_token reports it
+        if text is None:
+            progress(n, "inference")
+
+    out, finish = m.impl.generate(ids, msg["max_tokens"], tokens, sampling=params, on_token=on_token)
     if text is None:
         final = m.detokenizer.decode(out, skip_special=True)
     else:

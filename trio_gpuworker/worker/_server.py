@@ -185,12 +185,15 @@ class WorkerServer:
     async def _serve_one(self, msg: Message) -> None:
         req_id = msg["req_id"]
 
-        def progress(completed: int, phase: str) -> None:
+        def progress(completed: int, phase: str, post: bool = True) -> None:
+            """Completed work: PROGRESS, unless `post` is False (a TEXT_DELTA carries it); stops the request
+            here if it was aborted or cancelled."""
             if self.stopping == "abort_in_flight":  # on the compute thread, inside the model's loop
                 raise WorkerRequestError("worker_shutting_down", "SHUTDOWN abort_in_flight stopped this request")
             if self.cancelled == req_id:
                 raise WorkerRequestError("request_cancelled", "CANCEL stopped this request")
-            self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
+            if post:
+                self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
 
         try:
             if msg.t == "EXECUTE_STEP":  # its egress writes wait for ring space on the loop, not the compute thread
