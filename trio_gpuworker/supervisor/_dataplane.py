@@ -9,6 +9,7 @@ import contextlib
 import math
 import mmap
 import os
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -219,22 +220,18 @@ class DataPlane:
 
     async def next_event(self, end: RingEnd) -> Message:
         """The next OBJECT_LOADED (or OBJECT_FAILED / RING_FAULT, raised) for an ingress ring."""
-        row = await self._next_row(end)
+        row = (await self._rows(end, 1))[0]
         return Message("OBJECT_LOADED", {"ring_id": end.ring_id, "edge_id": end.edge_id, "port_id": end.port_id,
-                                         "object_id": row[1], "sequence": row[2], "extent": row[3],
-                                         "device_handle": {"worker_generation": end.generation, "id": row[4]}})
+                                         "object_id": row[0], "sequence": row[1], "extent": row[2],
+                                         "device_handle": {"worker_generation": end.generation, "id": row[3]}})
 
-    async def _next_row(self, end: RingEnd) -> tuple[str, int, int, int, int]:
-        while not end.events:
+    async def _rows(self, end: RingEnd, limit: int) -> list[list[int]]:
+        """Up to `limit` completed rows [object_id, sequence, extent, handle id], waiting for at least one."""
+        while not (rows := end.take_rows(limit)):
             end.raise_if_faulted()
             end.event_ready = trio.Event()
             await end.event_ready.wait()
-        ev = end.events.popleft()
-        if isinstance(ev, tuple):
-            return ev
-        if ev.t == "OBJECT_FAILED":
-            raise ObjectFailed(ev["reason"], ev.get("msg", ""))
-        raise RingFault(ev["reason"], ev.get("msg", ""))
+        return rows
 
     async def load(self, end: RingEnd, data: Any, *, object_id: int, sequence: int, flags: int = 0) -> dict[str, Any]:
         """push + wait for its OBJECT_LOADED; returns the device handle."""
@@ -256,12 +253,13 @@ class DataPlane:
             nursery.start_soon(lambda: self.push_many(end, objects, first_object_id=first_object_id,
                                                       first_sequence=first_sequence, flags=flags))
             gen = end.generation
-            for k in range(len(objects)):
-                row = await self._next_row(end)
-                if row[1] != first_object_id + k:
-                    raise ObjectFailed("sequence_violation", f"loaded object {row[1]}, "
-                                                             f"expected {first_object_id + k}")
-                handles.append({"worker_generation": gen, "id": row[4]})
+            while len(handles) < len(objects):
+                rows = await self._rows(end, len(objects) - len(handles))  # a whole batch at a time
+                want = first_object_id + len(handles)
+                if (ids := list(map(itemgetter(0), rows))) != list(range(want, want + len(rows))):
+                    got, expected = next((i, want + k) for k, i in enumerate(ids) if i != want + k)
+                    raise ObjectFailed("sequence_violation", f"loaded object {got}, expected {expected}")
+                handles += [{"worker_generation": gen, "id": row[3]} for row in rows]
         return handles
 
     async def pump_file(self, end: RingEnd, path: Path, *, object_id: int, sequence: int, flags: int = 0) -> None:
@@ -363,13 +361,14 @@ class DataPlane:
             end.hint.set()
             return
         if msg.t == "OBJECTS_LOADED":
-            end.events.extend(("loaded", *row) for row in msg["objects"])
-            self.steps.handles.minted(lane, generation, (row[3] for row in msg["objects"]))
+            if rows := msg["objects"]:
+                end.events.append(rows)
+                self.steps.handles.minted(lane, generation, map(itemgetter(3), rows))
             end.event_ready.set()
             return
         if msg.t == "OBJECT_LOADED":  # the per-object form: a batch of one
             handle_id = msg["device_handle"]["id"]
-            end.events.append(("loaded", msg["object_id"], msg["sequence"], msg["extent"], handle_id))
+            end.events.append([[msg["object_id"], msg["sequence"], msg["extent"], handle_id]])
             self.steps.handles.minted(lane, generation, (handle_id,))
             end.event_ready.set()
             return
