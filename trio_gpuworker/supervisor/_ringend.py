@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from cython_ring import ObjectSpec, Ring
+from cython_ring import Completions, DestPool, ObjectSpec, Ring
 
 from .._errors import ObjectFailed, RingFault
 from ._arena import Lease
@@ -40,8 +40,11 @@ class RingEnd:
     steps: int = 0  # steps in flight that write to this egress ring: uninstalling it must not wait for them
     quiesced: trio.Event = field(default_factory=trio.Event)
     received: collections.deque[tuple[int, int, np.ndarray]] = field(default_factory=collections.deque)
-    # egress destinations handed to the drain, oldest first; an object larger than the ring spans drains
+    # egress destinations in the drain's pool (or taken by an object still arriving), oldest first, and the
+    # drain's completion batch
     landing: collections.deque[np.ndarray] = field(default_factory=collections.deque)
+    pool: DestPool = field(default_factory=lambda: DestPool(exact=True))
+    batch: Completions = field(default_factory=Completions)
     released: bool = False
     bytes_moved: int = 0
 
