@@ -4,7 +4,7 @@ from setuptools import Extension, find_packages, setup
 extensions = [
     Extension(f"cython_ring.{name}", [f"cython_ring/{name}.pyx"], include_dirs=["cython_ring"],
               extra_compile_args=["-O3", "-std=c11"])
-    for name in ("_mo01", "_region", "_ring", "_stream", "_egress")
+    for name in ("_mo01", "_region", "_ring", "_batch", "_stream", "_egress")
 ]
 
 setup(

@@ -4,13 +4,16 @@
   ring -> worker DeviceBridge -> tinygrad CPU buffer, timed until the last object is reported loaded
   (completions arrive batched, one OBJECTS_LOADED per worker drain), on device memory recycled from a
   first, untimed lap, as in a running pipeline; the daemon's CPU time per object is taken over the lap;
-- echo round trip: load, EXECUTE_STEP(echo), pull from the egress ring, one object at a time;
+- echo round trip: load, EXECUTE_STEP(echo), pull from the egress ring, one object at a time; its
+  throughput, and the p50 / p99 latency of the step alone (EXECUTE_STEP with its output pulled
+  concurrently, the input already loaded);
 - the native drain alone (bench/ring_native.py's 4 KiB case), for the end-to-end / native ratio;
 - baselines measured in the same run: a single-process two-copy memcpy (source -> staging ->
   destination, buffers reused, page-aligned, so in cache up to a few MiB), the same two copies with
   the ingress path's footprint ("cold": staging walks a ring-sized region, each object gets its own
   destination), and the same bytes sent as raw frames on a Unix socket to a child process that
-  decodes them with our FrameDecoder.
+  decodes them with our FrameDecoder; and, for the step latency, a bare trio round trip of a 64-byte
+  message over a Unix socket to a trio child process that echoes it (trio at both ends, no protocol).
 
     .venv/bin/python bench/ring.py [--quick]
 """
@@ -41,6 +44,7 @@ from trio_gpuworker._proto import frame_prefix
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (4 * KiB, 64 * KiB, 1 * MiB, 64 * MiB)
 RING_CAPACITY = 8 * MiB
+L3_LAP, L3_LAPS = 16, 8  # the in-L3 1 MiB ingress: objects per lap, timed laps
 SPEC = {"kind": "bytes", "max_extent": 1 << 30, "alignment": 1, "dtype": "uint8", "shape": [],
         "sequence_policy": "strict"}
 FRAME_READER = """
@@ -116,8 +120,51 @@ def socket_frames(size: int, n: int) -> float:
     return rate
 
 
-async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[int, tuple[float, float, float, float]]:
-    """size -> (ingress bytes/s, ingress objects/s, echo round trip bytes/s, daemon CPU s per ingress object)."""
+UDS_ECHO = """
+import socket, sys, trio
+async def main():
+    s = trio.SocketStream(trio.socket.from_stdlib_socket(socket.socket(fileno=int(sys.argv[1]))))
+    while data := await s.receive_some(1 << 16):
+        await s.send_all(data)
+trio.run(main)
+"""
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def uds_round_trips(n: int) -> list[float]:
+    """Seconds per round trip of a 64-byte message to a trio echo process over a Unix socket (after a warm-up)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = subprocess.Popen([sys.executable, "-c", UDS_ECHO, str(b.fileno())], pass_fds=(b.fileno(),))
+    b.close()
+
+    async def run() -> list[float]:
+        stream = trio.SocketStream(trio.socket.from_stdlib_socket(a))
+        samples = []
+        async with stream:
+            for i in range(-20, n):
+                t0 = time.perf_counter()
+                await stream.send_all(b"x" * 64)
+                got = 0
+                while got < 64:
+                    got += len(await stream.receive_some(64 - got))
+                if i >= 0:
+                    samples.append(time.perf_counter() - t0)
+        return samples
+
+    try:
+        return trio.run(run)
+    finally:
+        a.close()
+        child.wait()
+
+
+async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[int, tuple[float, float, float, float, list[float]]]:
+    """size -> (ingress bytes/s, ingress objects/s, echo round trip bytes/s, daemon CPU s per ingress object,
+    seconds of each echo step)."""
     cfg = SupervisorConfig(lanes=(LaneConfig("bench", ()),), models=(), state_dir=ROOT / ".state",
                            runtime_dir=Path(tempfile.mkdtemp(prefix="gw-ring-")), arena_bytes=256 * MiB)
     out = {}
@@ -137,23 +184,28 @@ async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[int, tuple[flo
             seq += 2 * n
             rounds = max(2, n // 4)
             t0 = time.perf_counter()
+            steps: list[float] = []
             for i in range(-1, rounds):  # round -1 warms the step path up (first step schedules kernels)
                 if i == 0:
                     t0 = time.perf_counter()
                 handle = await dp.load(ingress, data, object_id=seq, sequence=seq)
                 got: list = []
+                t_step = time.perf_counter()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(lambda: _pull(dp, egress, got))
                     await dp.execute_step("bench", "echo", i + 1, [{"port_id": "in", "object_id": seq,
                                                                     "sequence": seq, "device_handle": handle}],
                                           [{"port_id": "out", "ring_id": egress.ring_id, "object_id": seq,
                                             "sequence": i + 1, "extent": size}], release_inputs_after=True)
+                steps.append(time.perf_counter() - t_step)
                 seq += 1
             t_echo = time.perf_counter() - t0
             assert np.array_equal(got[0][2], data), "echo returned different bytes"
             await dp.uninstall_ring(ingress)
             await dp.uninstall_ring(egress)
-            out[size] = (size * n / t_ingress, n / t_ingress, size * rounds / t_echo, cpu / n)
+            if size == MiB:
+                out["l3"] = await ingress_in_l3(dp, data)
+            out[size] = (size * n / t_ingress, n / t_ingress, size * rounds / t_echo, cpu / n, steps[1:])
     return out
 
 
@@ -178,11 +230,30 @@ async def steady_ingress(dp, ingress, data, n: int, first: int) -> tuple[float, 
     return elapsed, cpu
 
 
-def native_drain_objects_per_s(seconds: float) -> float:
+async def ingress_in_l3(dp, data) -> float:
+    """1 MiB ingress bytes/s with a footprint that fits this CPU's 32 MiB L3: a 2 MiB ring and laps of L3_LAP
+    objects released between laps, so the worker's pool hands the same destinations out again (1 + 2 + 16 MiB).
+    Only load_many is timed, as in the main lap."""
+    ring = await dp.install_ring("bench", direction="ingress", capacity=2 * MiB, object_spec=SPEC)
+    elapsed, seq = 0.0, 0  # a fresh ring: sequences start at 0
+    for lap in range(-2, L3_LAPS):
+        t, _, handles = await timed_lap(dp, ring, data, L3_LAP, seq)
+        seq += L3_LAP
+        elapsed += t if lap >= 0 else 0.0
+        for h in handles:
+            await dp.release_handle("bench", h)
+    await dp.uninstall_ring(ring)
+    return data.nbytes * L3_LAP * L3_LAPS / elapsed
+
+
+def native_drain_objects_per_s(seconds: float) -> tuple[float, float]:
+    """4 KiB objects/s of the native drain with a Python resolver (drain_ingress, the baseline the targets name),
+    and of drain_batch into a destination pool (no Python per object)."""
     from ring_native import LoadedRing, timed
 
     lr = LoadedRing(4 * KiB, 2 * MiB)
-    return lr.per_lap / timed(lr.drain, lr.publish, seconds)
+    per_object = lr.per_lap / timed(lr.drain, lr.publish, seconds)
+    return per_object, lr.per_lap / timed(lr.drain_batch, lr.publish_batch, seconds)
 
 
 async def _pull(dp, end, got) -> None:
@@ -198,21 +269,31 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer bytes per size")
     args = p.parse_args()
     rings = trio.run(ring_paths, SIZES, args.quick)
-    native = native_drain_objects_per_s(0.5 if args.quick else 2.0)
+    uds = uds_round_trips(500 if args.quick else 2000)
+    native, batch = native_drain_objects_per_s(0.5 if args.quick else 2.0)
     print(f"{os.cpu_count()} CPUs; ring capacity {human(RING_CAPACITY)}; GB/s = 1e9 bytes/s")
     print(f"{'object':>8} {'memcpy x2':>10} {'x2 cold':>8} {'socket':>8} {'ingress':>8} {'obj/s':>9} "
-          f"{'us cpu/obj':>10} {'echo rt':>8} {'ingress/memcpy':>15} {'ingress/cold':>13} {'ingress/socket':>15} "
+          f"{'us cpu/obj':>10} {'echo rt':>8} {'step p50':>9} {'step p99':>9} "
+          f"{'ingress/memcpy':>15} {'ingress/cold':>13} {'ingress/socket':>15} "
           f"{'echo/memcpy':>12} {'echo/cold':>10}")
     for size in SIZES:
         n = count_for(size, args.quick)
         mem, cold, sock = memcpy_two_copy(size, n), memcpy_two_copy_cold(size, n), socket_frames(size, n)
-        ing, objs, echo, cpu = rings[size]
+        ing, objs, echo, cpu, steps = rings[size]
         print(f"{human(size):>8} {mem / 1e9:>10.2f} {cold / 1e9:>8.2f} {sock / 1e9:>8.2f} {ing / 1e9:>8.2f} "
-              f"{objs:>9.0f} {cpu * 1e6:>10.2f} {echo / 1e9:>8.2f} {ing / mem:>14.2f}x {ing / cold:>12.2f}x "
+              f"{objs:>9.0f} {cpu * 1e6:>10.2f} {echo / 1e9:>8.2f} {percentile(steps, 0.5) * 1e6:>9.0f} "
+              f"{percentile(steps, 0.99) * 1e6:>9.0f} {ing / mem:>14.2f}x {ing / cold:>12.2f}x "
               f"{ing / sock:>14.2f}x {echo / mem:>11.2f}x {echo / cold:>9.2f}x")
-    objs4k = rings[4 * KiB][1]
+    mem1m = memcpy_two_copy(MiB, count_for(MiB, args.quick))
+    print(f"1 MiB ingress in L3 (2 MiB ring, {L3_LAP}-object laps on recycled destinations): "
+          f"{rings['l3'] / 1e9:.2f} GB/s = {rings['l3'] / mem1m:.2f}x the in-cache two-copy memcpy ({mem1m / 1e9:.2f})")
+    objs4k, steps4k = rings[4 * KiB][1], rings[4 * KiB][4]
     print(f"native drain, 4 KiB: {native:.0f} objects/s; end to end {objs4k:.0f} objects/s = "
-          f"{objs4k / native:.2f}x native")
+          f"{objs4k / native:.2f}x native (drain_batch into a pool, the worker's CPU path: {batch:.0f} objects/s)")
+    p50, p99, u50, u99 = (percentile(steps4k, 0.5), percentile(steps4k, 0.99), percentile(uds, 0.5),
+                          percentile(uds, 0.99))
+    print(f"echo step, 4 KiB: p50 {p50 * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us; bare trio UDS round trip: p50 "
+          f"{u50 * 1e6:.0f} us, p99 {u99 * 1e6:.0f} us; step p50 / UDS p50 = {p50 / u50:.2f}x")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np
 from _common import table
 
-from cython_ring import HEADER_LEN, IngressState, ObjectSpec, Ring, drain_ingress, encode_header
+from cython_ring import (
+    HEADER_LEN,
+    Completions,
+    DestPool,
+    IngressState,
+    ObjectSpec,
+    Ring,
+    drain_batch,
+    drain_ingress,
+    encode_header,
+)
 
 TARGET_OBJECTS_PER_S = 1_000_000
 
@@ -67,6 +77,8 @@ class LoadedRing:
         self.dst = page_aligned(extent)
         target = (self.dst.ctypes.data, extent)
         self.resolver = lambda object_id, sequence, extent: target
+        self.pool, self.batch = DestPool(exact=True), Completions()
+        self.addresses = np.full(self.per_lap, self.dst.ctypes.data, np.uint64)
         self.laps = 0
 
     def publish(self) -> None:
@@ -74,6 +86,15 @@ class LoadedRing:
         self.laps += 1
         self.ring.clear_writable()  # as the producer would, so each drain also pays for its hint
         self.ring.advance_commit(self.capacity)
+
+    def publish_batch(self) -> None:
+        """publish, and one destination per record in the pool drain_batch takes them from."""
+        self.publish()
+        self.pool.clear()
+        self.pool.put_many(self.addresses, self.extent)
+
+    def drain_batch(self) -> None:
+        assert drain_batch(self.ring, self.state, self.spec, self.pool, self.batch) == self.per_lap, self.batch
 
     def drain(self) -> None:
         events = drain_ingress(self.ring, self.state, self.spec, self.resolver)

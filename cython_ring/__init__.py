@@ -1,5 +1,6 @@
-"""Native ring helper: MO01 header codec, ring header ABI v2, ingress drain and egress write."""
+"""Native ring helper: MO01 header codec, ring header ABI v2, ingress drains (per object or batched), egress writes."""
 
+from cython_ring._batch import Completions, DestPool
 from cython_ring._egress import EgressState, buffer_records, write_egress, write_egress_batch
 from cython_ring._mo01 import (
     FLAG_BEGIN_SEQUENCE,
@@ -24,7 +25,7 @@ from cython_ring._ring import (
     WAKE_WRITABLE,
     Ring,
 )
-from cython_ring._stream import IngressState, drain_ingress
+from cython_ring._stream import IngressState, drain_batch, drain_ingress
 from cython_ring.errors import (
     ExtentAlignmentInvalid,
     ExtentExceedsMax,
@@ -38,6 +39,7 @@ from cython_ring.errors import (
     UnsupportedRingVersion,
     WireSpecInvalid,
 )
+from cython_ring.records import Completion, DrainEnd
 
 __all__ = [
     "FLAG_BEGIN_SEQUENCE",
@@ -53,6 +55,10 @@ __all__ = [
     "VERSION",
     "WAKE_READABLE",
     "WAKE_WRITABLE",
+    "Completion",
+    "Completions",
+    "DestPool",
+    "DrainEnd",
     "EgressState",
     "ExtentAlignmentInvalid",
     "ExtentExceedsMax",
@@ -71,6 +77,7 @@ __all__ = [
     "WireSpecInvalid",
     "buffer_records",
     "decode_header",
+    "drain_batch",
     "drain_ingress",
     "encode_header",
     "validate",

@@ -3,6 +3,7 @@ fault cannot be provoked on CPU, against the worker's data plane in process with
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import signal
@@ -292,6 +293,41 @@ async def test_an_unknown_ring_version_is_named_as_such() -> None:
             "req_id": 1, "ring_id": lease.ring_id, "edge_id": "e", "port_id": "p", "direction": "ingress",
             "layout": {"offset": lease.offset, "header_len": 128, "capacity": 1024}, "object_spec": SPEC}))
         assert reply.t == "RING_FAULT" and reply.fields["reason"] == "unsupported_ring_version"
+        ring.release()
+        arena.release(lease, _quiesced(lease))
+
+
+async def test_the_cpu_drain_refills_its_pool_for_a_new_extent_and_types_an_allocation_failure() -> None:
+    from trio_gpuworker.worker._bridge import DeviceBridge, DeviceError
+
+    class NoMemoryFor12Floats(DeviceBridge):
+        """CPU (direct) allocations that fail for 48-byte objects (a fault injection)."""
+
+        def alloc_mapped_many(self, nbytes: int, k: int) -> Any:
+            if nbytes == 48:
+                raise DeviceError("device_out_of_memory", "no memory for 48 bytes")
+            return super().alloc_mapped_many(nbytes, k)
+
+    with ArenaManager(1 << 20) as arena:
+        plane = _worker_plane(arena, NoMemoryFor12Floats())
+        lease, ring = await _installed(arena, plane)
+        state = EgressState(ObjectSpec.from_wire(SPEC))
+        objects = [np.arange(n, dtype=np.float32) + k for k, n in enumerate((4, 4, 8, 12))]
+        for k, data in enumerate(objects):
+            write_egress(ring, state, 10 + k, k, data.ctypes.data, data.nbytes)
+        out = plane.drain(lease.ring_id)
+        assert [t for t, _ in out] == ["OBJECTS_LOADED", "OBJECT_FAILED", "RING_FAULT"]
+        rows = out[0][1]["objects"]
+        assert [row[:3] for row in rows] == [[10, 0, 16], [11, 1, 16], [12, 2, 32]]
+        for row, data in zip(rows, objects, strict=False):  # each landed whole in its own pooled allocation
+            obj = plane.objects[row[3]]
+            assert obj.alloc.nbytes == data.nbytes and obj.shape == (data.size,)
+            assert ctypes.string_at(plane.bridge.host_address(obj.alloc), data.nbytes) == data.tobytes()
+        assert out[1][1]["reason"] == "device_allocation_failed" and out[1][1]["object_id"] == 13
+        assert out[2][1]["reason"] == "device_out_of_memory"
+        assert ring.state == 3 and plane.drain(lease.ring_id) == []  # faulted once, reported once
+        plane.stop()
+        assert plane.rings == {} and plane.objects == {}
         ring.release()
         arena.release(lease, _quiesced(lease))
 

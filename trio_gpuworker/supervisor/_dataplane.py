@@ -1,29 +1,18 @@
 """Daemon side of the data plane: install rings on a lane, push objects into ingress rings, read objects from
-egress rings, pump files; crash fan-out (roles, steps and handles: _steps.py). Backpressure is the absence of ring
-space: a producer waits for the consumer's wake hint, it never buffers. Wake hints are coalesced through the
-ring's wake bits (cython_ring does the atomics)."""
+egress rings, pump files (the byte moves: _ringio.py); crash fan-out (roles, steps and handles: _steps.py).
+Backpressure is the absence of ring space: a producer waits for the consumer's wake hint, it never buffers. Wake
+hints are coalesced through the ring's wake bits (cython_ring does the atomics)."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-import mmap
-import os
-from pathlib import Path
+from operator import itemgetter
 from typing import Any
 
-import numpy as np
 import trio
 
-from cython_ring import (
-    EgressState,
-    IngressState,
-    ObjectSpec,
-    buffer_records,
-    drain_ingress,
-    write_egress,
-    write_egress_batch,
-)
+from cython_ring import EgressState, IngressState, ObjectSpec
 
 from .._errors import (
     ArenaError,
@@ -39,12 +28,13 @@ from .._proto import Message
 from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
 from ._ringend import RingEnd
+from ._ringio import RingIO
 from ._steps import Steps
 
 STALL_BYTES = 64  # less free space than this in an egress ring: a producer is waiting for its consumer
 
 
-class DataPlane:
+class DataPlane(RingIO):
     def __init__(self, lanes: dict[str, Lane], arena: ArenaManager, bus: Any) -> None:
         self.lanes, self.arena, self.bus = lanes, arena, bus
         self.ends: dict[int, RingEnd] = {}
@@ -173,167 +163,6 @@ class DataPlane:
         end.quiesced.set()
         self.ends.pop(end.ring_id, None)
 
-    # --- producing into an ingress ring -------------------------------------------------------------
-
-    async def push(self, end: RingEnd, data: Any, *, object_id: int, sequence: int, flags: int = 0) -> None:
-        """Write one object (header + every payload byte) into an ingress ring, waiting for space."""
-        assert end.direction == "ingress", "the daemon produces only into ingress rings"
-        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) if not isinstance(data, np.ndarray) else \
-            np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        extent = src.size
-        addr = src.ctypes.data if extent else 0
-        while True:
-            end.raise_if_faulted()
-            end.hint = trio.Event()
-            with native_errors():
-                n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
-            self._moved(end, "ingress", n)
-            if notify:
-                await self._notify(end, "RING_READABLE")
-            if not end.state.busy:
-                return
-            await end.hint.wait()  # RING_WRITABLE from the worker, or a fault
-
-    async def push_many(self, end: RingEnd, objects: list[Any], *, first_object_id: int, first_sequence: int,
-                        flags: int = 0) -> None:
-        """Write many objects (consecutive ids and sequences) into an ingress ring: each burst is one native call
-        that writes every record that fits, with one wake hint; ring space is the only backpressure. The
-        buffers must stay alive and unchanged until this returns (it holds `objects`)."""
-        assert end.direction == "ingress", "the daemon produces only into ingress rings"
-        with native_errors():
-            records = buffer_records(objects, first_object_id, first_sequence, flags)
-        i = 0
-        while i < len(objects):
-            end.raise_if_faulted()
-            end.hint = trio.Event()
-            with native_errors():
-                i, n, notify = write_egress_batch(end.ring, end.state, records, i)
-            self._moved(end, "ingress", n)
-            if notify:
-                await self._notify(end, "RING_READABLE")
-            if i < len(objects) and not n:
-                await end.hint.wait()
-
-    def _moved(self, end: RingEnd, direction: str, n: int) -> None:
-        end.bytes_moved += n
-        self.bytes_moved[direction] += n
-
-    async def next_event(self, end: RingEnd) -> Message:
-        """The next OBJECT_LOADED (or OBJECT_FAILED / RING_FAULT, raised) for an ingress ring."""
-        row = await self._next_row(end)
-        return Message("OBJECT_LOADED", {"ring_id": end.ring_id, "edge_id": end.edge_id, "port_id": end.port_id,
-                                         "object_id": row[1], "sequence": row[2], "extent": row[3],
-                                         "device_handle": {"worker_generation": end.generation, "id": row[4]}})
-
-    async def _next_row(self, end: RingEnd) -> tuple[str, int, int, int, int]:
-        while not end.events:
-            end.raise_if_faulted()
-            end.event_ready = trio.Event()
-            await end.event_ready.wait()
-        ev = end.events.popleft()
-        if isinstance(ev, tuple):
-            return ev
-        if ev.t == "OBJECT_FAILED":
-            raise ObjectFailed(ev["reason"], ev.get("msg", ""))
-        raise RingFault(ev["reason"], ev.get("msg", ""))
-
-    async def load(self, end: RingEnd, data: Any, *, object_id: int, sequence: int, flags: int = 0) -> dict[str, Any]:
-        """push + wait for its OBJECT_LOADED; returns the device handle."""
-        end.raise_if_faulted()  # one typed error (else the push and the wait would each raise it)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: self.push(end, data, object_id=object_id, sequence=sequence, flags=flags))
-            msg = await self.next_event(end)
-        if msg["object_id"] != object_id:
-            raise ObjectFailed("sequence_violation", f"loaded object {msg['object_id']}, expected {object_id}")
-        return msg["device_handle"]
-
-    async def load_many(self, end: RingEnd, objects: list[Any], *, first_object_id: int, first_sequence: int,
-                        flags: int = 0) -> list[dict[str, int]]:
-        """push_many + wait until every object is loaded; returns their device handles, in order. Completions
-        arrive in batches (one OBJECTS_LOADED per worker drain), so many callers wake from one message."""
-        handles: list[dict[str, int]] = []
-        end.raise_if_faulted()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: self.push_many(end, objects, first_object_id=first_object_id,
-                                                      first_sequence=first_sequence, flags=flags))
-            gen = end.generation
-            for k in range(len(objects)):
-                row = await self._next_row(end)
-                if row[1] != first_object_id + k:
-                    raise ObjectFailed("sequence_violation", f"loaded object {row[1]}, "
-                                                             f"expected {first_object_id + k}")
-                handles.append({"worker_generation": gen, "id": row[4]})
-        return handles
-
-    async def pump_file(self, end: RingEnd, path: Path, *, object_id: int, sequence: int, flags: int = 0) -> None:
-        """Disk -> ring as one object of the file's size. The file is mapped read-only and copied from the
-        page cache straight into ring space as the consumer frees it: no staging buffer, no Python per chunk."""
-        with path.open("rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size == 0:
-                await self.push(end, b"", object_id=object_id, sequence=sequence, flags=flags)
-                return
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                view = np.frombuffer(mm, dtype=np.uint8)
-                try:
-                    await self.push(end, view, object_id=object_id, sequence=sequence, flags=flags)
-                finally:
-                    del view  # the mapping closes only once no array exports it
-
-    # --- consuming an egress ring ----------------------------------------------------------------
-
-    async def pull(self, end: RingEnd) -> tuple[int, int, np.ndarray]:
-        """The next whole object from an egress ring: (object_id, sequence, bytes as uint8 array)."""
-        while not end.received:
-            await self._drain_egress(end)
-        return end.received.popleft()
-
-    async def pull_many(self, end: RingEnd) -> list[tuple[int, int, np.ndarray]]:
-        """Every whole object available (at least one), from one native drain per wake-up."""
-        while not end.received:
-            await self._drain_egress(end)
-        out = list(end.received)
-        end.received.clear()
-        return out
-
-    async def _drain_egress(self, end: RingEnd) -> None:
-        """One native drain of an egress ring; waits for a wake hint only when it found no whole object."""
-        assert end.direction == "egress", "the daemon consumes only egress rings"
-        end.raise_if_faulted()
-        end.hint = trio.Event()
-        landing = end.landing
-
-        def resolve(object_id: int, sequence: int, extent: int) -> tuple[int, int]:
-            buf = np.empty(max(extent, 1), dtype=np.uint8)
-            landing.append(buf)
-            return buf.ctypes.data, extent
-
-        got = len(end.received)
-        with native_errors():
-            events = drain_ingress(end.ring, end.state, end.spec, resolve)
-        for ev in events:
-            if ev[0] == "loaded":
-                end.received.append((ev[1], ev[2], landing.popleft()[: ev[3]]))
-                self._moved(end, "egress", ev[3])
-            elif ev[0] == "writable":
-                await self._notify(end, "RING_WRITABLE")
-            elif ev[0] in ("failed", "ring_fault"):
-                # the daemon found the fault itself: no wake hint will follow, so raise rather than wait
-                end.fault = end.fault or RingFault(ev[1], ev[2])
-        if len(end.received) == got:
-            end.raise_if_faulted()
-            await end.hint.wait()
-
-    async def _notify(self, end: RingEnd, t: str) -> None:
-        await self._notify_fields(end, t, {"ring_id": end.ring_id})
-
-    async def _notify_fields(self, end: RingEnd, t: str, fields: dict[str, Any]) -> None:
-        try:
-            await end.lane.notify(end.generation, t, fields)
-        except GpuWorkerError as exc:
-            end.fault = end.fault or RingFault("worker_process_exited", str(exc))
-            raise end.fault from exc
-
     # --- roles and steps (_steps.Steps) -----------------------------------------------------------
 
     async def configure_role(self, lane_id: str, role_id: str, config: dict[str, Any]) -> None:
@@ -364,13 +193,14 @@ class DataPlane:
             end.hint.set()
             return
         if msg.t == "OBJECTS_LOADED":
-            end.events.extend(("loaded", *row) for row in msg["objects"])
-            self.steps.handles.minted(lane, generation, (row[3] for row in msg["objects"]))
+            if rows := msg["objects"]:
+                end.events.append(rows)
+                self.steps.handles.minted(lane, generation, map(itemgetter(3), rows))
             end.event_ready.set()
             return
         if msg.t == "OBJECT_LOADED":  # the per-object form: a batch of one
             handle_id = msg["device_handle"]["id"]
-            end.events.append(("loaded", msg["object_id"], msg["sequence"], msg["extent"], handle_id))
+            end.events.append([[msg["object_id"], msg["sequence"], msg["extent"], handle_id]])
             self.steps.handles.minted(lane, generation, (handle_id,))
             end.event_ready.set()
             return

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from cython_ring import ObjectSpec, Ring
+from cython_ring import Completions, DestPool, ObjectSpec, Ring
 
-from .._errors import RingFault
+from .._errors import ObjectFailed, RingFault
 from ._arena import Lease
 from ._lane import Lane
 
@@ -31,15 +31,20 @@ class RingEnd:
     state: Any  # EgressState when the daemon produces, IngressState when it consumes
     hint: trio.Event = field(default_factory=trio.Event)
     fault: RingFault | None = None
-    # ingress completions in stream order: ("loaded", object_id, sequence, extent, handle id) rows, or a
-    # Message (OBJECT_FAILED / RING_FAULT); a whole OBJECTS_LOADED batch lands with one extend
+    # ingress completions in stream order: whole OBJECTS_LOADED batches (lists of [object_id, sequence, extent,
+    # handle id] rows, the first `taken` rows of the oldest already handed out), or a Message (OBJECT_FAILED /
+    # RING_FAULT). A batch lands, and is handed on, without a Python step per row.
     events: collections.deque[Any] = field(default_factory=collections.deque)
+    taken: int = 0
     event_ready: trio.Event = field(default_factory=trio.Event)
     steps: int = 0  # steps in flight that write to this egress ring: uninstalling it must not wait for them
     quiesced: trio.Event = field(default_factory=trio.Event)
     received: collections.deque[tuple[int, int, np.ndarray]] = field(default_factory=collections.deque)
-    # egress destinations handed to the drain, oldest first; an object larger than the ring spans drains
+    # egress destinations in the drain's pool (or taken by an object still arriving), oldest first, and the
+    # drain's completion batch
     landing: collections.deque[np.ndarray] = field(default_factory=collections.deque)
+    pool: DestPool = field(default_factory=lambda: DestPool(exact=True))
+    batch: Completions = field(default_factory=Completions)
     released: bool = False
     bytes_moved: int = 0
 
@@ -56,3 +61,22 @@ class RingEnd:
         self.fault = self.fault or fault
         self.hint.set()
         self.event_ready.set()
+
+    def take_rows(self, limit: int) -> list[list[int]]:
+        """Up to `limit` (> 0) completed rows, in stream order, from the oldest batch; [] when none is there yet.
+        A failure next in the stream raises ObjectFailed or RingFault."""
+        if not self.events:
+            return []
+        batch = self.events[0]
+        if not isinstance(batch, list):
+            self.events.popleft()
+            if batch.t == "OBJECT_FAILED":
+                raise ObjectFailed(batch["reason"], batch.get("msg", ""))
+            raise RingFault(batch["reason"], batch.get("msg", ""))
+        start, stop = self.taken, min(len(batch), self.taken + limit)
+        if stop == len(batch):
+            self.events.popleft()
+            self.taken = 0
+        else:
+            self.taken = stop
+        return batch if start == 0 and stop == len(batch) else batch[start:stop]

@@ -196,10 +196,25 @@ class DeviceBridge:
             self.synchronize()
         return DeviceAlloc(nbytes, self.device, buf)
 
-    def alloc_mapped(self, nbytes: int) -> tuple[DeviceAlloc, int]:
-        """alloc_device plus host_address in one call (direct only): the ingress drain's per-object path."""
-        alloc = self.alloc_device(nbytes)
-        return alloc, 0 if alloc.buffer is None else int(alloc.buffer._buf.va_addr)
+    def alloc_mapped_many(self, nbytes: int, k: int) -> tuple[list[DeviceAlloc], np.ndarray]:
+        """k allocations (direct only) and their host addresses as uint64, for the ingress drain's DestPool.
+        Recycled buffers go out in bulk. All or none: on an error the ones made are freed first."""
+        pooled = self._pool.get(nbytes) or []
+        take = min(k, len(pooled))
+        bufs = pooled[len(pooled) - take:]
+        del pooled[len(pooled) - take:]
+        self._pooled_bytes -= take * nbytes
+        self._owned.update(bufs)
+        allocs = [DeviceAlloc(nbytes, self.device, buf) for buf in bufs]
+        try:
+            while len(allocs) < k:
+                allocs.append(self.alloc_device(nbytes))
+        except BaseException:
+            for alloc in allocs:
+                self.free_device(alloc)
+            raise
+        # zero bytes allocate nothing; the address is then 0
+        return allocs, np.fromiter((0 if a.buffer is None else a.buffer._buf.va_addr for a in allocs), np.uint64, k)
 
     def free_device(self, alloc: DeviceAlloc) -> None:
         """Release an allocation. Memory still named by a live tensor (as_tensor, from_tensor) is freed when that

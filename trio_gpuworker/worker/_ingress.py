@@ -1,5 +1,7 @@
-"""Worker ingress: one native drain per wake hint, device allocations per object, and completions
-batched per drain (OBJECTS_LOADED). Also the per-ring slot and device-object records."""
+"""Worker ingress: one native drain per wake hint, and completions batched per drain (OBJECTS_LOADED). On CPU
+the drain takes device allocations from a per-ring pool refilled between calls and writes its completions into a
+native batch, so this module's Python runs once per drain call; elsewhere a resolver stages each object. Also the
+per-ring slot and device-object records."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from cython_ring import ObjectSpec, Ring, drain_ingress
+from cython_ring import Completions, DestPool, ObjectSpec, Ring, drain_batch, drain_ingress
 
 from .._errors import CodedError
 
@@ -43,6 +45,9 @@ class RingSlot:
     closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
     close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
     faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
+    # CPU: the destinations the drain takes, oldest first; their allocations are the newest entries of `pending`
+    pool: DestPool = field(default_factory=lambda: DestPool(exact=True))
+    batch: Completions = field(default_factory=Completions)  # the drain's completion records, reused
 
 
 @dataclass(slots=True)
@@ -94,6 +99,89 @@ class IngressPlane:
         return self._drain(slot) if slot.direction == "ingress" and not slot.faulted else []
 
     def _drain(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
+        return self._drain_pooled(slot) if self.bridge.direct else self._drain_staged(slot)
+
+    def _drain_pooled(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
+        """Host-addressable device memory (CPU): the drain copies straight into pooled allocations. Each native
+        call runs until the ring is empty, the chunk is full or the pool has nothing of the next object's size;
+        then the pool is refilled for that size and the drain goes on."""
+        out: list[tuple[str, dict[str, Any]]] = []
+        rows: list[list[int]] = []
+        batch, pool, failed = slot.batch, slot.pool, None
+        writable = False
+        while True:
+            drain_batch(slot.ring, slot.state, slot.spec, pool, batch, DRAIN_CHUNK - len(rows))
+            writable |= batch.writable
+            if batch.loaded:
+                rows += self._loaded_batch(slot, batch)
+            need = batch.need
+            if need is None or batch.more or len(rows) == DRAIN_CHUNK:
+                break
+            failed = self._refill(slot, need.extent)
+            if failed is not None:
+                break
+        slot.more = len(rows) == DRAIN_CHUNK  # committed objects may be left, and no hint will come for them
+        ids = {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id}
+        end = batch.end
+        if rows:
+            self.bridge.synchronize()  # nothing is compute-visible before every copy completed
+            out.append(("OBJECTS_LOADED", {**ids, "worker_generation": self.generation, "objects": rows}))
+        if failed is not None:  # no memory for the next object: the stream cannot go on past it
+            assert need is not None
+            self._drop_pending(slot)
+            slot.ring.fault()
+            slot.faulted = True
+            text = f"object {need.object_id} seq {need.sequence}: {type(failed).__name__}: {failed}"
+            out.append(("OBJECT_FAILED", {**ids, "reason": "device_allocation_failed", "msg": text,
+                                          "object_id": need.object_id, "sequence": need.sequence}))
+            out.append(("RING_FAULT", {**ids, "reason": _RING_REASON["device_allocation_failed"], "msg": text}))
+        elif end is not None and end.kind != "closed":
+            self._drop_pending(slot)
+            if end.kind == "failed":
+                fields = {**ids, "reason": end.code, "msg": end.message}
+                fields.update({k: v for k, v in (("object_id", end.object_id), ("sequence", end.sequence))
+                               if v is not None})
+                out.append(("OBJECT_FAILED", fields))
+            if end.kind == "ring_fault" or end.code != "eof_mid_object":
+                out.append(("RING_FAULT", {**ids, "msg": end.message, "reason": end.code if end.kind == "ring_fault"
+                                           else _RING_REASON.get(end.code, "header_malformed")}))
+        elif writable:
+            out.append(("RING_WRITABLE", {"ring_id": slot.ring_id}))
+        return out
+
+    def _refill(self, slot: RingSlot, extent: int) -> BaseException | None:
+        """Give the pool allocations of `extent` bytes for the object waiting on it and those after it: about as
+        many as the ring holds at once (one for an object larger than the ring), since objects of a ring mostly
+        share an extent. Free ones of another size go back first. Returns the error when not even one fits."""
+        from ._bridge import DeviceError
+
+        pool, pending = slot.pool, slot.pending
+        if pool.next_size is not None and pool.next_size != extent:
+            for _ in range(pool.clear()):
+                self.bridge.free_device(pending.pop()[0])
+        want = max(1, min(DRAIN_CHUNK, slot.ring.capacity // (extent + 40) + 1) - len(pool))
+        try:
+            allocs, addresses = self.bridge.alloc_mapped_many(extent, want)
+        except DeviceError as exc:
+            try:
+                allocs, addresses = self.bridge.alloc_mapped_many(extent, 1)  # the one it waits for, at least
+            except DeviceError:
+                return exc
+        pending.extend((alloc, None) for alloc in allocs)
+        pool.put_many(addresses, extent)
+        return None
+
+    def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]]:
+        """OBJECTS_LOADED rows of the batch's objects, each now a device object over its pooled allocation."""
+        n, pending = batch.loaded, slot.pending
+        first, self._next_handle = self._next_handle, self._next_handle + n
+        rows = batch.rows(first)
+        dtype, ring_id, shape_of = slot.spec.dtype, slot.ring_id, self._shape
+        self.objects.update((row[3], DeviceObject(pending.popleft()[0], dtype, shape_of(slot, row[2]), ring_id,
+                                                  row[0])) for row in rows)
+        return rows
+
+    def _drain_staged(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
         """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
         from ._bridge import DeviceError
 
@@ -101,12 +189,8 @@ class IngressPlane:
         loaded: list[list[int]] = []
         rid = slot.ring_id
         ids = {"ring_id": rid, "edge_id": slot.edge_id, "port_id": slot.port_id}
-        if self.bridge.direct:
-            events = drain_ingress(slot.ring, slot.state, slot.spec, self._direct_resolver(slot), None,
-                                   DRAIN_CHUNK)
-        else:
-            events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n),
-                                   lambda off, n: self._flush_window(slot, off, n), DRAIN_CHUNK)
+        events = drain_ingress(slot.ring, slot.state, slot.spec, lambda o, s, n: self._resolve(slot, n),
+                               lambda off, n: self._flush_window(slot, off, n), DRAIN_CHUNK)
         # a full chunk may have left committed objects behind, and no hint will come for them
         slot.more = sum(1 for ev in events if ev[0] == "loaded") == DRAIN_CHUNK
         copying: tuple[int, int] | None = None  # the object whose device copy is running
@@ -164,18 +248,6 @@ class IngressPlane:
                                            "worker_generation": self.generation, "objects": loaded[:]}))
             loaded.clear()
 
-    def _direct_resolver(self, slot: RingSlot) -> Any:
-        """Host-addressable device memory (CPU): the drain copies straight into the allocation. Called once per
-        object, so it binds what it needs up front."""
-        alloc_mapped, pending = self.bridge.alloc_mapped, slot.pending
-
-        def resolve(object_id: int, sequence: int, extent: int) -> tuple[int, int]:
-            alloc, address = alloc_mapped(extent)  # zero bytes allocate nothing; the address is then 0
-            pending.append((alloc, None))
-            return address, extent
-
-        return resolve
-
     def _resolve(self, slot: RingSlot, extent: int) -> tuple[int, int]:
         alloc = self.bridge.alloc_device(extent)
         if extent > self.stream_window:
@@ -200,6 +272,12 @@ class IngressPlane:
             self.bridge.host_to_device(alloc, 0, memoryview(staging), extent)
         slot.pending.popleft()
         handle_id, self._next_handle = self._next_handle, self._next_handle + 1
+        self.objects[handle_id] = DeviceObject(alloc, slot.spec.dtype, self._shape(slot, extent), slot.ring_id,
+                                               object_id)
+        return [object_id, sequence, extent, handle_id]
+
+    @staticmethod
+    def _shape(slot: RingSlot, extent: int) -> tuple[int, ...]:
         shape = slot.shapes.get(extent)
         if shape is None:  # objects of a ring mostly share one extent: work the shape out once per extent
             try:
@@ -208,9 +286,9 @@ class IngressPlane:
                 shape = (extent // np.dtype(slot.spec.dtype).itemsize,)
             if len(slot.shapes) < 64:
                 slot.shapes[extent] = shape
-        self.objects[handle_id] = DeviceObject(alloc, slot.spec.dtype, shape, slot.ring_id, object_id)
-        return [object_id, sequence, extent, handle_id]
+        return shape
 
     def _drop_pending(self, slot: RingSlot) -> None:
+        slot.pool.clear()
         while slot.pending:
             self.bridge.free_device(slot.pending.popleft()[0])

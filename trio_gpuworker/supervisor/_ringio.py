@@ -1,0 +1,200 @@
+"""The daemon's byte moves on its rings (a mixin of DataPlane): producing into ingress rings (one native batch
+write per burst, completions taken a whole OBJECTS_LOADED batch at a time) and consuming egress rings (one native
+drain into a pool of preallocated destinations per wake-up). Backpressure is the absence of ring space."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from operator import itemgetter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from cython_ring import buffer_records, drain_batch, write_egress, write_egress_batch
+
+from .._errors import GpuWorkerError, ObjectFailed, RingFault, native_errors
+from .._proto import Message
+from ._ringend import RingEnd
+
+POOL_OBJECTS = 64  # egress destinations made at once for one extent (fewer when fewer fit the ring)
+SLAB_BYTES = 1 << 20  # ... and at most this much memory, which lives while any object pulled from it does
+
+
+def _refill(end: RingEnd, extent: int) -> None:
+    """Destinations for the object the drain waits on and those after it, as views of one fresh slab: objects of a
+    ring mostly share an extent, so one allocation serves a burst. Free ones of another size are dropped first."""
+    pool, landing = end.pool, end.landing
+    if pool.next_size is not None and pool.next_size != extent:
+        for _ in range(pool.clear()):
+            landing.pop()
+    k = max(1, min(POOL_OBJECTS, end.ring.capacity // (extent + 40) + 1, SLAB_BYTES // max(extent, 1)))
+    slab = np.empty((k, extent), np.uint8)
+    base, row = slab.ctypes.data, extent
+    pool.put_many(np.arange(base, base + k * row, row, dtype=np.uint64) if extent else np.zeros(k, np.uint64), extent)
+    landing.extend(slab)
+
+
+class RingIO:
+    """Pushes, loads and pulls; DataPlane supplies the lanes and the byte counters."""
+
+    bytes_moved: dict[str, int]
+
+    # --- producing into an ingress ring -------------------------------------------------------------
+
+    async def push(self, end: RingEnd, data: Any, *, object_id: int, sequence: int, flags: int = 0) -> None:
+        """Write one object (header + every payload byte) into an ingress ring, waiting for space."""
+        assert end.direction == "ingress", "the daemon produces only into ingress rings"
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8) if not isinstance(data, np.ndarray) else \
+            np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        extent = src.size
+        addr = src.ctypes.data if extent else 0
+        while True:
+            end.raise_if_faulted()
+            end.hint = trio.Event()
+            with native_errors():
+                n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
+            self._moved(end, "ingress", n)
+            if notify:
+                await self._notify(end, "RING_READABLE")
+            if not end.state.busy:
+                return
+            await end.hint.wait()  # RING_WRITABLE from the worker, or a fault
+
+    async def push_many(self, end: RingEnd, objects: list[Any], *, first_object_id: int, first_sequence: int,
+                        flags: int = 0) -> None:
+        """Write many objects (consecutive ids and sequences) into an ingress ring: each burst is one native call
+        that writes every record that fits, with one wake hint; ring space is the only backpressure. The
+        buffers must stay alive and unchanged until this returns (it holds `objects`)."""
+        assert end.direction == "ingress", "the daemon produces only into ingress rings"
+        with native_errors():
+            records = buffer_records(objects, first_object_id, first_sequence, flags)
+        i = 0
+        while i < len(objects):
+            end.raise_if_faulted()
+            end.hint = trio.Event()
+            with native_errors():
+                i, n, notify = write_egress_batch(end.ring, end.state, records, i)
+            self._moved(end, "ingress", n)
+            if notify:
+                await self._notify(end, "RING_READABLE")
+            if i < len(objects) and not n:
+                await end.hint.wait()
+
+    def _moved(self, end: RingEnd, direction: str, n: int) -> None:
+        end.bytes_moved += n
+        self.bytes_moved[direction] += n
+
+    async def next_event(self, end: RingEnd) -> Message:
+        """The next OBJECT_LOADED (or OBJECT_FAILED / RING_FAULT, raised) for an ingress ring."""
+        row = (await self._rows(end, 1))[0]
+        return Message("OBJECT_LOADED", {"ring_id": end.ring_id, "edge_id": end.edge_id, "port_id": end.port_id,
+                                         "object_id": row[0], "sequence": row[1], "extent": row[2],
+                                         "device_handle": {"worker_generation": end.generation, "id": row[3]}})
+
+    async def _rows(self, end: RingEnd, limit: int) -> list[list[int]]:
+        """Up to `limit` completed rows [object_id, sequence, extent, handle id], waiting for at least one."""
+        while not (rows := end.take_rows(limit)):
+            end.raise_if_faulted()
+            end.event_ready = trio.Event()
+            await end.event_ready.wait()
+        return rows
+
+    async def load(self, end: RingEnd, data: Any, *, object_id: int, sequence: int, flags: int = 0) -> dict[str, Any]:
+        """push + wait for its OBJECT_LOADED; returns the device handle."""
+        end.raise_if_faulted()  # one typed error (else the push and the wait would each raise it)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: self.push(end, data, object_id=object_id, sequence=sequence, flags=flags))
+            msg = await self.next_event(end)
+        if msg["object_id"] != object_id:
+            raise ObjectFailed("sequence_violation", f"loaded object {msg['object_id']}, expected {object_id}")
+        return msg["device_handle"]
+
+    async def load_many(self, end: RingEnd, objects: list[Any], *, first_object_id: int, first_sequence: int,
+                        flags: int = 0) -> list[dict[str, int]]:
+        """push_many + wait until every object is loaded; returns their device handles, in order. Completions
+        arrive in batches (one OBJECTS_LOADED per worker drain), so many callers wake from one message."""
+        handles: list[dict[str, int]] = []
+        end.raise_if_faulted()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: self.push_many(end, objects, first_object_id=first_object_id,
+                                                      first_sequence=first_sequence, flags=flags))
+            gen = end.generation
+            while len(handles) < len(objects):
+                rows = await self._rows(end, len(objects) - len(handles))  # a whole batch at a time
+                want = first_object_id + len(handles)
+                if (ids := list(map(itemgetter(0), rows))) != list(range(want, want + len(rows))):
+                    got, expected = next((i, want + k) for k, i in enumerate(ids) if i != want + k)
+                    raise ObjectFailed("sequence_violation", f"loaded object {got}, expected {expected}")
+                handles += [{"worker_generation": gen, "id": row[3]} for row in rows]
+        return handles
+
+    async def pump_file(self, end: RingEnd, path: Path, *, object_id: int, sequence: int, flags: int = 0) -> None:
+        """Disk -> ring as one object of the file's size. The file is mapped read-only and copied from the
+        page cache straight into ring space as the consumer frees it: no staging buffer, no Python per chunk."""
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                await self.push(end, b"", object_id=object_id, sequence=sequence, flags=flags)
+                return
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                view = np.frombuffer(mm, dtype=np.uint8)
+                try:
+                    await self.push(end, view, object_id=object_id, sequence=sequence, flags=flags)
+                finally:
+                    del view  # the mapping closes only once no array exports it
+
+    # --- consuming an egress ring ----------------------------------------------------------------
+
+    async def pull(self, end: RingEnd) -> tuple[int, int, np.ndarray]:
+        """The next whole object from an egress ring: (object_id, sequence, bytes as uint8 array)."""
+        while not end.received:
+            await self._drain_egress(end)
+        return end.received.popleft()
+
+    async def pull_many(self, end: RingEnd) -> list[tuple[int, int, np.ndarray]]:
+        """Every whole object available (at least one), from one native drain per wake-up."""
+        while not end.received:
+            await self._drain_egress(end)
+        out = list(end.received)
+        end.received.clear()
+        return out
+
+    async def _drain_egress(self, end: RingEnd) -> None:
+        """One native drain of an egress ring into pooled destinations; waits for a wake hint only when it found no
+        whole object. The drain calls no Python per object: it stops only to have the pool refilled."""
+        assert end.direction == "egress", "the daemon consumes only egress rings"
+        end.raise_if_faulted()
+        end.hint = trio.Event()
+        got, batch, writable = len(end.received), end.batch, False
+        while True:
+            with native_errors():
+                drain_batch(end.ring, end.state, end.spec, end.pool, batch)
+            writable |= batch.writable
+            if batch.loaded:
+                landing = end.landing
+                end.received.extend([(rec.object_id, rec.sequence, landing.popleft()) for rec in batch.records()])
+                self._moved(end, "egress", batch.loaded_bytes)
+            if batch.need is None:
+                break
+            _refill(end, batch.need.extent)
+        if batch.end is not None and batch.end.kind != "closed":
+            # the daemon found the fault itself: no wake hint will follow, so raise rather than wait
+            end.fault = end.fault or RingFault(batch.end.code, batch.end.message)
+        elif writable:
+            await self._notify(end, "RING_WRITABLE")
+        if len(end.received) == got:
+            end.raise_if_faulted()
+            await end.hint.wait()
+
+    async def _notify(self, end: RingEnd, t: str) -> None:
+        await self._notify_fields(end, t, {"ring_id": end.ring_id})
+
+    async def _notify_fields(self, end: RingEnd, t: str, fields: dict[str, Any]) -> None:
+        try:
+            await end.lane.notify(end.generation, t, fields)
+        except GpuWorkerError as exc:
+            end.fault = end.fault or RingFault("worker_process_exited", str(exc))
+            raise end.fault from exc
