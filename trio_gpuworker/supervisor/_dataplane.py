@@ -33,7 +33,6 @@ from .._errors import (
     ObjectFailed,
     RingFault,
     WorkerError,
-    native_errors,
 )
 from .._proto import Message
 from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
@@ -82,8 +81,7 @@ class DataPlane:
     async def install_ring(self, lane_id: str, *, direction: str, capacity: int, object_spec: dict[str, Any],
                            edge_id: str = "edge", port_id: str = "port", timeout: float | None = None) -> RingEnd:
         lane = self._lane(lane_id)
-        with native_errors():
-            spec = ObjectSpec.from_wire(object_spec)
+        spec = ObjectSpec.from_wire(object_spec)
         lease = await self.arena.lease(capacity)
         ring = self.arena.init_ring(lease)
         generation, pid = lane.generation, lane.pid
@@ -117,7 +115,7 @@ class DataPlane:
         except BrokenWorkerError as exc:  # its worker ended first: the reaped-worker hook released the lease
             raise RingFault("worker_process_exited", str(exc)) from exc
         except WorkerError as exc:  # ERR: the worker refused it, nothing was installed
-            self._release(end, Quiesced(lease.ring_id, pump_stopped=True), RingFault(exc.code, exc.msg))
+            self._release(end, Quiesced(lease.ring_id, pump_stopped=True), RingFault(exc.code, exc.message))
             raise
         if reply.t == "RING_FAULT":
             fault = RingFault(reply["reason"], reply.get("msg", "the worker refused the ring"))
@@ -184,8 +182,7 @@ class DataPlane:
         while True:
             end.raise_if_faulted()
             end.hint = trio.Event()
-            with native_errors():
-                n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
+            n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
             self._moved(end, "ingress", n)
             if notify:
                 await self._notify(end, "RING_READABLE")
@@ -199,14 +196,12 @@ class DataPlane:
         that writes every record that fits, with one wake hint; ring space is the only backpressure. The
         buffers must stay alive and unchanged until this returns (it holds `objects`)."""
         assert end.direction == "ingress", "the daemon produces only into ingress rings"
-        with native_errors():
-            records = buffer_records(objects, first_object_id, first_sequence, flags)
+        records = buffer_records(objects, first_object_id, first_sequence, flags)
         i = 0
         while i < len(objects):
             end.raise_if_faulted()
             end.hint = trio.Event()
-            with native_errors():
-                i, n, notify = write_egress_batch(end.ring, end.state, records, i)
+            i, n, notify = write_egress_batch(end.ring, end.state, records, i)
             self._moved(end, "ingress", n)
             if notify:
                 await self._notify(end, "RING_READABLE")
@@ -308,8 +303,7 @@ class DataPlane:
             return buf.ctypes.data, extent
 
         got = len(end.received)
-        with native_errors():
-            events = drain_ingress(end.ring, end.state, end.spec, resolve)
+        events = drain_ingress(end.ring, end.state, end.spec, resolve)
         for ev in events:
             if ev[0] == "loaded":
                 end.received.append((ev[1], ev[2], landing.popleft()[: ev[3]]))
