@@ -141,7 +141,7 @@ def test_error_codes_are_object_failure_names() -> None:
         "extent_alignment_invalid", "sequence_violation"]
 
 
-@pytest.mark.parametrize("name", native.__all__)
+@pytest.mark.parametrize("name", sorted(set(native.__all__) - {"GpuWorkerError"}))
 def test_native_errors_are_the_shells(name: str) -> None:
     """One family: every native error is a ValueError and a GpuWorkerError, and the shell raises the same class."""
     cls = getattr(native, name)
