@@ -25,7 +25,7 @@ from cython_ring import errors as _errors_module
 
 
 cdef object _errors():
-    # the package's own exceptions (cython_ring.errors); the trio shell maps them to its hierarchy
+    # the package's own exceptions (cython_ring.errors), which the trio shell raises and catches as they are
     return _errors_module
 
 

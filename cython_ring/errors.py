@@ -1,11 +1,31 @@
-"""The native helper's own exceptions: ValueError subclasses carrying the wire `code` of the reference
-taxonomies. The package depends on nothing above it; the trio shell maps these to its error
-hierarchy (trio_gpuworker._errors.from_native)."""
+"""The native helper's own exceptions, and the root of the whole error family.
+
+`GpuWorkerError` is defined here, at the bottom, so that this package imports nothing above it and its errors are
+still the trio shell's: `trio_gpuworker._errors` builds on this root and re-exports these classes. Like msgpack's
+`FormatError(ValueError, UnpackException)`, each native error is both a `ValueError` and a `GpuWorkerError`, and
+carries the wire `code` of the reference taxonomies."""
 
 from __future__ import annotations
 
+from typing import Any
 
-class RingError(ValueError):
+
+class GpuWorkerError(Exception):
+    """Root of every error trio_gpuworker and cython_ring raise."""
+
+    code: str = "internal"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self)}
+
+
+class ConfigError(GpuWorkerError, ValueError):
+    """A configuration key or value is invalid; the message names the key."""
+
+    code = "config_invalid"
+
+
+class RingError(GpuWorkerError, ValueError):
     """A ring cannot be used as asked (released, closed, faulted, an abandoned partial object)."""
 
     code = "worker_internal"
@@ -49,7 +69,7 @@ class SequenceViolation(ObjectHeaderError):
     code = "sequence_violation"
 
 
-class SpecInvalid(RingError):
+class SpecInvalid(RingError, ConfigError):
     """An ObjectSpec built from bad arguments (a configuration error)."""
 
     code = "config_invalid"
@@ -61,6 +81,6 @@ class WireSpecInvalid(SpecInvalid):
     code = "malformed_control_message"
 
 
-__all__ = ["ExtentAlignmentInvalid", "ExtentExceedsMax", "HeaderMalformed", "ObjectHeaderError", "RingCorrupt",
-           "RingError", "SequenceViolation", "SpecInvalid", "UnsupportedObjectVersion", "UnsupportedRingVersion",
-           "WireSpecInvalid"]
+__all__ = ["ConfigError", "ExtentAlignmentInvalid", "ExtentExceedsMax", "GpuWorkerError", "HeaderMalformed",
+           "ObjectHeaderError", "RingCorrupt", "RingError", "SequenceViolation", "SpecInvalid",
+           "UnsupportedObjectVersion", "UnsupportedRingVersion", "WireSpecInvalid"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import trio
 
-from cython_ring import encode_header
+from cython_ring import RING_VERSION, Ring, encode_header
 from trio_gpuworker import (
     LaneConfig,
     ObjectFailed,
@@ -173,11 +173,18 @@ async def test_crash_mid_object_faults_rings_and_rejects_stale_handles(tmp_path:
 async def test_install_ring_rejects_a_bad_layout(tmp_path: Path) -> None:
     async with Supervisor(config(tmp_path)) as sup:
         lane = sup.lanes["dp"]
-        reply = await lane.call("INSTALL_RING", {"ring_id": 99, "edge_id": "e", "port_id": "p", "direction": "ingress",
-                                                 "layout": {"offset": 4096, "header_len": 128, "capacity": 1024},
-                                                 "object_spec": SPEC})
-        assert reply.t == "RING_FAULT" and reply["reason"] in ("ring_layout_invalid", "unsupported_ring_version")
-        assert struct.calcsize("<I") == 4
+        install = {"ring_id": 99, "edge_id": "e", "port_id": "p", "direction": "ingress",
+                   "layout": {"offset": 4096, "header_len": 128, "capacity": 1024}, "object_spec": SPEC}
+        reply = await lane.call("INSTALL_RING", install)  # nothing was written there: a zero magic
+        assert reply.t == "RING_FAULT" and reply["reason"] == "ring_layout_invalid", reply
+        assert "magic 0x00000000" in reply["msg"]
+        # the worker reads the daemon's header in place, little-endian: a real one with only its u16 ABI version
+        # (offset 4) changed is refused as that version
+        Ring.init(sup.arena.mmap, 4096, 99, 1024).release()
+        struct.pack_into("<H", sup.arena.mmap, 4096 + 4, RING_VERSION + 1)
+        reply = await lane.call("INSTALL_RING", install)
+        assert reply.t == "RING_FAULT" and reply["reason"] == "unsupported_ring_version", reply
+        assert f"version {RING_VERSION + 1}," in reply["msg"]
 
 
 async def test_file_pump_streams_a_file_through_a_small_ring(tmp_path: Path) -> None:

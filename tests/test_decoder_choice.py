@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trio_gpuworker.worker._loaders import LoadError, decoder_for
+from trio_gpuworker import WorkerError
+from trio_gpuworker.worker._loaders import decoder_for
 
 
 def test_defaults_follow_the_device() -> None:
@@ -18,6 +19,6 @@ def test_defaults_follow_the_device() -> None:
     ({"decoder": "fused"}, "CUDA", "decoder 'fused' runs on CPU only, not on CUDA"),
 ])
 def test_bad_choices_are_config_errors(rc: dict[str, str], device: str, match: str) -> None:
-    with pytest.raises(LoadError, match=match) as info:
+    with pytest.raises(WorkerError, match=match) as info:
         decoder_for(rc, device)
     assert info.value.code == "config_invalid"

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from trio_gpuworker.worker._loaders import FUSED_THREADS, LoadError, encoder_for
+from trio_gpuworker import WorkerError
+from trio_gpuworker.worker._loaders import FUSED_THREADS, encoder_for
 
 
 def test_defaults_follow_the_device() -> None:
@@ -26,6 +27,6 @@ def test_defaults_follow_the_device() -> None:
     ({"threads": 2}, "CUDA", "threads applies to the fused encoder only"),
 ])
 def test_bad_choices_are_config_errors(rc: dict[str, Any], device: str, match: str) -> None:
-    with pytest.raises(LoadError, match=match) as info:
+    with pytest.raises(WorkerError, match=match) as info:
         encoder_for(rc, device)
     assert info.value.code == "config_invalid"

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import trio_gpuworker._errors as shell
 from cython_ring import (
     FLAG_BEGIN_SEQUENCE,
     FLAG_END_OF_SEQUENCE,
@@ -21,6 +22,7 @@ from cython_ring import (
     encode_header,
     validate,
 )
+from cython_ring import errors as native
 from cython_ring.errors import (
     ExtentAlignmentInvalid,
     ExtentExceedsMax,
@@ -31,7 +33,7 @@ from cython_ring.errors import (
     UnsupportedObjectVersion,
     WireSpecInvalid,
 )
-from trio_gpuworker._errors import ConfigError, MalformedMessage, from_native
+from trio_gpuworker._errors import ConfigError, GpuWorkerError
 
 VECTOR_HEX = "4d4f3031 0100 2800 2823000000000000 0000000000000000 0800000000000000 00000000 00000000"
 VECTOR = bytes.fromhex(VECTOR_HEX.replace(" ", ""))
@@ -137,6 +139,14 @@ def test_error_codes_are_object_failure_names() -> None:
                              ExtentAlignmentInvalid, SequenceViolation)] == [
         "header_malformed", "unsupported_object_version", "extent_exceeds_max",
         "extent_alignment_invalid", "sequence_violation"]
+
+
+@pytest.mark.parametrize("name", sorted(set(native.__all__) - {"GpuWorkerError"}))
+def test_native_errors_are_the_shells(name: str) -> None:
+    """One family: every native error is a ValueError and a GpuWorkerError, and the shell raises the same class."""
+    cls = getattr(native, name)
+    assert issubclass(cls, ValueError) and issubclass(cls, GpuWorkerError)
+    assert getattr(shell, name) is cls
 
 
 @given(U64, U64, U64, st.integers(0, 3), st.binary(max_size=64))
@@ -261,10 +271,10 @@ GOOD = spec().to_wire()
 def test_spec_from_bad_wire(wire: object, match: str) -> None:
     with pytest.raises(WireSpecInvalid, match=match) as info:
         ObjectSpec.from_wire(wire)
-    assert isinstance(from_native(info.value), MalformedMessage)  # what the trio shell raises for it
+    assert isinstance(info.value, GpuWorkerError) and info.value.code == "malformed_control_message"
 
 
 def test_spec_constructor_errors_are_config_errors() -> None:
     with pytest.raises(SpecInvalid, match="alignment") as info:
         ObjectSpec("tensor", 8, 0, "u8", ())
-    assert isinstance(from_native(info.value), ConfigError)
+    assert isinstance(info.value, ConfigError)

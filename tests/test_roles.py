@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes
 
+from trio_gpuworker._errors import StepFailed
 from trio_gpuworker.worker._bridge import DeviceBridge
-from trio_gpuworker.worker._roles import ROLES, RoleError, make_role
+from trio_gpuworker.worker._roles import ROLES, make_role
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_linear_rejects_bad_inputs(bridge: DeviceBridge) -> None:
         ({"x": np.ones((2, 7), np.float32), "W": f(7, 3), "b": f(3)}, "invalid_input_handle"),  # not a Tensor
     ]
     for inputs, code in cases:
-        with pytest.raises(RoleError) as ei:
+        with pytest.raises(StepFailed) as ei:
             role.execute(inputs, {})  # type: ignore[arg-type]
         assert ei.value.code == code, (inputs, ei.value)
 
@@ -111,11 +112,11 @@ def test_tinygrad_exceptions_become_step_failures() -> None:
         raise RuntimeError("kernel exploded")
 
     role._run = boom  # type: ignore[method-assign]
-    with pytest.raises(RoleError) as ei:
+    with pytest.raises(StepFailed) as ei:
         role.execute({"in": Tensor([1])}, {})
     assert ei.value.code == "tinygrad_error" and "kernel exploded" in str(ei.value)
     role._run = lambda i, r: (_ for _ in ()).throw(MemoryError("Allocation of 9 GB failed"))  # type: ignore[method-assign]
-    with pytest.raises(RoleError) as ei:
+    with pytest.raises(StepFailed) as ei:
         role.execute({"in": Tensor([1])}, {})
     assert ei.value.code == "device_out_of_memory"
 
@@ -133,11 +134,11 @@ def test_minilm_with_a_stand_in_model(bridge: DeviceBridge) -> None:
     np.testing.assert_array_equal(vec, np.arange(4, dtype=np.float32) + ids.sum() + 1)
     assert seen == [1]
     for bad in (np.array([101, 5000, 102], np.int32), np.zeros(0, np.int32)):
-        with pytest.raises(RoleError) as ei:
+        with pytest.raises(StepFailed) as ei:
             role.execute({"ids": load(bridge, bad)}, {})
         assert ei.value.code == "tinygrad_error"
     for bad in (np.array([101, 102], np.int64), np.array([[101, 102]], np.int32), np.array([1.0], np.float32)):
-        with pytest.raises(RoleError) as ei:
+        with pytest.raises(StepFailed) as ei:
             role.execute({"ids": load(bridge, bad)}, {})
         assert ei.value.code == "tinygrad_error"
 
@@ -166,7 +167,7 @@ def test_minilm_with_a_stand_in_model(bridge: DeviceBridge) -> None:
 )
 def test_bad_configs(config: Any, code: str) -> None:
     models = {"m": fake_embedder(), "gen": fake_embedder(kind="generate")}
-    with pytest.raises(RoleError) as ei:
+    with pytest.raises(StepFailed) as ei:
         make_role(config, models)
     assert ei.value.code == code
     assert ei.value.to_wire()["code"] == code

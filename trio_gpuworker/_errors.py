@@ -1,27 +1,39 @@
-"""The one error hierarchy. Wire codes are the snake_case names of the reference taxonomies."""
+"""The one error hierarchy. Wire codes are the snake_case names of the reference taxonomies.
+
+The root `GpuWorkerError`, `ConfigError` and the ring errors live in `cython_ring.errors`, at the bottom, so the
+native helper imports nothing of this package and its exceptions are this hierarchy's without any mapping."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
+
+from cython_ring.errors import (
+    ConfigError,
+    ExtentAlignmentInvalid,
+    ExtentExceedsMax,
+    GpuWorkerError,
+    HeaderMalformed,
+    ObjectHeaderError,
+    RingCorrupt,
+    RingError,
+    SequenceViolation,
+    SpecInvalid,
+    UnsupportedObjectVersion,
+    UnsupportedRingVersion,
+    WireSpecInvalid,
+)
 
 LOG_TAIL_WIRE_CHARS = 8 * 1024  # the last 8 KiB of a crashed worker's output reach the caller
 
 
-class GpuWorkerError(Exception):
-    """Root of every error this package raises."""
+class CodedError(GpuWorkerError):
+    """An error whose wire code varies per instance: `code` is a reason from one of the reference taxonomies and
+    `message` says what happened. The base of every error that carries both."""
 
-    code: str = "internal"
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"code": self.code, "message": str(self)}
-
-
-class ConfigError(GpuWorkerError, ValueError):
-    """A configuration key or value is invalid; the message names the key."""
-
-    code = "config_invalid"
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 # --- protocol -------------------------------------------------------------------------------
@@ -98,13 +110,12 @@ class ProgressViolation(RemoteProtocolError):
 # --- serving --------------------------------------------------------------------------------
 
 
-class WorkerError(GpuWorkerError):
-    """The worker answered a request with ERR {code, msg}."""
+class WorkerError(CodedError):
+    """A request ended with ERR {code, msg}: the worker raises it to answer so, and the daemon raises it when it
+    reads one. `str()` is "code: message", as callers have always seen it."""
 
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(f"{code}: {msg}")
-        self.code = code
-        self.msg = msg
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
 
 
 class EngineCrashed(GpuWorkerError):
@@ -190,7 +201,15 @@ class RequestTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class LaneNotFound(GpuWorkerError, LookupError):
+    """No lane has this id."""
+
+    code = "lane_not_found"
+
+
 class NoLaneAvailable(GpuWorkerError):
+    """No lane can serve the model now: none is configured for it, or every one is drained."""
+
     code = "no_lane_available"
 
 
@@ -209,14 +228,6 @@ class BrokenWorkerError(GpuWorkerError):
 # --- data plane -----------------------------------------------------------------------------
 
 
-class CodedError(GpuWorkerError):
-    """An error whose wire code varies per instance (a reason from one of the reference taxonomies)."""
-
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
-
-
 class RingFault(CodedError):
     """A ring is unusable; `code` is the RingFaultReason (worker_process_exited, header_malformed, ...)."""
 
@@ -226,7 +237,8 @@ class ObjectFailed(CodedError):
 
 
 class StepFailed(CodedError):
-    """A step, role or release request failed; `code` is the StepFailure / RoleFailure / ReleaseFailure name."""
+    """A step, role or release request failed; `code` is the StepFailure / RoleFailure / ReleaseFailure name. The
+    worker's roles raise it too (invalid_role_config, tinygrad_error, device_out_of_memory, ...)."""
 
 
 class StaleHandle(StepFailed):
@@ -234,54 +246,10 @@ class StaleHandle(StepFailed):
     `code` is invalid_input_handle (a step's input) or invalid_device_handle (a release)."""
 
 
-class RingError(GpuWorkerError):
-    """A ring cannot be used as asked (the shell's form of cython_ring.RingError)."""
-
-    code = "worker_internal"
-
-
-class RingCorrupt(RingError, ValueError):
-    """A ring header or cursor pair violates the ABI (bad magic, version, capacity, cursors)."""
-
-    code = "ring_layout_invalid"
-
-
-class UnsupportedRingVersion(RingCorrupt):
-    """The ring header names an ABI version this helper does not speak."""
-
-    code = "unsupported_ring_version"
-
-
 class ArenaMapFailed(GpuWorkerError):
     """The worker could not map the arena it was handed (WorkerFatalReason)."""
 
     code = "arena_map_failed"
-
-
-class ObjectHeaderError(GpuWorkerError, ValueError):
-    """An MO01 object record header failed validation; `code` is the ObjectFailure name."""
-
-    code = "header_malformed"
-
-
-class HeaderMalformed(ObjectHeaderError):
-    code = "header_malformed"
-
-
-class UnsupportedObjectVersion(ObjectHeaderError):
-    code = "unsupported_object_version"
-
-
-class ExtentExceedsMax(ObjectHeaderError):
-    code = "extent_exceeds_max"
-
-
-class ExtentAlignmentInvalid(ObjectHeaderError):
-    code = "extent_alignment_invalid"
-
-
-class SequenceViolation(ObjectHeaderError):
-    code = "sequence_violation"
 
 
 # --- arena leases -----------------------------------------------------------------------------
@@ -328,38 +296,58 @@ class ClosedArenaError(ArenaError):
 
     code = "shutting_down"
 
-# The native helper (cython_ring) raises its own ValueError subclasses; the shell meets them here, by class
-# name, so this module imports nothing native.
-_NATIVE: dict[str, type[GpuWorkerError]] = {
-    "RingError": RingError,
-    "RingCorrupt": RingCorrupt,
-    "UnsupportedRingVersion": UnsupportedRingVersion,
-    "ObjectHeaderError": ObjectHeaderError,
-    "HeaderMalformed": HeaderMalformed,
-    "UnsupportedObjectVersion": UnsupportedObjectVersion,
-    "ExtentExceedsMax": ExtentExceedsMax,
-    "ExtentAlignmentInvalid": ExtentAlignmentInvalid,
-    "SequenceViolation": SequenceViolation,
-    "SpecInvalid": ConfigError,
-    "WireSpecInvalid": MalformedMessage,
-}
 
-
-def from_native(exc: BaseException) -> GpuWorkerError:
-    """The _errors type for an exception of cython_ring (by its class, nearest base first)."""
-    for cls in type(exc).__mro__:
-        mapped = _NATIVE.get(cls.__name__)
-        if mapped is not None and cls.__module__.startswith("cython_ring"):
-            return mapped(str(exc))
-    return RingError(f"{type(exc).__name__}: {exc}")
-
-
-@contextmanager
-def native_errors() -> Iterator[None]:
-    """Around a cython_ring call: its exceptions leave as this hierarchy's (chained to the native one)."""
-    try:
-        yield
-    except ValueError as exc:
-        if not type(exc).__module__.startswith("cython_ring"):
-            raise
-        raise from_native(exc) from exc
+__all__ = [
+    "LOG_TAIL_WIRE_CHARS",
+    "ArenaBusy",
+    "ArenaError",
+    "ArenaMapFailed",
+    "BrokenWorkerError",
+    "ClosedArenaError",
+    "ClosedSupervisorError",
+    "CodedError",
+    "ConfigError",
+    "DeadlineExceeded",
+    "EngineCrashed",
+    "ExtentAlignmentInvalid",
+    "ExtentExceedsMax",
+    "FrameTooLarge",
+    "GpuWorkerError",
+    "HandshakeError",
+    "HeaderMalformed",
+    "InvalidLeaseRequest",
+    "InvalidRequest",
+    "LaneNotFound",
+    "LeaseRejected",
+    "LeaseStateError",
+    "LocalProtocolError",
+    "MalformedMessage",
+    "ModelNotFound",
+    "NoLaneAvailable",
+    "NonceMismatch",
+    "ObjectFailed",
+    "ObjectHeaderError",
+    "OutgoingFrameTooLarge",
+    "OverCapacity",
+    "PidMismatch",
+    "ProgressViolation",
+    "ProtocolError",
+    "QuiescenceUnproven",
+    "RemoteProtocolError",
+    "RequestTooLarge",
+    "RingAbiMismatch",
+    "RingCorrupt",
+    "RingError",
+    "RingFault",
+    "SequenceViolation",
+    "SpecInvalid",
+    "StaleHandle",
+    "StepFailed",
+    "TruncatedStream",
+    "UnexpectedFrame",
+    "UnsupportedObjectVersion",
+    "UnsupportedRingVersion",
+    "VersionMismatch",
+    "WireSpecInvalid",
+    "WorkerError",
+]

@@ -11,15 +11,11 @@ from typing import Any
 
 import trio
 
-from .._errors import GpuWorkerError
+from .._errors import LaneNotFound
 from .._proto import Message
 from ..supervisor import DigestCache, Lane, LaneState, Supervisor, load_spec
 
 DRAIN_POLL_S = 0.05  # how often drain(wait=True) looks at the lane's queue
-
-
-class LaneNotFound(GpuWorkerError, LookupError):
-    code = "lane_not_found"
 
 
 class LaneAdmin:

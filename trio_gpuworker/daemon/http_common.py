@@ -17,13 +17,13 @@ from .._errors import (
     EngineCrashed,
     GpuWorkerError,
     InvalidRequest,
+    LaneNotFound,
     ModelNotFound,
     NoLaneAvailable,
     OverCapacity,
     RequestTooLarge,
     WorkerError,
 )
-from .admin import LaneNotFound
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

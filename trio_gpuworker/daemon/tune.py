@@ -4,6 +4,9 @@ It runs what a lane's LOAD runs, without the daemon: one worker on the device of
 model, with the daemon's state directory, so the search results land in the kernel cache (CACHEDB) and the
 captured JITs in the JIT cache that every later worker, restart and standby of the daemon reads. The daemon
 itself may keep serving meanwhile; its workers pick the results up at their next start.
+
+BEAM tunes tinygrad-generated kernels only: the graph encoder and decoder (`encoder`/`decoder = "graph"`, the
+default off CPU). The fused CPU encoder and decoder run their own C kernels instead, which BEAM does not search.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from .admin import LaneAdmin
 from .config import DaemonConfig
 
 TUNE_LANE = "tune"
-LLAMA_WARMUP_STEPS = 4  # models/llama.py warmup(): prefill and decode captures
+LLAMA_WARMUP_STEPS = 4  # models/greedy.py warmup(), shared by both decoders: progress 1..4 over both captures
 
 
 def planned_steps(cfg: DaemonConfig, model: str) -> int:
-    """How many PROGRESS steps after the first the tuning LOAD reports: one per warm-up shape."""
+    """How many PROGRESS steps after the first the tuning LOAD reports: one per warm-up shape of an encoder (the
+    configured `warmup_shapes`, else the tuned shapes), the greedy loop's warm-up steps for a decoder."""
     mc = cfg.supervisor.model(model)
     if mc.kind == "generate":
         return LLAMA_WARMUP_STEPS

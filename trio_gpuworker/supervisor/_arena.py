@@ -29,7 +29,6 @@ from .._errors import (
     LeaseRejected,
     LeaseStateError,
     QuiescenceUnproven,
-    native_errors,
 )
 from .._proto import (
     ALIGN,
@@ -158,8 +157,7 @@ class ArenaManager:
     def init_ring(self, lease: Lease) -> Ring:
         """Write a fresh ring header (ABI v2) at the lease and return the daemon's Ring over it."""
         self._table.check_live(lease)
-        with native_errors():
-            return Ring.init(self.mmap, lease.offset, lease.ring_id, lease.capacity)
+        return Ring.init(self.mmap, lease.offset, lease.ring_id, lease.capacity)
 
     def mark_installed(self, lease: Lease, pid: int) -> None:
         """Record the worker the ring goes to; call before INSTALL_RING is written."""

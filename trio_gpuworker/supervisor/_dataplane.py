@@ -22,7 +22,6 @@ from .._errors import (
     ObjectFailed,
     RingFault,
     WorkerError,
-    native_errors,
 )
 from .._proto import Message
 from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
@@ -73,8 +72,7 @@ class DataPlane(RingIO):
     async def install_ring(self, lane_id: str, *, direction: str, capacity: int, object_spec: dict[str, Any],
                            edge_id: str = "edge", port_id: str = "port", timeout: float | None = None) -> RingEnd:
         lane = self._lane(lane_id)
-        with native_errors():
-            spec = ObjectSpec.from_wire(object_spec)
+        spec = ObjectSpec.from_wire(object_spec)
         lease = await self.arena.lease(capacity)
         ring = self.arena.init_ring(lease)
         generation, pid = lane.generation, lane.pid
@@ -108,7 +106,7 @@ class DataPlane(RingIO):
         except BrokenWorkerError as exc:  # its worker ended first: the reaped-worker hook released the lease
             raise RingFault("worker_process_exited", str(exc)) from exc
         except WorkerError as exc:  # ERR: the worker refused it, nothing was installed
-            self._release(end, Quiesced(lease.ring_id, pump_stopped=True), RingFault(exc.code, exc.msg))
+            self._release(end, Quiesced(lease.ring_id, pump_stopped=True), RingFault(exc.code, exc.message))
             raise
         if reply.t == "RING_FAULT":
             fault = RingFault(reply["reason"], reply.get("msg", "the worker refused the ring"))

@@ -250,7 +250,7 @@ class Lane:
             reply = await self.call("LOAD", spec.load_fields(), timeout=timeout, on_progress=on_progress)
         except WorkerError as exc:
             if (gen := self.report.active()) is not None:
-                gen.load_errors[spec.model_ref] = f"{exc.code}: {exc.msg}"
+                gen.load_errors[spec.model_ref] = f"{exc.code}: {exc.message}"
             raise
         self.loads = {**self._loads, spec.model_ref: spec}
         if (gen := self.report.active()) is not None:

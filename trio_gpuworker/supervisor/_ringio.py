@@ -15,7 +15,7 @@ import trio
 
 from cython_ring import buffer_records, drain_batch, write_egress, write_egress_batch
 
-from .._errors import GpuWorkerError, ObjectFailed, RingFault, native_errors
+from .._errors import GpuWorkerError, ObjectFailed, RingFault
 from .._proto import Message
 from ._ringend import RingEnd
 
@@ -54,8 +54,7 @@ class RingIO:
         while True:
             end.raise_if_faulted()
             end.hint = trio.Event()
-            with native_errors():
-                n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
+            n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
             self._moved(end, "ingress", n)
             if notify:
                 await self._notify(end, "RING_READABLE")
@@ -69,14 +68,12 @@ class RingIO:
         that writes every record that fits, with one wake hint; ring space is the only backpressure. The
         buffers must stay alive and unchanged until this returns (it holds `objects`)."""
         assert end.direction == "ingress", "the daemon produces only into ingress rings"
-        with native_errors():
-            records = buffer_records(objects, first_object_id, first_sequence, flags)
+        records = buffer_records(objects, first_object_id, first_sequence, flags)
         i = 0
         while i < len(objects):
             end.raise_if_faulted()
             end.hint = trio.Event()
-            with native_errors():
-                i, n, notify = write_egress_batch(end.ring, end.state, records, i)
+            i, n, notify = write_egress_batch(end.ring, end.state, records, i)
             self._moved(end, "ingress", n)
             if notify:
                 await self._notify(end, "RING_READABLE")
@@ -170,8 +167,7 @@ class RingIO:
         end.hint = trio.Event()
         got, batch, writable = len(end.received), end.batch, False
         while True:
-            with native_errors():
-                drain_batch(end.ring, end.state, end.spec, end.pool, batch)
+            drain_batch(end.ring, end.state, end.spec, end.pool, batch)
             writable |= batch.writable
             if batch.loaded:
                 landing = end.landing

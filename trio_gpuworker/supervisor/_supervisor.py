@@ -13,7 +13,7 @@ from .._config import AdmissionPolicy, BatchPolicy, LaneConfig, ModelConfig, Sup
 from .._errors import (
     ClosedSupervisorError,
     InvalidRequest,
-    NoLaneAvailable,
+    LaneNotFound,
 )
 from .._proto import LaneState
 from ._admission import Router, Scheduler
@@ -167,7 +167,7 @@ class Supervisor(ServingApi):
         """Stop routing to a lane, let it finish what is queued, stop its worker, forget it."""
         lane = self.lanes.get(lane_id)
         if lane is None:
-            raise NoLaneAvailable(f"no lane {lane_id!r}")
+            raise LaneNotFound(f"no lane {lane_id!r}")
         self.router.drain(lane_id)
         lane.close()
         await lane.wait_state(LaneState.STOPPED)
@@ -182,7 +182,7 @@ class Supervisor(ServingApi):
         """Ordered restart of one lane's worker (no strike); lifts its quarantine at once."""
         lane = self.lanes.get(lane_id)
         if lane is None:
-            raise NoLaneAvailable(f"no lane {lane_id!r}")
+            raise LaneNotFound(f"no lane {lane_id!r}")
         await lane.reload(timeout)
 
     def status(self) -> list[dict[str, Any]]:

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from cython_ring import EgressState, IngressState, ObjectHeaderError, ObjectSpec, Ring, write_egress
+from cython_ring import EgressState, IngressState, ObjectSpec, Ring, write_egress
 
-from .._errors import ArenaMapFailed, GpuWorkerError, RingError
+from .._errors import ArenaMapFailed, GpuWorkerError, ObjectHeaderError, RingError, StepFailed
 from .._proto import Message
 from ._engine import Reply
 from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
@@ -100,7 +100,7 @@ class WorkerDataPlane(IngressPlane):
             spec = ObjectSpec.from_wire(msg["object_spec"])
             ring = Ring.attach(self.arena, layout["offset"], expected_ring_id=ring_id,
                                expected_capacity=layout["capacity"])
-        except (GpuWorkerError, ValueError) as exc:  # cython_ring's errors carry their wire code
+        except ValueError as exc:  # cython_ring's errors are ValueErrors with a wire code; a bare one is a bad argument
             return fail(getattr(exc, "code", "ring_layout_invalid"), str(exc))
         state = IngressState() if msg["direction"] == "ingress" else EgressState(spec)
         self.rings[ring_id] = RingSlot(ring_id, msg["edge_id"], msg["port_id"], msg["direction"], spec, ring, state)
@@ -143,7 +143,7 @@ class WorkerDataPlane(IngressPlane):
         return ring_ids
 
     def configure_role(self, msg: Message) -> Reply:
-        from ._roles import RoleError, make_role
+        from ._roles import make_role
 
         if msg["role_id"] in self.roles:
             return Reply("ROLE_FAILED", {"role_id": msg["role_id"], "reason": "worker_rejected_role",
@@ -151,7 +151,7 @@ class WorkerDataPlane(IngressPlane):
                                                 "immutable"})
         try:
             self.roles[msg["role_id"]] = make_role(msg["config"], self.models)
-        except RoleError as exc:
+        except StepFailed as exc:
             return Reply("ROLE_FAILED", {"role_id": msg["role_id"], "reason": exc.code, "msg": str(exc)})
         return Reply("ROLE_CONFIGURED", {"role_id": msg["role_id"]})
 
@@ -205,7 +205,6 @@ class WorkerDataPlane(IngressPlane):
     def _prepare(self, msg: Message) -> list[_Output]:
         """Compute thread: run the role and make every output readable from host memory."""
         from ._bridge import DeviceError
-        from ._roles import RoleError
 
         if self.aborted:
             raise DataPlaneError("worker_shutting_down", "the worker is shutting down (abort_in_flight)")
@@ -232,7 +231,7 @@ class WorkerDataPlane(IngressPlane):
             slots.append((binding, slot))
         try:
             produced = role.execute(inputs, msg["runtime"])
-        except RoleError as exc:
+        except StepFailed as exc:
             raise DataPlaneError(exc.code, str(exc)) from exc
         except MemoryError as exc:
             raise DataPlaneError("device_out_of_memory", str(exc)) from exc

@@ -17,19 +17,12 @@ from typing import Any
 import numpy as np
 
 from .._digest import sha256_file
+from .._errors import WorkerError
 from .._proto import Message
 from ._generate import generate
-from ._loaders import LoadError, load_bert, load_llama
+from ._loaders import load_bert, load_llama
 
 Progress = Callable[..., None]  # (completed, phase[, post=False: check for an abort only, send nothing])
-
-
-class WorkerRequestError(Exception):
-    """Ends a request with ERR {code, msg}; `code` is a wire code."""
-
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
 
 
 @dataclass
@@ -41,10 +34,10 @@ class Reply:
 
 def split_rows(raw: bytes, lengths: list[int], allow_empty: bool = False) -> list[np.ndarray]:
     if len(raw) % 4 or sum(lengths) != len(raw) // 4:
-        raise WorkerRequestError("invalid_request",
+        raise WorkerError("invalid_request",
                                  f"items name {sum(lengths)} ids, the raw frame holds {len(raw) / 4}")
     if not allow_empty and any(n == 0 for n in lengths):
-        raise WorkerRequestError("invalid_request", "an item has zero tokens")
+        raise WorkerError("invalid_request", "an item has zero tokens")
     ids = np.frombuffer(raw, dtype="<i4").astype(np.int32)
     return np.split(ids, np.cumsum(lengths)[:-1]) if lengths else []
 
@@ -103,15 +96,15 @@ class Engine:
     def handle(self, msg: Message, progress: Progress) -> Reply:
         handler = getattr(self, f"do_{msg.t.lower()}", None)
         if handler is None:
-            raise WorkerRequestError("unsupported_request", f"this worker does not serve {msg.t}")
+            raise WorkerError("unsupported_request", f"this worker does not serve {msg.t}")
         return handler(msg, progress)
 
     def model(self, model_ref: str, kind: str) -> Any:
         m = self.models.get(model_ref)
         if m is None:
-            raise WorkerRequestError("model_not_loaded", f"model {model_ref!r} is not loaded in this worker")
+            raise WorkerError("model_not_loaded", f"model {model_ref!r} is not loaded in this worker")
         if m.kind != kind:
-            raise WorkerRequestError("invalid_request", f"model {model_ref!r} is a {m.kind} model, not {kind}")
+            raise WorkerError("invalid_request", f"model {model_ref!r} is a {m.kind} model, not {kind}")
         return m
 
     def do_ping(self, msg: Message, progress: Progress) -> Reply:
@@ -119,14 +112,14 @@ class Engine:
 
     def do_unload(self, msg: Message, progress: Progress) -> Reply:
         if self.models.pop(msg["model_ref"], None) is None:
-            raise WorkerRequestError("model_not_loaded", f"model {msg['model_ref']!r} is not loaded")
+            raise WorkerError("model_not_loaded", f"model {msg['model_ref']!r} is not loaded")
         return Reply("UNLOADED")
 
     def do_load(self, msg: Message, progress: Progress) -> Reply:
         t0 = time.perf_counter()
         path = Path(msg["artifact_path"])
         if not path.is_file():
-            raise WorkerRequestError("artifact_invalid", f"artifact {path} does not exist")
+            raise WorkerError("artifact_invalid", f"artifact {path} does not exist")
         expected = msg["artifact_digest"].lower()
         # hashed on its own thread (hashlib drops the GIL) while tinygrad imports and a cached model restores
         with ThreadPoolExecutor(1, thread_name_prefix="artifact-sha256") as pool:
@@ -134,16 +127,14 @@ class Engine:
 
             def verify() -> None:
                 if (digest := hashing.result()) != expected:
-                    raise WorkerRequestError("artifact_invalid",
+                    raise WorkerError("artifact_invalid",
                                              f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
 
             try:
                 model = self._load(msg, path, expected, verify, progress)
-            except (WorkerRequestError, LoadError) as exc:
+            except WorkerError as exc:
                 if exc.code != "artifact_invalid":
                     verify()  # a wrong artifact is reported as such, whatever else failed
-                if isinstance(exc, LoadError):
-                    raise WorkerRequestError(exc.code, str(exc)) from exc
                 raise
         model_ref = msg.get("model_ref") or path.stem
         self.models[model_ref] = model
@@ -162,14 +153,14 @@ class Engine:
             try:
                 config = json.loads(cfg_path.read_text())
             except (OSError, ValueError) as exc:
-                raise WorkerRequestError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
+                raise WorkerError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
             return _Served(load_bert(kind, path, config, rc, digest, verify, warmed), kind, rc)
         if fmt == "gguf" and kind == "generate":
             lm, detokenizer = load_llama(path, rc, digest, verify, warmed)
             served = _Served(lm, kind, rc)
             served.detokenizer = detokenizer
             return served
-        raise WorkerRequestError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
+        raise WorkerError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
 
     def do_embed_batch(self, msg: Message, progress: Progress) -> Reply:
         m = self.model(msg["model_ref"], "embedding")
@@ -177,7 +168,7 @@ class Engine:
         try:
             out = m.impl.embed(rows, msg["pooling"], msg["normalize"], lambda n: progress(n, "inference"))
         except ValueError as exc:
-            raise WorkerRequestError("invalid_request", str(exc)) from exc
+            raise WorkerError("invalid_request", str(exc)) from exc
         out = np.ascontiguousarray(out, dtype="<f4")
         return Reply("VECTORS", {"dims": int(out.shape[1]) if out.ndim == 2 else m.dims, "n": len(rows)}, out.tobytes())
 
@@ -185,7 +176,7 @@ class Engine:
         """A cross-encoder scores composed pairs; an embedding model scores by bi-encoder cosine (labelled)."""
         m = self.models.get(msg["model_ref"])
         if m is None or m.kind not in ("rerank", "embedding"):
-            raise WorkerRequestError("model_not_loaded", f"no rerank or embedding model {msg['model_ref']!r} loaded")
+            raise WorkerError("model_not_loaded", f"no rerank or embedding model {msg['model_ref']!r} loaded")
         q, *docs = split_rows(msg.raw or b"", [msg["query_n_tokens"]] + [c["n_tokens"] for c in msg["candidates"]],
                              allow_empty=True)
         done = lambda n: progress(n, "inference")  # noqa: E731
@@ -198,17 +189,17 @@ class Engine:
                 vecs = m.impl.embed([wrap(q)] + [wrap(d) for d in docs], "mean", True, done)
                 scores, method = vecs[1:] @ vecs[0], "bi_encoder_cosine"
         except ValueError as exc:
-            raise WorkerRequestError("invalid_request", str(exc)) from exc
+            raise WorkerError("invalid_request", str(exc)) from exc
         return Reply("SCORES", {"n": len(docs), "method": method}, np.asarray(scores, dtype="<f4").tobytes())
 
     def do_generate(self, msg: Message, progress: Progress) -> Reply:
         m = self.model(msg["model_ref"], "generate")
         if msg.get("grammar"):
-            raise WorkerRequestError("grammar_unsupported", "this worker does not constrain decoding by grammar")
+            raise WorkerError("grammar_unsupported", "this worker does not constrain decoding by grammar")
         try:
             fields, raw = generate(m, msg, progress, self.post)
         except ValueError as exc:
-            raise WorkerRequestError("invalid_request", str(exc)) from exc
+            raise WorkerError("invalid_request", str(exc)) from exc
         return Reply("TEXT", fields, raw)
 
 

@@ -12,20 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._errors import GpuWorkerError
+from .._errors import WorkerError
 from . import _jitcache, _jitfile, _warmcache
 from ._beam import BeamStats, beam_shape, check_beam
 
 ModelProgress = Callable[[int], None]
 _CACHE_MODULES = (__name__, _jitcache.__name__, _jitfile.__name__, _warmcache.__name__)
-
-
-class LoadError(GpuWorkerError):
-    """A model that cannot be loaded; `code` is a wire code (config_invalid)."""
-
-    def __init__(self, code: str, msg: str) -> None:
-        super().__init__(msg)
-        self.code = code
 
 
 def _log(line: str) -> None:
@@ -43,14 +35,14 @@ def _cached(path: Path, kind: str, key: dict[str, Any], build: Callable[[], Any]
     try:
         return _warmcache.load_or_build(key, build, _log)
     except (ValueError, KeyError, TypeError) as exc:
-        raise LoadError("config_invalid", f"cannot load {path}: {exc}") from exc
+        raise WorkerError("config_invalid", f"cannot load {path}: {exc}") from exc
 
 
 def _beam(rc: dict[str, Any]) -> int:
     try:
         return check_beam(rc.get("beam", 0))
     except ValueError as exc:
-        raise LoadError("config_invalid", str(exc)) from exc
+        raise WorkerError("config_invalid", str(exc)) from exc
 
 
 ENCODERS = ("fused", "graph")
@@ -64,16 +56,16 @@ def encoder_for(rc: dict[str, Any], device: str) -> tuple[str, int]:
     cpu = device.split(":")[0] == "CPU"
     choice = rc.get("encoder", "fused" if cpu else "graph")
     if choice not in ENCODERS:
-        raise LoadError("config_invalid", f"encoder must be one of {', '.join(ENCODERS)}, got {choice!r}")
+        raise WorkerError("config_invalid", f"encoder must be one of {', '.join(ENCODERS)}, got {choice!r}")
     if choice == "fused" and not cpu:
-        raise LoadError("config_invalid", f"encoder 'fused' runs on CPU only, not on {device}: use 'graph'")
+        raise WorkerError("config_invalid", f"encoder 'fused' runs on CPU only, not on {device}: use 'graph'")
     from ..models.bert_fused import MAX_THREADS
 
     threads = rc.get("threads", FUSED_THREADS)
     if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
-        raise LoadError("config_invalid", f"threads must be an int within 1..{MAX_THREADS}, got {threads!r}")
+        raise WorkerError("config_invalid", f"threads must be an int within 1..{MAX_THREADS}, got {threads!r}")
     if "threads" in rc and choice != "fused":
-        raise LoadError("config_invalid", "threads applies to the fused encoder only")
+        raise WorkerError("config_invalid", "threads applies to the fused encoder only")
     return choice, threads
 
 
@@ -89,7 +81,7 @@ def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, 
         impl = cls.load(path, config, max_tokens=max_tokens, threads=threads)
         impl.warmup(progress)
     except (ValueError, KeyError, TypeError) as exc:
-        raise LoadError("config_invalid", f"cannot load {path}: {exc}") from exc
+        raise WorkerError("config_invalid", f"cannot load {path}: {exc}") from exc
     _log(f"worker: {kind} model {path.name}: fused encoder, {threads} thread(s)")
     return impl
 
@@ -104,7 +96,7 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     from tinygrad import Device
 
     if kind not in ("embedding", "rerank"):
-        raise LoadError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
+        raise WorkerError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
     choice, threads = encoder_for(rc, Device.DEFAULT)
     if choice == "fused":
         if _beam(rc) or rc.get("warmup_shapes") is not None:
@@ -116,7 +108,7 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     elif kind == "rerank":
         from ..models.cross_encoder import BertCrossEncoder as cls
     else:
-        raise LoadError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
+        raise WorkerError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
     max_tokens = int(rc.get("max_tokens", 256))
     beam = _beam(rc)
     try:
@@ -125,7 +117,7 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
         if shapes == []:
             raise ValueError("warmup_shapes is empty")
     except (ValueError, TypeError) as exc:
-        raise LoadError("config_invalid", f"warmup_shapes: {exc}") from exc
+        raise WorkerError("config_invalid", f"warmup_shapes: {exc}") from exc
     # without an explicit list: one small shape, or with BEAM the shapes worth a search
     warm = shapes if shapes is not None else (cls.tuned_shapes(max_tokens) if beam else [(16, 1)])
     stats = BeamStats(beam)
@@ -160,7 +152,7 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
             served = _warmcache.GrowingEncoder(impl, parts)
         impl.warmup(warm, tuned=beam > 0)  # every one is captured: this marks the BEAM-tuned ones for the batch plan
     except (ValueError, KeyError, TypeError) as exc:
-        raise LoadError("config_invalid", f"cannot load {path}: {exc}") from exc
+        raise WorkerError("config_invalid", f"cannot load {path}: {exc}") from exc
     if stats.searched or stats.seconds:
         _log(f"worker: {kind} model {path.name}: {stats.describe()}")
     _log(f"worker: {kind} model {path.name}: jit cache {outcome}")
@@ -175,9 +167,9 @@ def decoder_for(rc: dict[str, Any], device: str) -> str:
     kernels, any device). Default: fused on CPU, graph elsewhere."""
     choice = rc.get("decoder", "fused" if device.split(":")[0] == "CPU" else "graph")
     if choice not in DECODERS:
-        raise LoadError("config_invalid", f"decoder must be one of {', '.join(DECODERS)}, got {choice!r}")
+        raise WorkerError("config_invalid", f"decoder must be one of {', '.join(DECODERS)}, got {choice!r}")
     if choice == "fused" and device.split(":")[0] != "CPU":
-        raise LoadError("config_invalid", f"decoder 'fused' runs on CPU only, not on {device}: use 'graph'")
+        raise WorkerError("config_invalid", f"decoder 'fused' runs on CPU only, not on {device}: use 'graph'")
     return choice
 
 

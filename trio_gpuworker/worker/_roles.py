@@ -11,7 +11,9 @@ Kinds:
            "pooling": "mean"|"cls", "normalize": bool}   -> embedding float32 [dims]
 
 `runtime` is step-scoped and optional: {"progress": callable(n_done)} is passed to models that report it.
-Every failure is a RoleError whose `code` is a StepFailure / RoleFailure wire name.
+Every failure is a StepFailed whose `code` is a StepFailure / RoleFailure wire name: a role could not be
+configured (invalid_role_config, backend_unsupported) or a step failed (invalid_input_handle, tinygrad_error,
+device_out_of_memory, output_extent_invalid).
 """
 
 from __future__ import annotations
@@ -22,15 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
-from .._errors import CodedError
+from .._errors import StepFailed
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
-
-
-class RoleError(CodedError):
-    """A role could not be configured (invalid_role_config, backend_unsupported) or a step failed
-    (invalid_input_handle, tinygrad_error, device_out_of_memory, output_extent_invalid)."""
 
 
 class Role(Protocol):
@@ -41,10 +38,10 @@ class Role(Protocol):
     def execute(self, inputs: dict[str, Tensor], runtime: dict[str, Any]) -> dict[str, Tensor]: ...
 
 
-def _tinygrad_failure(exc: BaseException, what: str) -> RoleError:
+def _tinygrad_failure(exc: BaseException, what: str) -> StepFailed:
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
-        return RoleError("device_out_of_memory", f"{what}: {exc}")
-    return RoleError("tinygrad_error", f"{what}: {type(exc).__name__}: {exc}")
+        return StepFailed("device_out_of_memory", f"{what}: {exc}")
+    return StepFailed("tinygrad_error", f"{what}: {type(exc).__name__}: {exc}")
 
 
 class _Base(abc.ABC):
@@ -57,7 +54,7 @@ class _Base(abc.ABC):
 
     def __init__(self, config: dict[str, Any], models: dict[str, Any]) -> None:
         if extra := set(config) - {"kind"} - self.config_keys:
-            raise RoleError("invalid_role_config", f"{self.kind} role: unknown config keys {sorted(extra)}")
+            raise StepFailed("invalid_role_config", f"{self.kind} role: unknown config keys {sorted(extra)}")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.kind}>"
@@ -66,16 +63,16 @@ class _Base(abc.ABC):
         from tinygrad import Tensor
 
         if set(inputs) != set(self.input_ports):
-            raise RoleError(
+            raise StepFailed(
                 "invalid_input_handle",
                 f"{self.kind} role takes input ports {list(self.input_ports)}, got {sorted(inputs)}",
             )
         if bad := [p for p, t in inputs.items() if not isinstance(t, Tensor)]:
-            raise RoleError("invalid_input_handle", f"{self.kind} role: input {bad[0]!r} is not a tinygrad Tensor")
+            raise StepFailed("invalid_input_handle", f"{self.kind} role: input {bad[0]!r} is not a tinygrad Tensor")
         try:
             out = self._run(inputs, runtime or {})
             Tensor.realize(*out.values())
-        except RoleError:
+        except StepFailed:
             raise
         except Exception as exc:
             raise _tinygrad_failure(exc, f"{self.kind} step") from exc
@@ -105,9 +102,9 @@ class LinearRole(_Base):
 
         x, w, b = inputs["x"], inputs["W"], inputs["b"]
         if bad := [p for p, t in inputs.items() if t.dtype != dtypes.float32]:
-            raise RoleError("tinygrad_error", f"linear role: input {bad[0]!r} is {inputs[bad[0]].dtype}, not float32")
+            raise StepFailed("tinygrad_error", f"linear role: input {bad[0]!r} is {inputs[bad[0]].dtype}, not float32")
         if w.ndim != 2 or b.ndim != 1 or x.ndim < 1 or x.shape[-1] != w.shape[0] or b.shape[0] != w.shape[1]:
-            raise RoleError(
+            raise StepFailed(
                 "tinygrad_error",
                 f"linear role: shapes x{list(x.shape)} W{list(w.shape)} b{list(b.shape)} "
                 "do not fit x[.., k] W[k, m] b[m]",
@@ -125,19 +122,19 @@ class MiniLMRole(_Base):
         super().__init__(config, models)
         ref = config.get("model_ref")
         if not isinstance(ref, str) or not ref:
-            raise RoleError("invalid_role_config", f"minilm role: model_ref must be a non-empty string, got {ref!r}")
+            raise StepFailed("invalid_role_config", f"minilm role: model_ref must be a non-empty string, got {ref!r}")
         if ref not in models:
-            raise RoleError("invalid_role_config", f"minilm role: model {ref!r} is not loaded")
+            raise StepFailed("invalid_role_config", f"minilm role: model {ref!r} is not loaded")
         self.pooling, self.normalize = config.get("pooling", "mean"), config.get("normalize", True)
         if self.pooling not in ("mean", "cls"):
-            raise RoleError(
+            raise StepFailed(
                 "invalid_role_config", f"minilm role: pooling must be 'mean' or 'cls', got {self.pooling!r}"
             )
         if not isinstance(self.normalize, bool):
-            raise RoleError("invalid_role_config", f"minilm role: normalize must be a bool, got {self.normalize!r}")
+            raise StepFailed("invalid_role_config", f"minilm role: normalize must be a bool, got {self.normalize!r}")
         model = models[ref]
         if getattr(model, "kind", "embedding") != "embedding" or not callable(getattr(model.impl, "embed", None)):
-            raise RoleError("backend_unsupported", f"minilm role: model {ref!r} is not an embedding model")
+            raise StepFailed("backend_unsupported", f"minilm role: model {ref!r} is not an embedding model")
         self.model_ref, self.embed = ref, model.impl.embed
 
     def _run(self, inputs: dict[str, Tensor], runtime: dict[str, Any]) -> dict[str, Tensor]:
@@ -145,13 +142,13 @@ class MiniLMRole(_Base):
 
         ids = inputs["ids"]
         if ids.dtype != dtypes.int32 or ids.ndim != 1:
-            raise RoleError("tinygrad_error", f"minilm role: ids must be int32 [n], got {ids.dtype} {list(ids.shape)}")
+            raise StepFailed("tinygrad_error", f"minilm role: ids must be int32 [n], got {ids.dtype} {list(ids.shape)}")
         row = np.ascontiguousarray(ids.numpy(), dtype=np.int32)
         progress: Callable[[int], None] | None = runtime.get("progress")
         try:
             vec = self.embed([row], self.pooling, self.normalize, progress)
         except ValueError as exc:  # the model's own input checks: empty, too long, ids outside the vocabulary
-            raise RoleError("tinygrad_error", f"minilm role: {exc}") from exc
+            raise StepFailed("tinygrad_error", f"minilm role: {exc}") from exc
         return {"embedding": Tensor(np.ascontiguousarray(vec[0], dtype=np.float32), device=ids.device).contiguous()}
 
 
@@ -161,8 +158,8 @@ ROLES: dict[str, type[_Base]] = {r.kind: r for r in (EchoRole, LinearRole, MiniL
 def make_role(config: dict[str, Any], models: dict[str, Any]) -> Role:
     """A role from its JSON config; models maps model_ref -> a loaded model (see worker._engine)."""
     if not isinstance(config, dict):
-        raise RoleError("invalid_role_config", f"role config must be a JSON object, got {type(config).__name__}")
+        raise StepFailed("invalid_role_config", f"role config must be a JSON object, got {type(config).__name__}")
     kind = config.get("kind")
     if not isinstance(kind, str) or kind not in ROLES:
-        raise RoleError("invalid_role_config", f"role kind {kind!r} is not one of {sorted(ROLES)}")
+        raise StepFailed("invalid_role_config", f"role kind {kind!r} is not one of {sorted(ROLES)}")
     return ROLES[kind](config, models)

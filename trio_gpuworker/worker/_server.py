@@ -16,12 +16,12 @@ from typing import Any
 import trio
 
 from .._channel import encode_messages, receive_message
-from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError
+from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError, WorkerError
 from .._lifeline import die_with_the_daemon
 from .._proto import DEFAULT_MAX_FRAME, EXTENSIONS, WORKER, Connection, Message, hello_fields, is_request
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
-from ._engine import Engine, Reply, WorkerRequestError
+from ._engine import Engine, Reply
 
 # build_flags: the protocol extensions this worker implements (_proto/_extensions.py)
 ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": list(EXTENSIONS)}
@@ -189,9 +189,9 @@ class WorkerServer:
             """Completed work: PROGRESS, unless `post` is False (a TEXT_DELTA carries it); stops the request
             here if it was aborted or cancelled."""
             if self.stopping == "abort_in_flight":  # on the compute thread, inside the model's loop
-                raise WorkerRequestError("worker_shutting_down", "SHUTDOWN abort_in_flight stopped this request")
+                raise WorkerError("worker_shutting_down", "SHUTDOWN abort_in_flight stopped this request")
             if self.cancelled == req_id:
-                raise WorkerRequestError("request_cancelled", "CANCEL stopped this request")
+                raise WorkerError("request_cancelled", "CANCEL stopped this request")
             if post:
                 self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
 
@@ -200,8 +200,8 @@ class WorkerServer:
                 reply: Reply = await self.engine.dataplane.execute_step(msg, progress, self.compute)
             else:
                 reply = await self.compute.run(self.engine.handle, msg, progress)
-        except WorkerRequestError as exc:
-            await self.send("ERR", {"req_id": req_id, "code": exc.code, "msg": str(exc)})
+        except WorkerError as exc:
+            await self.send("ERR", {"req_id": req_id, "code": exc.code, "msg": exc.message})
             return
         except MemoryError as exc:
             await self.send("ERR", {"req_id": req_id, "code": "oom", "msg": f"out of memory: {exc}"})
