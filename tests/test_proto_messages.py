@@ -89,22 +89,27 @@ SAMPLES: list[WireMessage] = [
 # --- the derived tables are the old ones ---------------------------------------------------------------------
 
 
+# Restricted to the frozen names: a message added later is not in them, and none may be lost or changed.
+
+
 def test_schemas_equal_the_hand_written_tables() -> None:
     derived = {t: (s.sender, " ".join(s.required), " ".join(s.optional), s.raw, s.exact) for t, s in SCHEMAS.items()}
-    assert derived == frozen.SCHEMAS
-    assert list(derived) == list(frozen.SCHEMAS)  # check_fields reports the first bad field: order is behaviour
+    assert {t: derived.get(t) for t in frozen.SCHEMAS} == frozen.SCHEMAS
+    # check_fields reports the first bad field, so the order of the fields is behaviour, checked above; and
+    # the old messages keep their relative order
+    assert [t for t in derived if t in frozen.SCHEMAS] == list(frozen.SCHEMAS)
 
 
 def test_terminal_and_intermediate_equal_the_hand_written_tables() -> None:
-    assert {t: sorted(r) for t, r in TERMINAL.items()} == frozen.TERMINAL
-    assert {t: sorted(r) for t, r in INTERMEDIATE.items()} == frozen.INTERMEDIATE
-    assert frozenset(frozen.TERMINAL) == REQUESTS
+    assert {t: sorted(TERMINAL.get(t, ())) for t in frozen.TERMINAL} == frozen.TERMINAL
+    assert {t: sorted(INTERMEDIATE.get(t, ())) for t in frozen.INTERMEDIATE} == frozen.INTERMEDIATE
+    assert all(t in frozen.TERMINAL for t in REQUESTS if t in frozen.SCHEMAS)  # no old message became a request
 
 
 def test_every_field_check_answers_as_before() -> None:
     derived = {f"{t}.{name}": "".join("1" if check(v) else "0" for v in PROBES)
                for t, s in SCHEMAS.items() for name, check in (*s.required.items(), *s.optional.items())}
-    assert derived == frozen.ACCEPTS
+    assert {k: derived.get(k) for k in frozen.ACCEPTS} == frozen.ACCEPTS
 
 
 def test_every_class_has_a_sample_and_a_distinct_name() -> None:

@@ -8,26 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._errors import ProtocolError
-from ._fields import (
-    BOTH,
-    DAEMON,
-    PROTOCOL_VERSION,
-    REQ,
-    WORKER,
-    Check,
-    Spec,
-    exact_record,
-    flag,
-    list_of,
-    mapping,
-    number,
-    one_of,
-    optional,
-    record,
-    text,
-    u32,
-    uint,
-)
+from ._fields import BOTH, DAEMON, PROTOCOL_VERSION, WORKER, Spec, uint
 from ._messages import CONTROL_MESSAGES, PHASES, POOLINGS
 from ._ring_messages import RING_MESSAGES
 from ._wire import WireMessage
@@ -70,7 +51,5 @@ def check_fields(t: str, fields: dict[str, Any], error: type[ProtocolError]) -> 
     return spec
 
 
-__all__ = ["BOTH", "DAEMON", "INTERMEDIATE", "MESSAGES", "PHASES", "POOLINGS", "PROTOCOL_VERSION", "REQ",
-           "SCHEMAS", "TERMINAL", "WORKER", "Check", "Spec", "WireMessage",
-           "check_fields", "exact_record", "flag", "list_of", "mapping", "number", "one_of", "optional", "record",
-           "text", "u32", "uint"]
+__all__ = ["BOTH", "DAEMON", "INTERMEDIATE", "MESSAGES", "PHASES", "POOLINGS", "PROTOCOL_VERSION", "SCHEMAS",
+           "TERMINAL", "WORKER", "Spec", "WireMessage", "check_fields"]
