@@ -16,7 +16,7 @@ import tests.proto_frozen_schemas as frozen
 from tests.proto_frozen_probes import ENGINE, HANDLE, PROBES, STEP_INPUT, STEP_OUTPUT
 from tests.test_proto_connection import FEEDS, established, events, joined
 from trio_gpuworker import _proto as p
-from trio_gpuworker._errors import LocalProtocolError
+from trio_gpuworker._errors import LocalProtocolError, MalformedMessage
 from trio_gpuworker._proto import (
     BOTH,
     DAEMON,
@@ -173,6 +173,13 @@ def test_absent_optionals_stay_absent() -> None:
     assert p.Generate(req_id=1, model_ref="m", max_tokens=4).to_fields() == {"req_id": 1, "model_ref": "m",
                                                                               "max_tokens": 4}
     assert p.Shutdown().to_fields() == {}
+
+
+def test_decode_builds_the_class_and_drops_undeclared_keys() -> None:
+    fields = {"t": "PONG", "req_id": 1, "rss_mb": 1.0, "models_loaded": [], "from_a_newer_peer": 1}
+    assert p.decode("PONG", fields) == p.Pong(req_id=1, rss_mb=1.0, models_loaded=[])
+    with pytest.raises(MalformedMessage):
+        p.decode("NO_SUCH", {"t": "NO_SUCH"})
 
 
 def test_the_sender_is_the_classes() -> None:

@@ -30,6 +30,7 @@ from .._proto import (
     Hello,
     HelloAck,
     Message,
+    RingQuiesced,
     RingReadable,
     RingWritable,
     Shutdown,
@@ -191,7 +192,7 @@ class WorkerServer:
     async def _quiesce(self, msg: UninstallRing) -> None:
         """The out-of-band UNINSTALL_RING: quiesce once the compute thread is free of the step, then tell."""
         await self.compute.run(self.engine.dataplane.quiesce, msg.ring_id)
-        await self.send("RING_QUIESCED", {"ring_id": msg.ring_id})
+        await self.send_message(RingQuiesced(ring_id=msg.ring_id))
 
     def _kick_drain(self, ring_id: int) -> None:
         """Hints are coalesced per ring: one drainer task per ring, woken, drains until no progress."""
