@@ -19,6 +19,7 @@ from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, frame_prefix
 from ._handshake import HANDSHAKE_MESSAGES, Handshake
 from ._message import Message
 from ._schema import BOTH, DAEMON, SCHEMAS, WORKER, check_fields
+from ._wire import WireMessage
 
 __all__ = ["CLOSED", "NEED_DATA", "Connection", "Message", "check_fields", "decode_control"]
 
@@ -88,6 +89,7 @@ class Connection:
         self._fail_on(self._decoder.feed, data)
 
     def next_event(self) -> Message | _Sentinel:
+        """The next Message (its `typed()` is the message's class), NEED_DATA or CLOSED."""
         self._raise_if_dead()
         return self._fail_on(self._next_event)
 
@@ -155,6 +157,10 @@ class Connection:
             chunks.append(frame_prefix(len(raw), self.max_frame))
             chunks.append(raw)
         return chunks
+
+    def send_message(self, msg: WireMessage) -> list[bytes | memoryview]:
+        """The typed path of `send`: the same checks, the same bytes."""
+        return self.send(msg.T, msg.to_fields(), msg.payload())
 
     def set_max_frame(self, max_frame: int) -> None:
         """Apply the negotiated limit (the smaller of both sides')."""

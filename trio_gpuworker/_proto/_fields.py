@@ -1,4 +1,4 @@
-"""Field checks and the Spec record every message schema is built from."""
+"""Field checks and the Spec record every message schema is derived into (_wire.py)."""
 
 from __future__ import annotations
 
@@ -67,7 +67,3 @@ class Spec:
         self.optional = opt or {}
         self.raw = raw  # carries raw_len and is followed by exactly one raw frame
         self.exact = exact  # no fields beyond `required` and `optional` (the handshake's exact key sets)
-
-
-REQ = {"req_id": uint}
-

@@ -3,7 +3,7 @@
 Every ordering rule of the handshake is a row of TRANSITIONS; nothing else changes HandshakeState. A pair
 missing from the table is a protocol fault: LocalProtocolError when we would send it, UnexpectedFrame when
 the peer did. The version is checked here and nowhere else, before any other field (the reference rejects
-v2 at HELLO, whatever else that HELLO holds). The field sets themselves are HELLO / HELLO_ACK in _schema.py.
+v2 at HELLO, whatever else that HELLO holds). The field sets are the classes Hello / HelloAck (_messages.py).
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ from enum import Enum
 from .._errors import LocalProtocolError, ProgressViolation, RemoteProtocolError, UnexpectedFrame
 from ._connection import Message
 from ._progress import ProgressValidator
-from ._ring_messages import INTERMEDIATE
-from ._schema import TERMINAL
+from ._schema import INTERMEDIATE, TERMINAL
 
 REQUESTS = frozenset(TERMINAL)  # every message that opens a request, mapped to its terminal replies
 

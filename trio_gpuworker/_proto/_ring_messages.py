@@ -1,4 +1,4 @@
-"""The data-plane control surface (GPU worker interface §7-§8) as protocol-v3 messages.
+"""The data-plane control surface (GPU worker interface §7-§8) as protocol-v3 messages, one class each.
 
 Requests carry req_id and end in one terminal reply; OBJECT_PRODUCED is an intermediate reply of
 EXECUTE_STEP. Worker events without req_id are notifications, like the wake hints.
@@ -12,8 +12,10 @@ handle id], in stream order; it means exactly what the same rows sent as OBJECT_
 from __future__ import annotations
 
 from itertools import chain
+from typing import Any
 
-from ._fields import DAEMON, REQ, WORKER, Spec, flag, list_of, mapping, one_of, record, text, uint
+from ._fields import DAEMON, WORKER, flag, list_of, mapping, one_of, record, text, uint
+from ._wire import WireMessage, collect, message, need, opt
 
 DIRECTIONS = ("ingress", "egress")
 UNINSTALL_REASONS = ("edge_stopped", "ring_faulted", "worker_shutdown")
@@ -21,8 +23,6 @@ HANDLE = record(worker_generation=uint, id=uint)
 LAYOUT = record(offset=uint, header_len=uint, capacity=uint)
 STEP_INPUT = record(port_id=text, object_id=uint, sequence=uint, device_handle=HANDLE)
 STEP_OUTPUT = record(port_id=text, ring_id=uint, object_id=uint, sequence=uint, extent=uint, flags=uint)
-INTERMEDIATE = {"EXECUTE_STEP": {"OBJECT_PRODUCED"}}
-RING_IDS = {"ring_id": uint, "edge_id": text, "port_id": text}  # a ring's events name its edge and port (§8.3)
 
 
 def _rows(v: object) -> bool:
@@ -39,38 +39,158 @@ def _rows(v: object) -> bool:
     return set(map(type, flat)) == {int} and min(flat) >= 0 and max(flat) < (1 << 64)
 
 
-_MESSAGES: dict[str, tuple[Spec, dict[str, set[str]]]] = {
-    "CONFIGURE_ROLE": (Spec(DAEMON, {**REQ, "role_id": text, "config": mapping}), {}),
-    "ROLE_CONFIGURED": (Spec(WORKER, {**REQ, "role_id": text}), {"CONFIGURE_ROLE": {"ROLE_CONFIGURED", "ROLE_FAILED"}}),
-    "ROLE_FAILED": (Spec(WORKER, {**REQ, "role_id": text, "reason": text}, {"msg": text}), {}),
-    "INSTALL_RING": (Spec(DAEMON, {**REQ, "ring_id": uint, "edge_id": text, "port_id": text,
-                                   "direction": one_of(*DIRECTIONS), "layout": LAYOUT, "object_spec": mapping}), {}),
-    "RING_INSTALLED": (Spec(WORKER, {**REQ, **RING_IDS}), {"INSTALL_RING": {"RING_INSTALLED", "RING_FAULT"}}),
-    # a terminal reply to INSTALL_RING (with req_id) or a notification at any time (without)
-    "RING_FAULT": (Spec(WORKER, {**RING_IDS, "reason": text}, {"req_id": uint, "msg": text}), {}),
-    # a request (with req_id) or, while a step may be blocked on the ring, a notification (without)
-    "UNINSTALL_RING": (Spec(DAEMON, {"ring_id": uint, "reason": one_of(*UNINSTALL_REASONS)}, {"req_id": uint}), {}),
-    "RING_QUIESCED": (Spec(WORKER, {"ring_id": uint}, {"req_id": uint}), {"UNINSTALL_RING": {"RING_QUIESCED"}}),
-    "EXECUTE_STEP": (Spec(DAEMON, {**REQ, "role_id": text, "step_id": uint, "inputs": list_of(STEP_INPUT),
-                                   "outputs": list_of(STEP_OUTPUT), "runtime": mapping,
-                                   "release_inputs_after": flag}), {}),
-    "OBJECT_PRODUCED": (Spec(WORKER, {**REQ, "ring_id": uint, "port_id": text, "object_id": uint, "sequence": uint,
-                                      "extent": uint}), {}),
-    "STEP_COMPLETED": (Spec(WORKER, {**REQ, "role_id": text, "step_id": uint}),
-                       {"EXECUTE_STEP": {"STEP_COMPLETED", "STEP_FAILED"}}),
-    "STEP_FAILED": (Spec(WORKER, {**REQ, "role_id": text, "step_id": uint, "reason": text}, {"msg": text}), {}),
-    "RELEASE_DEVICE_OBJECT": (Spec(DAEMON, {**REQ, "device_handle": HANDLE}), {}),
-    "DEVICE_OBJECT_RELEASED": (Spec(WORKER, {**REQ, "device_handle": HANDLE}),
-                               {"RELEASE_DEVICE_OBJECT": {"DEVICE_OBJECT_RELEASED", "RELEASE_FAILED"}}),
-    "RELEASE_FAILED": (Spec(WORKER, {**REQ, "reason": text}, {"device_handle": HANDLE, "msg": text}), {}),
-    "OBJECT_LOADED": (Spec(WORKER, {"ring_id": uint, "edge_id": text, "port_id": text, "object_id": uint,
-                                    "sequence": uint, "extent": uint, "device_handle": HANDLE}), {}),
-    "OBJECTS_LOADED": (Spec(WORKER, {"ring_id": uint, "edge_id": text, "port_id": text, "worker_generation": uint,
-                                     "objects": _rows}), {}),
-    "OBJECT_FAILED": (Spec(WORKER, {**RING_IDS, "reason": text}, {"msg": text, "object_id": uint, "sequence": uint}),
-                      {}),
-}
+@message("CONFIGURE_ROLE", DAEMON)
+class ConfigureRole(WireMessage):
+    req_id: int = need(uint)
+    role_id: str = need(text)
+    config: dict[str, Any] = need(mapping)
 
-RING_SCHEMAS: dict[str, Spec] = {name: spec for name, (spec, _) in _MESSAGES.items()}
-RING_TERMINAL: dict[str, set[str]] = {req: replies for _, terminal in _MESSAGES.values()
-                                      for req, replies in terminal.items()}
+
+@message("ROLE_CONFIGURED", WORKER, ends=(ConfigureRole,))
+class RoleConfigured(WireMessage):
+    req_id: int = need(uint)
+    role_id: str = need(text)
+
+
+@message("ROLE_FAILED", WORKER, ends=(ConfigureRole,))
+class RoleFailed(WireMessage):
+    req_id: int = need(uint)
+    role_id: str = need(text)
+    reason: str = need(text)
+    msg: str | None = opt(text)
+
+
+@message("INSTALL_RING", DAEMON)
+class InstallRing(WireMessage):
+    req_id: int = need(uint)
+    ring_id: int = need(uint)
+    edge_id: str = need(text)
+    port_id: str = need(text)
+    direction: str = need(one_of(*DIRECTIONS))
+    layout: dict[str, Any] = need(LAYOUT)
+    object_spec: dict[str, Any] = need(mapping)
+
+
+# a ring's events name its edge and port (§8.3)
+@message("RING_INSTALLED", WORKER, ends=(InstallRing,))
+class RingInstalled(WireMessage):
+    req_id: int = need(uint)
+    ring_id: int = need(uint)
+    edge_id: str = need(text)
+    port_id: str = need(text)
+
+
+# a terminal reply to INSTALL_RING (with req_id) or a notification at any time (without)
+@message("RING_FAULT", WORKER, ends=(InstallRing,))
+class RingFault(WireMessage):
+    ring_id: int = need(uint)
+    edge_id: str = need(text)
+    port_id: str = need(text)
+    reason: str = need(text)
+    req_id: int | None = opt(uint)
+    msg: str | None = opt(text)
+
+
+# a request (with req_id) or, while a step may be blocked on the ring, a notification (without)
+@message("UNINSTALL_RING", DAEMON)
+class UninstallRing(WireMessage):
+    ring_id: int = need(uint)
+    reason: str = need(one_of(*UNINSTALL_REASONS))
+    req_id: int | None = opt(uint)
+
+
+@message("RING_QUIESCED", WORKER, ends=(UninstallRing,))
+class RingQuiesced(WireMessage):
+    ring_id: int = need(uint)
+    req_id: int | None = opt(uint)
+
+
+@message("EXECUTE_STEP", DAEMON)
+class ExecuteStep(WireMessage):
+    req_id: int = need(uint)
+    role_id: str = need(text)
+    step_id: int = need(uint)
+    inputs: list[dict[str, Any]] = need(list_of(STEP_INPUT))
+    outputs: list[dict[str, Any]] = need(list_of(STEP_OUTPUT))
+    runtime: dict[str, Any] = need(mapping)
+    release_inputs_after: bool = need(flag)
+
+
+@message("OBJECT_PRODUCED", WORKER, precedes=(ExecuteStep,))
+class ObjectProduced(WireMessage):
+    req_id: int = need(uint)
+    ring_id: int = need(uint)
+    port_id: str = need(text)
+    object_id: int = need(uint)
+    sequence: int = need(uint)
+    extent: int = need(uint)
+
+
+@message("STEP_COMPLETED", WORKER, ends=(ExecuteStep,))
+class StepCompleted(WireMessage):
+    req_id: int = need(uint)
+    role_id: str = need(text)
+    step_id: int = need(uint)
+
+
+@message("STEP_FAILED", WORKER, ends=(ExecuteStep,))
+class StepFailed(WireMessage):
+    req_id: int = need(uint)
+    role_id: str = need(text)
+    step_id: int = need(uint)
+    reason: str = need(text)
+    msg: str | None = opt(text)
+
+
+@message("RELEASE_DEVICE_OBJECT", DAEMON)
+class ReleaseDeviceObject(WireMessage):
+    req_id: int = need(uint)
+    device_handle: dict[str, Any] = need(HANDLE)
+
+
+@message("DEVICE_OBJECT_RELEASED", WORKER, ends=(ReleaseDeviceObject,))
+class DeviceObjectReleased(WireMessage):
+    req_id: int = need(uint)
+    device_handle: dict[str, Any] = need(HANDLE)
+
+
+@message("RELEASE_FAILED", WORKER, ends=(ReleaseDeviceObject,))
+class ReleaseFailed(WireMessage):
+    req_id: int = need(uint)
+    reason: str = need(text)
+    device_handle: dict[str, Any] | None = opt(HANDLE)
+    msg: str | None = opt(text)
+
+
+@message("OBJECT_LOADED", WORKER)
+class ObjectLoaded(WireMessage):
+    ring_id: int = need(uint)
+    edge_id: str = need(text)
+    port_id: str = need(text)
+    object_id: int = need(uint)
+    sequence: int = need(uint)
+    extent: int = need(uint)
+    device_handle: dict[str, Any] = need(HANDLE)
+
+
+@message("OBJECTS_LOADED", WORKER)
+class ObjectsLoaded(WireMessage):
+    ring_id: int = need(uint)
+    edge_id: str = need(text)
+    port_id: str = need(text)
+    worker_generation: int = need(uint)
+    objects: list[list[int]] = need(_rows)  # [object_id, sequence, extent, handle id] per object
+
+
+@message("OBJECT_FAILED", WORKER)
+class ObjectFailed(WireMessage):
+    ring_id: int = need(uint)
+    edge_id: str = need(text)
+    port_id: str = need(text)
+    reason: str = need(text)
+    msg: str | None = opt(text)
+    object_id: int | None = opt(uint)
+    sequence: int | None = opt(uint)
+
+
+RING_MESSAGES = collect(globals())

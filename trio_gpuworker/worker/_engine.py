@@ -1,4 +1,5 @@
-"""Request handlers that run off the event loop: LOAD, EMBED_BATCH, RERANK, GENERATE, UNLOAD, PING.
+"""Request handlers that run off the event loop: LOAD, EMBED_BATCH, RERANK, GENERATE, UNLOAD, PING and the data
+plane's control requests, dispatched by message class through one table (`Engine.handlers`).
 
 tinygrad is imported on the first LOAD, so a fresh worker answers HELLO fast.
 """
@@ -18,18 +19,44 @@ import numpy as np
 
 from .._digest import sha256_file
 from .._errors import WorkerError
-from .._proto import Message
+from .._proto import (
+    ConfigureRole,
+    EmbedBatch,
+    Generate,
+    InstallRing,
+    Load,
+    Loaded,
+    Message,
+    Ping,
+    Pong,
+    ReleaseDeviceObject,
+    Rerank,
+    Scores,
+    Text,
+    UninstallRing,
+    Unload,
+    Unloaded,
+    Vectors,
+    WireMessage,
+    decode,
+)
 from ._generate import generate
 from ._loaders import load_bert, load_llama
 
 Progress = Callable[..., None]  # (completed, phase[, post=False: check for an abort only, send nothing])
+Handler = Callable[[Any, Progress], WireMessage]  # a request's class -> its reply (a class too)
 
 
 @dataclass
 class Reply:
+    """worker/_dataplane.py's answer, without req_id; `typed` makes it the reply's class."""
+
     t: str
     fields: dict[str, Any] = field(default_factory=dict)
     raw: bytes | None = None
+
+    def typed(self, req_id: int) -> WireMessage:
+        return decode(self.t, {"req_id": req_id, **self.fields}, self.raw)
 
 
 def split_rows(raw: bytes, lengths: list[int], allow_empty: bool = False) -> list[np.ndarray]:
@@ -80,23 +107,30 @@ class Engine:
         self.models: dict[str, Any] = {}
         self.dataplane: Any = None  # WorkerDataPlane, set once the handshake gave us a generation
         self.post: Callable[[str, dict[str, Any]], None] | None = None  # queues a notice (TEXT_DELTA) to the daemon
+        # every request this engine serves, by class: a new request is its class plus one row here
+        self.handlers: dict[type[WireMessage], Handler] = {
+            Load: self.do_load,
+            EmbedBatch: self.do_embed_batch,
+            Rerank: self.do_rerank,
+            Generate: self.do_generate,
+            Unload: self.do_unload,
+            Ping: self.do_ping,
+            InstallRing: self._on_dataplane(lambda m: self.dataplane.install_ring(m)),
+            UninstallRing: self._on_dataplane(lambda m: self.dataplane.uninstall_ring(m)),
+            ConfigureRole: self._on_dataplane(lambda m: self.dataplane.configure_role(m)),
+            ReleaseDeviceObject: self._on_dataplane(lambda m: self.dataplane.release(m)),
+        }
 
-    def do_install_ring(self, msg: Message, progress: Progress) -> Reply:
-        return self.dataplane.install_ring(msg)
+    @staticmethod
+    def _on_dataplane(fn: Callable[[Message], Reply]) -> Handler:
+        """worker/_dataplane.py still reads Message and answers Reply (its data path is being rewritten
+        elsewhere); this adapter goes once it takes and returns the classes."""
+        return lambda msg, progress: fn(Message.of(msg)).typed(msg.req_id)
 
-    def do_uninstall_ring(self, msg: Message, progress: Progress) -> Reply:
-        return self.dataplane.uninstall_ring(msg)
-
-    def do_configure_role(self, msg: Message, progress: Progress) -> Reply:
-        return self.dataplane.configure_role(msg)
-
-    def do_release_device_object(self, msg: Message, progress: Progress) -> Reply:
-        return self.dataplane.release(msg)
-
-    def handle(self, msg: Message, progress: Progress) -> Reply:
-        handler = getattr(self, f"do_{msg.t.lower()}", None)
+    def handle(self, msg: WireMessage, progress: Progress) -> WireMessage:
+        handler = self.handlers.get(type(msg))
         if handler is None:
-            raise WorkerError("unsupported_request", f"this worker does not serve {msg.t}")
+            raise WorkerError("unsupported_request", f"this worker does not serve {msg.T}")
         return handler(msg, progress)
 
     def model(self, model_ref: str, kind: str) -> Any:
@@ -107,20 +141,20 @@ class Engine:
             raise WorkerError("invalid_request", f"model {model_ref!r} is a {m.kind} model, not {kind}")
         return m
 
-    def do_ping(self, msg: Message, progress: Progress) -> Reply:
-        return Reply("PONG", {"rss_mb": round(rss_mb(), 1), "models_loaded": sorted(self.models)})
+    def do_ping(self, msg: Ping, progress: Progress) -> Pong:
+        return Pong(req_id=msg.req_id, rss_mb=round(rss_mb(), 1), models_loaded=sorted(self.models))
 
-    def do_unload(self, msg: Message, progress: Progress) -> Reply:
-        if self.models.pop(msg["model_ref"], None) is None:
-            raise WorkerError("model_not_loaded", f"model {msg['model_ref']!r} is not loaded")
-        return Reply("UNLOADED")
+    def do_unload(self, msg: Unload, progress: Progress) -> Unloaded:
+        if self.models.pop(msg.model_ref, None) is None:
+            raise WorkerError("model_not_loaded", f"model {msg.model_ref!r} is not loaded")
+        return Unloaded(req_id=msg.req_id)
 
-    def do_load(self, msg: Message, progress: Progress) -> Reply:
+    def do_load(self, msg: Load, progress: Progress) -> Loaded:
         t0 = time.perf_counter()
-        path = Path(msg["artifact_path"])
+        path = Path(msg.artifact_path)
         if not path.is_file():
             raise WorkerError("artifact_invalid", f"artifact {path} does not exist")
-        expected = msg["artifact_digest"].lower()
+        expected = msg.artifact_digest.lower()
         # hashed on its own thread (hashlib drops the GIL) while tinygrad imports and a cached model restores
         with ThreadPoolExecutor(1, thread_name_prefix="artifact-sha256") as pool:
             hashing = pool.submit(sha256_file, path)
@@ -128,7 +162,7 @@ class Engine:
             def verify() -> None:
                 if (digest := hashing.result()) != expected:
                     raise WorkerError("artifact_invalid",
-                                             f"sha256 of {path} is {digest}, expected {msg['artifact_digest']}")
+                                             f"sha256 of {path} is {digest}, expected {msg.artifact_digest}")
 
             try:
                 model = self._load(msg, path, expected, verify, progress)
@@ -136,17 +170,17 @@ class Engine:
                 if exc.code != "artifact_invalid":
                     verify()  # a wrong artifact is reported as such, whatever else failed
                 raise
-        model_ref = msg.get("model_ref") or path.stem
+        model_ref = msg.model_ref or path.stem
         self.models[model_ref] = model
-        return Reply("LOADED", {"model_ref": model_ref, "dims": model.dims,
-                                "cold_load_ms": round((time.perf_counter() - t0) * 1000.0, 1)})
+        return Loaded(req_id=msg.req_id, model_ref=model_ref, dims=model.dims,
+                      cold_load_ms=round((time.perf_counter() - t0) * 1000.0, 1))
 
-    def _load(self, msg: Message, path: Path, digest: str, verify: Callable[[], None], progress: Progress) -> Any:
+    def _load(self, msg: Load, path: Path, digest: str, verify: Callable[[], None], progress: Progress) -> Any:
         """Loaded and warmed under LOAD's window, not the first request's (or restored warm from the JIT cache)."""
         progress(1, "setup")
-        rc = msg["runtime_config"]
+        rc = msg.runtime_config
         kind = rc.get("kind", "embedding")
-        fmt = msg["format"]
+        fmt = msg.format
         warmed = lambda k: progress(1 + k, "setup")  # noqa: E731
         if fmt == "safetensors":
             cfg_path = path.with_name("config.json")
@@ -162,22 +196,23 @@ class Engine:
             return served
         raise WorkerError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
 
-    def do_embed_batch(self, msg: Message, progress: Progress) -> Reply:
-        m = self.model(msg["model_ref"], "embedding")
-        rows = split_rows(msg.raw or b"", [it["n_tokens"] for it in msg["items"]])
+    def do_embed_batch(self, msg: EmbedBatch, progress: Progress) -> Vectors:
+        m = self.model(msg.model_ref, "embedding")
+        rows = split_rows(msg.raw, [it["n_tokens"] for it in msg.items])
         try:
-            out = m.impl.embed(rows, msg["pooling"], msg["normalize"], lambda n: progress(n, "inference"))
+            out = m.impl.embed(rows, msg.pooling, msg.normalize, lambda n: progress(n, "inference"))
         except ValueError as exc:
             raise WorkerError("invalid_request", str(exc)) from exc
         out = np.ascontiguousarray(out, dtype="<f4")
-        return Reply("VECTORS", {"dims": int(out.shape[1]) if out.ndim == 2 else m.dims, "n": len(rows)}, out.tobytes())
+        return Vectors(req_id=msg.req_id, dims=int(out.shape[1]) if out.ndim == 2 else m.dims, n=len(rows),
+                       raw=out.tobytes())
 
-    def do_rerank(self, msg: Message, progress: Progress) -> Reply:
+    def do_rerank(self, msg: Rerank, progress: Progress) -> Scores:
         """A cross-encoder scores composed pairs; an embedding model scores by bi-encoder cosine (labelled)."""
-        m = self.models.get(msg["model_ref"])
+        m = self.models.get(msg.model_ref)
         if m is None or m.kind not in ("rerank", "embedding"):
-            raise WorkerError("model_not_loaded", f"no rerank or embedding model {msg['model_ref']!r} loaded")
-        q, *docs = split_rows(msg.raw or b"", [msg["query_n_tokens"]] + [c["n_tokens"] for c in msg["candidates"]],
+            raise WorkerError("model_not_loaded", f"no rerank or embedding model {msg.model_ref!r} loaded")
+        q, *docs = split_rows(msg.raw, [msg.query_n_tokens] + [c["n_tokens"] for c in msg.candidates],
                              allow_empty=True)
         done = lambda n: progress(n, "inference")  # noqa: E731
         try:
@@ -190,17 +225,16 @@ class Engine:
                 scores, method = vecs[1:] @ vecs[0], "bi_encoder_cosine"
         except ValueError as exc:
             raise WorkerError("invalid_request", str(exc)) from exc
-        return Reply("SCORES", {"n": len(docs), "method": method}, np.asarray(scores, dtype="<f4").tobytes())
+        return Scores(req_id=msg.req_id, n=len(docs), method=method, raw=np.asarray(scores, dtype="<f4").tobytes())
 
-    def do_generate(self, msg: Message, progress: Progress) -> Reply:
-        m = self.model(msg["model_ref"], "generate")
-        if msg.get("grammar"):
+    def do_generate(self, msg: Generate, progress: Progress) -> Text:
+        m = self.model(msg.model_ref, "generate")
+        if msg.grammar:
             raise WorkerError("grammar_unsupported", "this worker does not constrain decoding by grammar")
         try:
-            fields, raw = generate(m, msg, progress, self.post)
+            return generate(m, msg, progress, self.post)
         except ValueError as exc:
             raise WorkerError("invalid_request", str(exc)) from exc
-        return Reply("TEXT", fields, raw)
 
 
 class _Served:

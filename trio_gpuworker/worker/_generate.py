@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._proto import Message
+from .._proto import Generate, Text, TextDelta
 from ..models.sampling import SamplingParams
 
 Post = Callable[[str, dict[str, Any]], None]
@@ -70,22 +70,23 @@ class TextStream:
         return out
 
 
-def sampling_params(msg: Message) -> SamplingParams:
-    lp = msg.get("logprobs")
-    return SamplingParams(temperature=float(msg.get("temperature", 0.0)), top_p=float(msg.get("top_p", 1.0)),
-                          top_k=int(msg.get("top_k", 0)), seed=msg.get("seed"), logprobs=lp)
+def sampling_params(msg: Generate) -> SamplingParams:
+    """The extension's fields; an absent one (None) is the greedy default."""
+    return SamplingParams(temperature=float(msg.temperature or 0.0),
+                          top_p=float(1.0 if msg.top_p is None else msg.top_p), top_k=int(msg.top_k or 0),
+                          seed=msg.seed, logprobs=msg.logprobs)
 
 
-def generate(m: Any, msg: Message, progress: Callable[..., None], post: Post | None) -> tuple[dict[str, Any], bytes]:
-    """Run one GENERATE on served model `m`: (TEXT's fields, its raw ids). ValueError for a bad request.
+def generate(m: Any, msg: Generate, progress: Callable[..., None], post: Post | None) -> Text:
+    """Run one GENERATE on served model `m`: its TEXT. ValueError for a bad request.
     `progress(n, phase, post=...)` is the request's completed-work report and abort check: a token whose text
     goes out in a TEXT_DELTA needs no PROGRESS of its own (the delta renews the window), halving the frames."""
-    ids = np.frombuffer(msg.raw or b"", dtype="<i4").astype(np.int32)
+    ids = np.frombuffer(msg.raw, dtype="<i4").astype(np.int32)
     params = sampling_params(msg)
-    stops = list(msg.get("stop") or [])
+    stops = list(msg.stop or [])
     if any(not s for s in stops):
         raise ValueError("a stop string is empty")
-    stream = bool(msg.get("stream")) and post is not None
+    stream = bool(msg.stream) and post is not None
     text = TextStream(m.detokenizer, stops) if stops or stream else None
     records: list[dict[str, Any]] = []
     shown = 0  # records already sent in a TEXT_DELTA
@@ -106,10 +107,9 @@ def generate(m: Any, msg: Message, progress: Callable[..., None], post: Post | N
         if stream and (delta := text.release()):
             assert post is not None
             progress(n, "inference", post=False)  # an abort or a CANCEL stops it here, before the delta
-            fields: dict[str, Any] = {"req_id": msg["req_id"], "text": delta, "n_gen": n}
-            if records[shown:]:
-                fields["logprobs"], shown = records[shown:], len(records)
-            post("TEXT_DELTA", fields)
+            new, shown = records[shown:] or None, len(records)
+            update = TextDelta(req_id=msg.req_id, text=delta, n_gen=n, logprobs=new)
+            post(update.T, update.to_fields())  # the outbox queues maps: it is fed from the compute thread
         else:
             progress(n, "inference")
         return hit
@@ -118,16 +118,14 @@ def generate(m: Any, msg: Message, progress: Callable[..., None], post: Post | N
         if text is None:
             progress(n, "inference")
 
-    out, finish = m.impl.generate(ids, msg["max_tokens"], tokens, sampling=params, on_token=on_token)
+    out, finish = m.impl.generate(ids, msg.max_tokens, tokens, sampling=params, on_token=on_token)
     if text is None:
         final = m.detokenizer.decode(out, skip_special=True)
     else:
         text.finish()  # streamed: what no delta carried is in TEXT, whose text is all of it
         final = text.text[: text.sent]
-    fields: dict[str, Any] = {"text": final, "n_prompt": len(ids), "n_gen": len(out), "finish_reason": finish}
-    if params.logprobs is not None:
-        fields["logprobs"] = records
-    return fields, np.asarray(out, dtype="<i4").tobytes()
+    return Text(req_id=msg.req_id, text=final, n_prompt=len(ids), n_gen=len(out), finish_reason=finish,
+                logprobs=records if params.logprobs is not None else None, raw=np.asarray(out, dtype="<i4").tobytes())
 
 
 __all__ = ["TextStream", "generate", "sampling_params"]

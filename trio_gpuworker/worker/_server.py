@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -18,7 +19,28 @@ import trio
 from .._channel import encode_messages, receive_message
 from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError, WorkerError
 from .._lifeline import die_with_the_daemon
-from .._proto import DEFAULT_MAX_FRAME, EXTENSIONS, WORKER, Connection, Message, hello_fields, is_request
+from .._proto import (
+    DEFAULT_MAX_FRAME,
+    EXTENSIONS,
+    WORKER,
+    Cancel,
+    Connection,
+    Err,
+    ExecuteStep,
+    Hello,
+    HelloAck,
+    Message,
+    RingQuiesced,
+    RingReadable,
+    RingWritable,
+    Shutdown,
+    UninstallRing,
+    WireMessage,
+    WorkerFatal,
+    WorkerStopped,
+    hello_fields,
+    is_request,
+)
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
 from ._engine import Engine, Reply
@@ -61,7 +83,13 @@ class WorkerServer:
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
         """Queued notices first, then this message. It is framed before anything is written, so a
         LocalProtocolError (OutgoingFrameTooLarge) leaves the stream untouched."""
-        chunks = self.conn.send(t, fields, raw)
+        await self._write(self.conn.send(t, fields, raw))
+
+    async def send_message(self, msg: WireMessage) -> None:
+        """`send` for a message class."""
+        await self._write(self.conn.send_message(msg))
+
+    async def _write(self, chunks: list[bytes | memoryview]) -> None:
         async with self._send_lock:
             await self._flush_outbox()
             for chunk in chunks:
@@ -86,58 +114,85 @@ class WorkerServer:
         return await receive_message(self.conn, self.stream)
 
     async def handshake(self) -> None:
-        await self.send("HELLO", hello_fields(self.nonce, os.getpid(), DEFAULT_MAX_FRAME, ENGINE_INFO))
-        ack = await self.receive()
-        if ack is None:
+        await self.send_message(Hello(**hello_fields(self.nonce, os.getpid(), DEFAULT_MAX_FRAME, ENGINE_INFO)))
+        received = await self.receive()
+        if received is None:
             raise SystemExit(2)
+        ack = received.typed()
+        assert isinstance(ack, HelloAck)  # the Connection's handshake table lets nothing else through first
         self.token = trio.lowlevel.current_trio_token()
         try:
-            self.engine.dataplane = WorkerDataPlane(ack["generation"], self.post, self.engine.models)
+            self.engine.dataplane = WorkerDataPlane(ack.generation, self.post, self.engine.models)
         except ArenaMapFailed as exc:
-            await self.send("WORKER_FATAL", {"reason": exc.code, "msg": str(exc)})
+            await self.send_message(WorkerFatal(reason=exc.code, msg=str(exc)))
             raise
 
     async def run(self) -> None:
         await self.handshake()
-        send_req, recv_req = trio.open_memory_channel[Message](1)
+        send_req, recv_req = trio.open_memory_channel[WireMessage](1)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._read_loop, send_req)
             await self._serve_requests(recv_req)  # returns after SHUTDOWN or once the daemon is gone
             nursery.cancel_scope.cancel()
 
-    async def _read_loop(self, send_req: trio.MemorySendChannel[Message]) -> None:
+    def _at_once(self) -> dict[type[WireMessage], Callable[[Any], bool]]:
+        """What the read loop does the moment a message arrives, past the request that runs; True: handled here,
+        False: a request to queue as well. A message that is neither here nor a request is dropped."""
+        return {
+            UninstallRing: self._on_uninstall,
+            Shutdown: self._on_shutdown,
+            Cancel: self._on_cancel,
+            RingWritable: self._on_writable,
+            RingReadable: self._on_readable,
+        }
+
+    async def _read_loop(self, send_req: trio.MemorySendChannel[WireMessage]) -> None:
+        at_once = self._at_once()
         async with send_req:
-            while (msg := await self.receive()) is not None:
-                if msg.t == "UNINSTALL_RING":
-                    # a step blocked on this ring's space must not hold the uninstall queued behind it
-                    self.engine.dataplane.abort_ring(msg["ring_id"])
-                    if "req_id" not in msg.fields:
-                        assert self._nursery is not None
-                        self._nursery.start_soon(self._quiesce, msg)
-                        continue
-                if msg.t == "SHUTDOWN" and msg.get("mode") == "abort_in_flight":
-                    # what runs fails now: a step at its next ring write, EMBED/GENERATE/LOAD at their next
-                    # PROGRESS (worker_shutting_down); the SHUTDOWN itself is served once it has stopped
-                    self.stopping = "abort_in_flight"
-                    self.engine.dataplane.abort_all()
-                if msg.t == "CANCEL":
-                    self.cancelled = msg["req_id"]  # the running GENERATE stops at its next token
-                elif is_request(msg.t):
+            while (received := await self.receive()) is not None:
+                msg = received.typed()
+                handle = at_once.get(type(msg))
+                if (handle is None or not handle(msg)) and is_request(msg.T):
                     await send_req.send(msg)
-                elif msg.t == "RING_WRITABLE":
-                    self.engine.dataplane.on_writable(msg["ring_id"])  # wakes a step blocked on egress space
-                elif msg.t == "RING_READABLE":
-                    self._kick_drain(msg["ring_id"])
         if self.die_on_eof:
             # EOF: the daemon is gone, or it is killing us. Do not wait for the compute thread, which may be
             # minutes into a LOAD: everything this worker started goes now.
             die_with_the_daemon("its control socket closed")
 
-    async def _quiesce(self, msg: Message) -> None:
+    def _on_uninstall(self, msg: UninstallRing) -> bool:
+        # a step blocked on this ring's space must not hold the uninstall queued behind it
+        self.engine.dataplane.abort_ring(msg.ring_id)
+        if msg.req_id is not None:
+            return False
+        assert self._nursery is not None
+        self._nursery.start_soon(self._quiesce, msg)
+        return True
+
+    def _on_shutdown(self, msg: Shutdown) -> bool:
+        if msg.mode == "abort_in_flight":
+            # what runs fails now: a step at its next ring write, EMBED/GENERATE/LOAD at their next
+            # PROGRESS (worker_shutting_down); the SHUTDOWN itself is served once it has stopped
+            self.stopping = "abort_in_flight"
+            self.engine.dataplane.abort_all()
+        return False
+
+    def _on_cancel(self, msg: Cancel) -> bool:
+        self.cancelled = msg.req_id  # the running GENERATE stops at its next token
+        return True
+
+    def _on_writable(self, msg: RingWritable) -> bool:
+        self.engine.dataplane.on_writable(msg.ring_id)  # wakes a step blocked on egress space
+        return True
+
+    def _on_readable(self, msg: RingReadable) -> bool:
+        self._kick_drain(msg.ring_id)
+        return True
+
+    async def _quiesce(self, msg: UninstallRing) -> None:
         """The out-of-band UNINSTALL_RING: quiesce once the compute thread is free of the step, then tell."""
-        await self.compute.run(self.engine.dataplane.quiesce, msg["ring_id"])
-        await self.send("RING_QUIESCED", {"ring_id": msg["ring_id"]})
+        await self.compute.run(self.engine.dataplane.quiesce, msg.ring_id)
+        await self.send_message(RingQuiesced(ring_id=msg.ring_id))
 
     def _kick_drain(self, ring_id: int) -> None:
         """Hints are coalesced per ring: one drainer task per ring, woken, drains until no progress."""
@@ -163,27 +218,27 @@ class WorkerServer:
         finally:
             self._drain_wakeups.pop(ring_id, None)
 
-    async def _serve_requests(self, recv_req: trio.MemoryReceiveChannel[Message]) -> None:
+    async def _serve_requests(self, recv_req: trio.MemoryReceiveChannel[WireMessage]) -> None:
         async with recv_req:
             async for msg in recv_req:
-                if msg.t == "SHUTDOWN":
+                if isinstance(msg, Shutdown):
                     # both modes end the same way once nothing runs: rings quiesced, device objects freed
-                    self.stopping = msg.get("mode", "graceful")
+                    self.stopping = msg.mode or "graceful"
                     try:
                         quiesced = await self.compute.run(self.engine.dataplane.stop)
                         await self.send_many([("RING_QUIESCED", {"ring_id": r}) for r in quiesced])
                     finally:
-                        req = {"req_id": msg["req_id"]} if "req_id" in msg.fields else {}
-                        await self.send("WORKER_STOPPED", {"reason": self.stopping, **req})
+                        await self.send_message(WorkerStopped(reason=self.stopping, req_id=msg.req_id))
                     return
+                req_id = getattr(msg, "req_id", None)
+                assert isinstance(req_id, int)  # every other request names itself (its schema requires it)
                 if self.stopping is not None:
-                    await self.send("ERR", {"req_id": msg["req_id"], "code": "worker_shutting_down",
-                                            "msg": "the worker is shutting down"})
+                    await self.send_message(Err(req_id=req_id, code="worker_shutting_down",
+                                                msg="the worker is shutting down"))
                     continue
-                await self._serve_one(msg)
+                await self._serve_one(msg, req_id)
 
-    async def _serve_one(self, msg: Message) -> None:
-        req_id = msg["req_id"]
+    async def _serve_one(self, msg: WireMessage, req_id: int) -> None:
 
         def progress(completed: int, phase: str, post: bool = True) -> None:
             """Completed work: PROGRESS, unless `post` is False (a TEXT_DELTA carries it); stops the request
@@ -196,26 +251,28 @@ class WorkerServer:
                 self.post("PROGRESS", {"req_id": req_id, "completed": completed, "phase": phase})
 
         try:
-            if msg.t == "EXECUTE_STEP":  # its egress writes wait for ring space on the loop, not the compute thread
-                reply: Reply = await self.engine.dataplane.execute_step(msg, progress, self.compute)
+            # a step's egress writes wait for ring space on the loop, not on the compute thread
+            if isinstance(msg, ExecuteStep):
+                step: Reply = await self.engine.dataplane.execute_step(Message.of(msg), progress, self.compute)
+                reply = step.typed(req_id)
             else:
                 reply = await self.compute.run(self.engine.handle, msg, progress)
         except WorkerError as exc:
-            await self.send("ERR", {"req_id": req_id, "code": exc.code, "msg": exc.message})
+            await self.send_message(Err(req_id=req_id, code=exc.code, msg=exc.message))
             return
         except MemoryError as exc:
-            await self.send("ERR", {"req_id": req_id, "code": "oom", "msg": f"out of memory: {exc}"})
+            await self.send_message(Err(req_id=req_id, code="oom", msg=f"out of memory: {exc}"))
             return
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
-            await self.send("ERR", {"req_id": req_id, "code": "worker_internal", "msg": f"{type(exc).__name__}: {exc}"})
+            await self.send_message(Err(req_id=req_id, code="worker_internal", msg=f"{type(exc).__name__}: {exc}"))
             return
         try:
-            await self.send(reply.t, {"req_id": req_id, **reply.fields}, reply.raw)
+            await self.send_message(reply)
         except OutgoingFrameTooLarge as exc:
             # the request was valid, the answer is too big to carry: a typed ERR, and this worker keeps serving
-            await self.send("ERR", {"req_id": req_id, "code": "reply_too_large",
-                                    "msg": f"{reply.t} does not fit the negotiated max_frame: {exc}"})
+            await self.send_message(Err(req_id=req_id, code="reply_too_large",
+                                        msg=f"{reply.T} does not fit the negotiated max_frame: {exc}"))
 
 
 async def serve(socket_path: str, nonce: str, compute: ComputeThread | None = None, die_on_eof: bool = False) -> int:

@@ -1,0 +1,232 @@
+"""The control plane of worker-protocol-v3: one frozen dataclass per message (the data plane's are in
+_ring_messages.py). A class is the message's whole declaration: sender, fields, checks, which requests it ends;
+_schema.py derives the tables from these. Field order is wire order: required fields first, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._fields import (
+    BOTH,
+    DAEMON,
+    WORKER,
+    exact_record,
+    flag,
+    list_of,
+    mapping,
+    number,
+    one_of,
+    optional,
+    record,
+    text,
+    u32,
+    uint,
+)
+from ._wire import WireMessage, collect, message, need, opt, raw_frame
+
+ENGINE = exact_record(engine=text, version=text, build_flags=list_of(text))
+ITEM = record(id=uint, n_tokens=uint)
+CANDIDATE = record(n_tokens=uint)
+PHASES = ("setup", "inference", "control")
+POOLINGS = ("mean", "cls")
+STOP_MODES = ("graceful", "abort_in_flight")
+TEXT = text  # inside a class with a field named `text`, that name is the field
+
+
+# --- handshake: exact key sets of worker-protocol-v3 (ring_abi and generation are ARCHITECTURE §3's additions);
+# `v` is checked by _handshake.py alone, before these
+
+@message("HELLO", WORKER, exact=True)
+class Hello(WireMessage):
+    v: int = need(uint)
+    nonce: str = need(text)
+    engine: dict[str, Any] = need(ENGINE)
+    pid: int = need(uint)
+    max_frame: int = need(u32)
+    ring_abi: int = need(uint)
+    manifest_digest: str | None = opt(text)
+    kernel_revision: str | None = opt(text)
+    packed: bool | None = opt(flag)
+
+
+@message("HELLO_ACK", DAEMON, exact=True)
+class HelloAck(WireMessage):
+    v: int = need(uint)
+    accept: bool = need(flag)
+    max_frame: int = need(u32)
+    generation: int = need(uint)
+
+
+# --- requests
+
+@message("LOAD", DAEMON)
+class Load(WireMessage):
+    req_id: int = need(uint)
+    artifact_path: str = need(text)
+    artifact_digest: str = need(text)
+    format: str = need(text)
+    runtime_config: dict[str, Any] = need(mapping)
+    model_ref: str | None = opt(text)
+
+
+@message("EMBED_BATCH", DAEMON)
+class EmbedBatch(WireMessage):
+    req_id: int = need(uint)
+    model_ref: str = need(text)
+    pooling: str = need(one_of(*POOLINGS))
+    normalize: bool = need(flag)
+    items: list[dict[str, Any]] = need(list_of(ITEM))
+    raw: bytes = raw_frame()  # the items' token ids, int32 LE, back to back
+
+
+@message("RERANK", DAEMON)
+class Rerank(WireMessage):
+    req_id: int = need(uint)
+    model_ref: str = need(text)
+    query_n_tokens: int = need(uint)
+    candidates: list[dict[str, Any]] = need(list_of(CANDIDATE))
+    raw: bytes = raw_frame()  # the query's ids, then each candidate's
+
+
+# the optional fields past `grammar` are negotiated extensions (_extensions.py): sent only to a worker that
+# advertised them
+@message("GENERATE", DAEMON)
+class Generate(WireMessage):
+    req_id: int = need(uint)
+    model_ref: str = need(text)
+    max_tokens: int = need(uint)
+    grammar: str | None = opt(optional(text))
+    stream: bool | None = opt(flag)
+    temperature: float | None = opt(number)
+    top_p: float | None = opt(number)
+    top_k: int | None = opt(uint)
+    seed: int | None = opt(uint)
+    stop: list[str] | None = opt(list_of(text))
+    logprobs: int | None = opt(uint)
+    raw: bytes = raw_frame()  # the prompt's ids
+
+
+@message("UNLOAD", DAEMON)
+class Unload(WireMessage):
+    req_id: int = need(uint)
+    model_ref: str = need(text)
+
+
+@message("PING", DAEMON)
+class Ping(WireMessage):
+    req_id: int = need(uint)
+
+
+# without req_id: out of band, past a request in flight (abort_in_flight); WORKER_STOPPED then has none
+@message("SHUTDOWN", DAEMON)
+class Shutdown(WireMessage):
+    req_id: int | None = opt(uint)
+    mode: str | None = opt(one_of(*STOP_MODES))
+
+
+# out of band too (the CANCEL extension): stop that GENERATE; it ends with ERR request_cancelled
+@message("CANCEL", DAEMON)
+class Cancel(WireMessage):
+    req_id: int = need(uint)
+
+
+# --- replies
+
+@message("LOADED", WORKER, ends=(Load,))
+class Loaded(WireMessage):
+    req_id: int = need(uint)
+    model_ref: str = need(text)
+    dims: int = need(uint)
+    cold_load_ms: float = need(number)
+
+
+@message("VECTORS", WORKER, ends=(EmbedBatch,))
+class Vectors(WireMessage):
+    req_id: int = need(uint)
+    dims: int = need(uint)
+    n: int = need(uint)
+    raw: bytes = raw_frame()  # n x dims float32 LE
+
+
+@message("SCORES", WORKER, ends=(Rerank,))
+class Scores(WireMessage):
+    req_id: int = need(uint)
+    n: int = need(uint)
+    method: str | None = opt(text)
+    raw: bytes = raw_frame()  # n float32 LE
+
+
+@message("TEXT", WORKER, ends=(Generate,))
+class Text(WireMessage):
+    req_id: int = need(uint)
+    text: str = need(TEXT)
+    n_prompt: int = need(uint)
+    n_gen: int = need(uint)
+    finish_reason: str = need(one_of("stop", "length"))
+    logprobs: list[dict[str, Any]] | None = opt(list_of(mapping))
+    raw: bytes = raw_frame()  # the generated ids
+
+
+# the STREAM extension: text generated so far past the previous delta, before TEXT
+@message("TEXT_DELTA", WORKER)
+class TextDelta(WireMessage):
+    req_id: int = need(uint)
+    text: str = need(TEXT)
+    n_gen: int = need(uint)
+    logprobs: list[dict[str, Any]] | None = opt(list_of(mapping))
+
+
+@message("UNLOADED", WORKER, ends=(Unload,))
+class Unloaded(WireMessage):
+    req_id: int = need(uint)
+
+
+@message("PONG", WORKER, ends=(Ping,))
+class Pong(WireMessage):
+    req_id: int = need(uint)
+    rss_mb: float = need(number)
+    models_loaded: list[str] = need(list_of(text))
+    placement_share: float | None = opt(number)
+
+
+@message("WORKER_STOPPED", WORKER, ends=(Shutdown,))
+class WorkerStopped(WireMessage):
+    reason: str = need(one_of(*STOP_MODES, "fatal"))
+    req_id: int | None = opt(uint)
+
+
+# ends any request; _requests.py knows it by name, so it is listed under no request
+@message("ERR", WORKER)
+class Err(WireMessage):
+    req_id: int = need(uint)
+    code: str = need(text)
+    msg: str = need(text)
+
+
+@message("PROGRESS", WORKER)
+class Progress(WireMessage):
+    req_id: int = need(uint)
+    completed: int = need(uint)
+    phase: str = need(one_of(*PHASES))
+
+
+@message("WORKER_FATAL", WORKER)
+class WorkerFatal(WireMessage):
+    reason: str = need(text)
+    msg: str | None = opt(text)
+
+
+# --- wake hints, either way
+
+@message("RING_READABLE", BOTH)
+class RingReadable(WireMessage):
+    ring_id: int = need(uint)
+
+
+@message("RING_WRITABLE", BOTH)
+class RingWritable(WireMessage):
+    ring_id: int = need(uint)
+
+
+CONTROL_MESSAGES = collect(globals())
