@@ -29,7 +29,7 @@ def test_split_rows_deals_lengths_evenly() -> None:
 async def test_one_request_is_spread_over_idle_replicas(tmp_path: Path) -> None:
     async with Supervisor(fake_config(tmp_path, fake_command(), fake_command()),
                           batching=BatchPolicy(256, 0.0)) as sup:
-        with trio.fail_after(10):
+        with trio.fail_after(30):
             while not all(ln.state == LaneState.READY for ln in sup.lanes.values()):  # noqa: ASYNC110
                 await trio.sleep(0.01)
         rs = rows(*[3 + (7 * k) % 40 for k in range(4 * MIN_ROWS_PER_REPLICA)])
