@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,3 +50,18 @@ def embedded_default(env: dict[str, str]) -> DaemonConfig:
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env)
     models = tuple(dataclasses.replace(m, beam=0) for m in cfg.supervisor.models)
     return dataclasses.replace(cfg, supervisor=dataclasses.replace(cfg.supervisor, models=models))
+
+
+async def hang_up_mid_stream(base_url: str, path: str, body: dict[str, object], events: int) -> bytes:
+    """POST a streamed request over a raw socket, read until `events` SSE events came, then close the socket:
+    a client that hangs up mid-stream, exactly (no half-read client iterators left behind). Returns what came."""
+    url = httpx.URL(base_url)
+    payload = json.dumps(body).encode()
+    sock = await trio.open_tcp_stream(url.host, url.port)
+    async with sock:
+        await sock.send_all(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                            b"content-length: %d\r\n\r\n%s" % (path.encode(), len(payload), payload))
+        got = b""
+        while got.count(b"data: ") < events:
+            got += await sock.receive_some(1 << 16)
+    return got

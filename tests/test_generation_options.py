@@ -4,17 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import openai
 import pytest
 import trio
 
-from tests.helpers import embedded_default
+from tests.helpers import embedded_default, hang_up_mid_stream
 from tests.state import SESSION_STATE
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.daemon.main import run_daemon
@@ -41,7 +39,8 @@ async def test_generation_options_through_the_real_worker(tmp_path: Path) -> Non
             generation = lane.generation
             await lane.reload()  # a new worker generation: the seed still reproduces the text
             out["seeded_after_restart"] = await trio.to_thread.run_sync(lambda: seeded(client, 7))
-            await disconnect_mid_stream(base)
+            await hang_up_mid_stream(base, "/v1/chat/completions", {"model": DEFAULT_LM, "messages": ASK,
+                                     "max_tokens": 1500, "stream": True, "temperature": 0.8}, 3)
             out["after_disconnect"] = await trio.to_thread.run_sync(lambda: plain(client))
             strikes = lane.report.status()["strikes"]
         nursery.cancel_scope.cancel()
@@ -101,17 +100,3 @@ def calls(client: openai.OpenAI) -> dict[str, Any]:
     out["long"] = client.completions.create(model=DEFAULT_LM, prompt="Once upon a time, in a land far away,",
                                             max_tokens=96, extra_body={"top_k": 40}, temperature=0.7, seed=3)
     return out
-
-
-async def disconnect_mid_stream(base: str) -> None:
-    """Ask for a long streamed answer, read a few chunks, hang up."""
-    url = httpx.URL(base)
-    payload = json.dumps({"model": DEFAULT_LM, "messages": ASK, "max_tokens": 1500, "stream": True,
-                          "temperature": 0.8}).encode()
-    sock = await trio.open_tcp_stream(url.host, url.port)
-    async with sock:
-        await sock.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                            b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
-        got = b""
-        while got.count(b"data: ") < 3:
-            got += await sock.receive_some(1 << 16)

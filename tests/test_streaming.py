@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config
+from tests.helpers import client_for, daemon_config, hang_up_mid_stream
 from tests.supervision_helpers import MODEL
 from tests.test_http_openai import GGUF
 from trio_gpuworker import LaneConfig, ModelConfig
@@ -123,16 +123,7 @@ async def test_a_disconnect_cancels_generation_without_a_strike(daemon: tuple[ht
     http, d = daemon
     lane = d.sup.lanes["gen0"]
     generation = lane.generation
-    # a raw socket, so hanging up mid-stream is exactly that (and leaves no half-read client iterators)
-    url = httpx.URL(str(http.base_url))
-    payload = json.dumps({**CHAT, "max_tokens": 1000}).encode()
-    sock = await trio.open_tcp_stream(url.host, url.port)
-    async with sock:
-        await sock.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                            b"content-length: %d\r\n\r\n%s" % (len(payload), payload))
-        got = b""
-        while got.count(b"data: ") < 4:
-            got += await sock.receive_some(1 << 16)
+    got = await hang_up_mid_stream(str(http.base_url), "/v1/chat/completions", {**CHAT, "max_tokens": 1000}, 4)
     assert b" 200 " in got.split(b"\r\n", 1)[0]
     for _ in range(1000):  # the worker's stderr reaches the lane's log ring in its own time
         if "cancelled after" in lane.log.tail(4096):
