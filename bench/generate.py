@@ -3,7 +3,7 @@ to first token of the daemon (Supervisor -> worker process, its device's default
 in process (fused: CPU's default; graph: tinygrad-generated kernels, what other devices run), and of the
 independent numpy reference decoder (tests/reference_llama.py).
 
-    .venv/bin/python bench/generate.py [--max-tokens 32]
+    .venv/bin/python bench/generate.py [--max-tokens 32] [--daemon-only]
 """
 
 from __future__ import annotations
@@ -103,8 +103,13 @@ def summary(rows: list[tuple[float, float, int]]) -> tuple[float, float, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--daemon-only", action="store_true", help="only the daemon's lane.call row, for A/B runs")
     args = p.parse_args()
     ids = prompts(ChatTokenizer.from_gguf(gguf_path()))
+    if args.daemon_only:
+        rate, ttft, step = summary(trio.run(daemon_run, ids, args.max_tokens)[0])
+        print(f"daemon (Supervisor -> worker, UDS): {rate:.1f} tokens/s, TTFT {ttft:.0f} ms, {step:.2f} ms/token")
+        return
     daemon, streamed = trio.run(daemon_run, ids, args.max_tokens)
     sampled = SamplingParams(temperature=0.8, top_p=0.95, seed=1)
     results = {
