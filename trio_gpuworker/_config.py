@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MiB = 1 << 20
+from ._kinds import DEFAULT_MAX_TOKENS, EMBEDDING, KINDS, MODEL_KINDS, RuntimeConfig, runtime_config
 
-MODEL_KINDS = ("embedding", "rerank", "generate")
-POOLINGS = ("mean", "cls")
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -18,17 +18,41 @@ class ModelConfig:
 
     id: str
     path: Path  # the artifact (.safetensors or .gguf); config.json / tokenizer.json sit beside it
-    kind: str = "embedding"
+    kind: str = EMBEDDING  # one of _kinds.KINDS
     format: str = "safetensors"
     digest: str | None = None  # sha256 hex; computed once at startup when absent
     pooling: str = "mean"
     normalize: bool = True
-    max_tokens: int = 256  # truncation of each input, as sentence-transformers does
+    max_tokens: int = DEFAULT_MAX_TOKENS
     tokenizer_path: Path | None = None  # default: tokenizer.json beside the artifact
-    runtime_config: dict[str, Any] = field(default_factory=dict)
+    # The kind's RuntimeConfig; a table given here is checked and converted (ConfigError naming the key).
+    runtime_config: RuntimeConfig = field(default_factory=RuntimeConfig)
     beam: int = 0  # BEAM search width for the warm-up shapes at LOAD (0: tinygrad's hand-coded kernels)
     # Leading sizes an embedding model was trained to be cut to (Matryoshka); what `dimensions` may ask for
     matryoshka_dims: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Checked here, once, so that every way of building a ModelConfig (the TOML loader, the Python API, tests)
+        # hands the supervisor and the worker a valid, typed runtime_config.
+        from ._errors import ConfigError
+
+        key = f"models.{self.id}"
+        if self.kind not in MODEL_KINDS:
+            raise ConfigError(f"{key}.kind: {self.kind!r} is not one of {', '.join(MODEL_KINDS)}")
+        rc: Any = self.runtime_config
+        if type(rc) is RuntimeConfig:  # the default: no keys set
+            rc = {}
+        if not isinstance(rc, Mapping | RuntimeConfig):
+            raise ConfigError(f"{key}.runtime_config: expected a table, got {rc!r}")
+        try:
+            object.__setattr__(self, "runtime_config", runtime_config(self.kind, rc))
+        except ValueError as exc:
+            raise ConfigError(f"{key}.runtime_config: {exc}") from exc
+
+    @property
+    def encoder(self) -> bool:
+        """Token-id inputs cut at max_tokens (embedding, rerank), not a decoder."""
+        return KINDS[self.kind].encoder
 
 
 MAX_BEAM = 8  # the widest `beam` the daemon accepts and a worker runs
@@ -108,7 +132,7 @@ class SupervisorConfig:
         from ._errors import ConfigError
 
         for m in self.models:
-            if m.kind in ("embedding", "rerank") and self.max_batch_items * m.max_tokens * 4 > self.max_frame:
+            if m.encoder and self.max_batch_items * m.max_tokens * 4 > self.max_frame:
                 raise ConfigError(
                     f"daemon.max_batch_items ({self.max_batch_items}) x models.{m.id}.max_tokens ({m.max_tokens}) "
                     f"x 4 bytes exceeds daemon.max_frame_mib ({self.max_frame} bytes): such a batch cannot be sent")

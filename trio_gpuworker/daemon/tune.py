@@ -20,6 +20,7 @@ from typing import Any
 
 from .._config import LaneConfig
 from .._errors import ConfigError
+from .._kinds import EncoderRuntime
 from ..models.shapes import tuned_shapes
 from ..supervisor import Supervisor
 from .admin import LaneAdmin
@@ -33,10 +34,10 @@ def planned_steps(cfg: DaemonConfig, model: str) -> int:
     """How many PROGRESS steps after the first the tuning LOAD reports: one per warm-up shape of an encoder (the
     configured `warmup_shapes`, else the tuned shapes), the greedy loop's warm-up steps for a decoder."""
     mc = cfg.supervisor.model(model)
-    if mc.kind == "generate":
+    if not isinstance(mc.runtime_config, EncoderRuntime):
         return LLAMA_WARMUP_STEPS
-    given = mc.runtime_config.get("warmup_shapes")
-    return len(given) if isinstance(given, list) and given else len(tuned_shapes(mc.max_tokens))
+    given = mc.runtime_config.warmup_shapes
+    return len(given) if given else len(tuned_shapes(mc.max_tokens))
 
 
 async def tune(cfg: DaemonConfig, model: str, beam: int | None = None,

@@ -19,6 +19,7 @@ import numpy as np
 from tinygrad import Device, Tensor, TinyJit, dtypes
 from tinygrad.nn.state import safe_load, safe_load_metadata
 
+from .._kinds import DEFAULT_MAX_TOKENS, POOLINGS
 from .shapes import BATCH_SIZES, buckets, plan_rows, sizes_for, tuned_shapes
 
 Progress = Callable[[int], None] | None
@@ -245,7 +246,7 @@ class BucketedBert(abc.ABC):
 
     SIZES: ClassVar[tuple[int, ...]] = BATCH_SIZES
 
-    def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], max_tokens: int = 256) -> None:
+    def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if not 2 <= max_tokens <= cfg.max_position_embeddings:
             raise ValueError(
                 f"max_tokens {max_tokens} must be in [2, max_position_embeddings={cfg.max_position_embeddings}]"
@@ -342,7 +343,8 @@ class BucketedBert(abc.ABC):
 
 class BertEncoder(BucketedBert):
     @classmethod
-    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256) -> BertEncoder:
+    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any],
+             max_tokens: int = DEFAULT_MAX_TOKENS) -> BertEncoder:
         cfg = BertConfig.from_dict(config)
         return cls(
             cfg, load_weights(artifact_path, cfg.shapes()), max_tokens=min(max_tokens, cfg.max_position_embeddings)
@@ -363,7 +365,7 @@ class BertEncoder(BucketedBert):
 
 
 def check_pooling(pooling: str) -> None:
-    if pooling not in ("mean", "cls"):
+    if pooling not in POOLINGS:
         raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
 
 

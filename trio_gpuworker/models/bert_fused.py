@@ -20,6 +20,7 @@ import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.nn.state import safe_load_metadata
 
+from .._kinds import DEFAULT_MAX_TOKENS, MAX_THREADS
 from . import ckernel, csource
 from .bert import BertConfig, check_pooling, check_rows, check_types, checked_tensors, pool
 from .cross_encoder import head_shapes, num_labels
@@ -29,7 +30,6 @@ Progress = Callable[[int], None] | None
 PW, NR = 16, 32  # kernels/gemm.h: packed panel width; column counts are multiples of NR
 CAP = 2048  # tokens per kernel call
 MB = 192  # rows per row block: each block streams the layer's weights (7 MB for MiniLM) once; 48 ran 15% slower
-MAX_THREADS = 8  # kernels/threads.h MAXT
 _MR_MAX = 16  # kernels/bert_math.h MR is at most this
 _FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}  # safetensors dtypes (BF16 by hand)
 _ACTS = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "relu": 2}
@@ -125,7 +125,8 @@ IN_INTS = 3 + 3 * CAP  # the `in` buffer: counts, offsets, ids, token types
 class FusedBert:
     """Packed weights and the captured kernel; `_pooled` runs rows to their mean-pooled | [CLS] states."""
 
-    def __init__(self, cfg: BertConfig, w: dict[str, np.ndarray], max_tokens: int = 256, threads: int = 1) -> None:
+    def __init__(self, cfg: BertConfig, w: dict[str, np.ndarray],
+                 max_tokens: int = DEFAULT_MAX_TOKENS, threads: int = 1) -> None:
         if not 2 <= max_tokens <= min(cfg.max_position_embeddings, CAP):
             raise ValueError(f"max_tokens {max_tokens} must be in [2, {min(cfg.max_position_embeddings, CAP)}]")
         if not 1 <= threads <= MAX_THREADS:
@@ -209,7 +210,7 @@ class FusedBertEncoder(FusedBert):
     """bert.BertEncoder's interface on the fused kernel."""
 
     @classmethod
-    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256,
+    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS,
              threads: int = 1) -> FusedBertEncoder:
         cfg = BertConfig.from_dict(config)
         supported(cfg)
@@ -229,7 +230,7 @@ class FusedCrossEncoder(FusedBert):
     """cross_encoder.BertCrossEncoder's interface on the fused kernel: classifier(tanh(pooler([CLS]))), the
     head in numpy (two small matmuls per batch)."""
 
-    def __init__(self, cfg: BertConfig, w: dict[str, np.ndarray], num_labels: int, max_tokens: int = 256,
+    def __init__(self, cfg: BertConfig, w: dict[str, np.ndarray], num_labels: int, max_tokens: int = DEFAULT_MAX_TOKENS,
                  threads: int = 1) -> None:
         super().__init__(cfg, w, max_tokens, threads)
         self.num_labels = num_labels
@@ -237,7 +238,7 @@ class FusedCrossEncoder(FusedBert):
         self.cls_w, self.cls_b = w["classifier.weight"], w["classifier.bias"]
 
     @classmethod
-    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256,
+    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS,
              threads: int = 1) -> FusedCrossEncoder:
         cfg = BertConfig.from_dict(config)
         supported(cfg)

@@ -8,20 +8,23 @@ from typing import Any
 import numpy as np
 from tinygrad import Tensor
 
+from .._kinds import DEFAULT_MAX_TOKENS
 from .bert import BertConfig, BucketedBert, Progress, load_weights
 
 
 class BertCrossEncoder(BucketedBert):
     """Scores ``[CLS] query [SEP] doc [SEP]`` rows as BertForSequenceClassification: classifier(tanh(pooler([CLS])))."""
 
-    def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], num_labels: int, max_tokens: int = 256) -> None:
+    def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], num_labels: int,
+                 max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         super().__init__(cfg, weights, max_tokens)
         self.num_labels = num_labels
         self.pool_w, self.pool_b = weights["pooler.dense.weight"], weights["pooler.dense.bias"]
         self.cls_w, self.cls_b = weights["classifier.weight"], weights["classifier.bias"]
 
     @classmethod
-    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = 256) -> BertCrossEncoder:
+    def load(cls, artifact_path: pathlib.Path, config: dict[str, Any],
+             max_tokens: int = DEFAULT_MAX_TOKENS) -> BertCrossEncoder:
         cfg = BertConfig.from_dict(config)
         n = num_labels(config)
         shapes = cfg.shapes() | head_shapes(cfg, n)

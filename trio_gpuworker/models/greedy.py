@@ -17,7 +17,6 @@ from ..gguf_file import end_of_generation_ids
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
 PREFILL_CHUNK = 32
-DEFAULT_CONTEXT = 2048
 
 
 class GreedyDecoder(abc.ABC):

@@ -21,7 +21,8 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes, function
 from tinygrad.llm.gguf import gguf_load
 from tinygrad.uop.ops import resolve
 
-from .greedy import DEFAULT_CONTEXT, PREFILL_CHUNK, GreedyDecoder
+from .._kinds import DEFAULT_CONTEXT
+from .greedy import PREFILL_CHUNK, GreedyDecoder
 
 _SPLIT = 64
 

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 
+from .._kinds import DEFAULT_CONTEXT
 from ..gguf_file import GGUFTensor, read_tensors
 from . import ckernel, csource, quant
-from .greedy import DEFAULT_CONTEXT, PREFILL_CHUNK, GreedyDecoder
+from .greedy import PREFILL_CHUNK, GreedyDecoder
 
 
 @dataclass(frozen=True)

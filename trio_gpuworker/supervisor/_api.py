@@ -20,6 +20,7 @@ import trio
 
 from .._config import ModelConfig, SupervisorConfig
 from .._errors import DeadlineExceeded, InvalidRequest, ModelNotFound, RemoteProtocolError
+from .._kinds import GENERATE, RERANK
 from . import _generate
 from . import _requests as rq
 from ._generate import OnDelta
@@ -83,7 +84,7 @@ class ServingApi:
         tok = self._tokenizers.get(model)
         if tok is None:
             mc = self.config.model(model)
-            if mc.kind not in ("embedding", "rerank"):
+            if not mc.encoder:
                 raise ModelNotFound(f"{model!r} is not an encoder model")
             tok = self._tokenizers[model] = self._load_tokenizer(mc)
         return tok
@@ -126,17 +127,17 @@ class ServingApi:
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
         if messages is not None:
-            if mc.kind != "generate":
+            if mc.kind != GENERATE:
                 raise InvalidRequest(f"model {model!r} serves {mc.kind}: messages need a chat template")
             messages = rq.check_messages(messages)
             texts = [m["content"] for m in messages] + [m["role"] for m in messages]
         else:
             texts = rq.check_texts([prompt], "prompt")
         what = "prompt" if messages is None else "messages"
-        cap = rq.gen_char_cap(mc) if mc.kind == "generate" else rq.char_cap(mc)
+        cap = rq.char_cap(mc) if mc.encoder else rq.gen_char_cap(mc)
         rq.refuse_long_texts(["".join(texts)], [what], cap, model)
         rq.check_unicode(texts, what)
-        if mc.kind == "generate":
+        if not mc.encoder:
             tok = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
 
             def encode() -> list[int]:
@@ -153,7 +154,7 @@ class ServingApi:
         mc = self.config.model(model)
         if isinstance(ids, str) or not isinstance(ids, list | tuple | np.ndarray):
             raise InvalidRequest("tokens must be a list of token ids")
-        if mc.kind == "generate":
+        if not mc.encoder:
             chat = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
             vocab, decode = chat.tokenizer.get_vocab_size(with_added_tokens=True), chat.decode
         else:
@@ -184,7 +185,7 @@ class ServingApi:
         (`tokenize` returns them with). Inputs longer than the model's max_tokens are cut there, or refused with
         RequestTooLarge naming the input when `truncate` is false. `dimensions` (one of the model's
         matryoshka_dims) keeps the leading dimensions of each vector, renormalized when `normalize` is on."""
-        mc = rq.encoder_model(self.config.model(model), ("embedding",), "embeddings")
+        mc = rq.serving_model(self.config.model(model), "embeddings")
         is_ids, items = rq.check_inputs(texts, "input")
         pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
         truncate = rq.check_flag(truncate, "truncate", True)
@@ -227,7 +228,7 @@ class ServingApi:
                          timeout: float | None = None) -> np.ndarray:
         """Token-id rows -> embeddings, admitted against the model's queue budget (with the daemon's
         `scheduler`), batched with concurrent requests (with its `batcher`), in frames that fit."""
-        mc = rq.encoder_model(self.config.model(model), ("embedding",), "embeddings")
+        mc = rq.serving_model(self.config.model(model), "embeddings")
         rows = rq.check_rows(rows)
         pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
         deadline = self._deadline(timeout)
@@ -259,7 +260,7 @@ class ServingApi:
                         timeout: float | None = None, on_settled: Callable[[], None] | None = None) -> np.ndarray:
         """One EMBED_BATCH: at most max_batch_items rows whose ids fit one frame (else RequestTooLarge)."""
         try:
-            mc = rq.encoder_model(self.config.model(model), ("embedding",), "embeddings")
+            mc = rq.serving_model(self.config.model(model), "embeddings")
             rows = rq.check_rows(rows)
             pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
             if len(rq.plan_chunks([len(r) for r in rows], max_items=max(len(rows), 1),
@@ -290,7 +291,7 @@ class ServingApi:
         `max_tokens_per_doc` tokens when given. What does not fit the model (the pair [CLS] query [SEP] doc [SEP]
         for a cross-encoder, each text with [CLS]/[SEP] for a bi-encoder) is cut by the worker, or refused with
         RequestTooLarge naming it when `truncate` is false."""
-        mc = rq.encoder_model(self.config.model(model), ("rerank", "embedding"), "rerank")
+        mc = rq.serving_model(self.config.model(model), "rerank")
         if not isinstance(query, str):
             raise InvalidRequest("query must be a string")
         docs = rq.check_texts(documents, "documents")
@@ -331,8 +332,8 @@ class ServingApi:
             # cut it shorter since
             lengths = [len(x) if i not in cut or (i and per_doc is not None and per_doc <= mc.max_tokens) else None
                        for i, x in enumerate(ids)]
-            specials = tok.pair_specials if mc.kind == "rerank" else tok.single_specials
-            rq.check_rerank_fit(lengths, pair=mc.kind == "rerank", specials=specials, cap=mc.max_tokens, model=model)
+            specials = tok.pair_specials if mc.kind == RERANK else tok.single_specials
+            rq.check_rerank_fit(lengths, pair=mc.kind == RERANK, specials=specials, cap=mc.max_tokens, model=model)
         return ids
 
     async def _rerank_ids(self, q: np.ndarray, docs: list[np.ndarray], model: str, timeout: float | None,

@@ -43,6 +43,7 @@ from .._proto import (
     Reaped,
     Ticket,
 )
+from .._worker_env import ARENA_BYTES, ARENA_FD
 
 __all__ = [
     "ALIGN",
@@ -68,8 +69,7 @@ __all__ = [
 ]
 
 DEFAULT_ARENA_BYTES = 1 << 30  # sparse: only the pages rings touch are ever backed
-ENV_ARENA_FD = "GPUWORKER_ARENA_FD"
-ENV_ARENA_BYTES = "GPUWORKER_ARENA_BYTES"
+ENV_ARENA_FD, ENV_ARENA_BYTES = ARENA_FD, ARENA_BYTES
 MEMFD_NAME = "gpuworker-arena"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 

@@ -95,9 +95,7 @@ async def generate(api: Any, prompt: str | None, *, model: str, messages: list[d
                    max_tokens: int, grammar: str | None, timeout: float | None, sampling: Sampling,
                    on_delta: OnDelta | None) -> dict[str, Any]:
     """ServingApi.generate (`api`, which calls this): see there."""
-    mc = api.config.model(model)
-    if mc.kind != "generate":
-        raise InvalidRequest(f"model {model!r} serves {mc.kind}, not generation")
+    mc = rq.serving_model(api.config.model(model), "generation")
     context = rq.gen_context(mc)
     max_tokens = rq.check_max_tokens(max_tokens, context - 1)
     if grammar is not None and not isinstance(grammar, str):

@@ -11,6 +11,7 @@ import trio
 from .._config import ModelConfig
 from .._digest import sha256_file
 from .._errors import ConfigError
+from .._kinds import LoadConfig
 from ._jobs import LoadSpec
 
 
@@ -42,7 +43,7 @@ class DigestCache:
 def tokenizer_file(model: ModelConfig) -> Path | None:
     """The encoder's tokenizer.json, if it has one (the daemon tokenizes; workers receive ids only)."""
     path = model.tokenizer_path or model.path.with_name("tokenizer.json")
-    return path if model.kind in ("embedding", "rerank") and path.is_file() else None
+    return path if model.encoder and path.is_file() else None
 
 
 def special_ids(model: ModelConfig) -> dict[str, int]:
@@ -63,5 +64,5 @@ async def load_spec(model: ModelConfig, cache: DigestCache) -> LoadSpec:
     digest = model.digest or await cache.digest(model.path)
     # reading tokenizer.json stalls the loop: a thread, and only when there is one to read
     ids = await trio.to_thread.run_sync(special_ids, model) if tokenizer_file(model) is not None else {}
-    rc = {"kind": model.kind, "max_tokens": model.max_tokens, "beam": model.beam, **ids, **model.runtime_config}
-    return LoadSpec(model.id, model.path, digest.lower(), model.format, rc)
+    rc = LoadConfig(model.kind, model.runtime_config, model.max_tokens, model.beam, **ids)
+    return LoadSpec(model.id, model.path, digest.lower(), model.format, rc.to_map())

@@ -12,23 +12,23 @@ from typing import Any
 
 import numpy as np
 
-from .._config import POOLINGS, ModelConfig
+from .._config import ModelConfig
 from .._errors import InvalidRequest, RequestTooLarge
+from .._kinds import POOLINGS, DecoderRuntime, check_serves
 
 # A WordPiece token covers at most 100 characters (longer words become one [UNK]); a text with more than 128
 # characters per token of its truncation is mostly whitespace, so cutting it there never changes its ids in
 # practice, and an 8 MB input costs the tokenizer 32 KiB of work instead of 8 MB.
 CHARS_PER_TOKEN_CAP = 128
-GEN_CONTEXT_DEFAULT = 2048  # the llama worker's max_context unless runtime_config says otherwise
 CHAT_TEMPLATE_BYTES = 64  # per message: what a chat template adds around its content, at most
 # Ids of one int32 token; specials a tokenizer adds to one text.
 ID_BYTES = 4
 SPECIALS = 2
 
 
-def encoder_model(mc: ModelConfig, kinds: tuple[str, ...], what: str) -> ModelConfig:
-    if mc.kind not in kinds:
-        raise InvalidRequest(f"model {mc.id!r} serves {mc.kind}, not {what}")
+def serving_model(mc: ModelConfig, what: str) -> ModelConfig:
+    """`mc`, if its kind serves the API request `what` (the registry's one kind check)."""
+    check_serves(mc.id, mc.kind, what)
     return mc
 
 
@@ -82,8 +82,9 @@ def char_cap(mc: ModelConfig) -> int:
 
 def gen_context(mc: ModelConfig) -> int:
     """The generation model's context in tokens (its worker's max_context)."""
-    ctx = mc.runtime_config.get("max_context", GEN_CONTEXT_DEFAULT)
-    return ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else GEN_CONTEXT_DEFAULT
+    rc = mc.runtime_config
+    assert isinstance(rc, DecoderRuntime), f"{mc.id} is a {mc.kind} model"
+    return rc.context
 
 
 def gen_char_cap(mc: ModelConfig) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import trio
 
+from .. import _worker_env as wenv
 from .._config import LaneConfig
 from .._errors import ConfigError
 
@@ -83,9 +84,9 @@ def worker_env(cfg: LaneConfig, state_dir: Path, generation: int, arena_env: dic
     and keyed inside: worker/_jitcache.py), worker identity, the arena fd."""
     cache = state_dir / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "DEV": cfg.device, "CACHEDB": str(cache / "tinygrad.db"), "PYTHONUNBUFFERED": "1",
-            "GPUWORKER_JIT_CACHE": str(cache / "jit"),
-            "GPUWORKER_WORKER_ID": f"{cfg.id}.{generation}", "GPUWORKER_LANE_ID": cfg.id, **arena_env, **cfg.env}
+    return {**os.environ, wenv.DEVICE: cfg.device, wenv.KERNEL_CACHE: str(cache / "tinygrad.db"),
+            "PYTHONUNBUFFERED": "1", wenv.JIT_CACHE: str(cache / "jit"),
+            wenv.WORKER_ID: f"{cfg.id}.{generation}", wenv.LANE_ID: cfg.id, **arena_env, **cfg.env}
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -12,9 +12,10 @@ def prewarm() -> None:
     import os
     from pathlib import Path
 
+    from .._worker_env import KERNEL_CACHE
     from ._kernelcache import check_kernel_cache
 
-    if db := os.environ.get("CACHEDB"):
+    if db := os.environ.get(KERNEL_CACHE):
         if why := check_kernel_cache(Path(db)):
             print(f"worker: kernel cache {db} moved aside ({why}); kernels will be recompiled", file=sys.stderr)
     from tinygrad import Device

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._config import MAX_BEAM
+from .._worker_env import KERNEL_CACHE
 
 LOCK_WAIT_S = 300.0
 _POLL_S = 0.25
@@ -80,7 +81,7 @@ def _lock(path: Path | None) -> Iterator[None]:
 
 def lock_path() -> Path | None:
     """The lock beside tinygrad's kernel cache (CACHEDB), shared by every worker of one state directory."""
-    db = os.environ.get("CACHEDB")
+    db = os.environ.get(KERNEL_CACHE)
     return Path(db).with_name(Path(db).name + ".beam.lock") if db else None
 
 

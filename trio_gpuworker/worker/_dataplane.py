@@ -20,6 +20,7 @@ from cython_ring import EgressState, IngressState, ObjectSpec, Ring, write_egres
 
 from .._errors import ArenaMapFailed, GpuWorkerError, ObjectHeaderError, RingError, StepFailed
 from .._proto import Message
+from .._worker_env import ARENA_BYTES, ARENA_FD
 from ._engine import Reply
 from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
 
@@ -38,7 +39,7 @@ class _Output:
 GC_GEN0_THRESHOLD = 20_000  # allocations between young collections in a worker (CPython's default is 700)
 def map_arena() -> mmap.mmap | None:
     """The arena the daemon handed over (GPUWORKER_ARENA_FD/BYTES), or None when it handed none."""
-    fd, size = os.environ.get("GPUWORKER_ARENA_FD"), os.environ.get("GPUWORKER_ARENA_BYTES", "0")
+    fd, size = os.environ.get(ARENA_FD), os.environ.get(ARENA_BYTES, "0")
     if not fd:
         return None
     try:

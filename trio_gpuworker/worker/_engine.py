@@ -6,7 +6,6 @@ tinygrad is imported on the first LOAD, so a fresh worker answers HELLO fast.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import numpy as np
 
 from .._digest import sha256_file
 from .._errors import WorkerError
+from .._kinds import EMBEDDING, KINDS, RERANK, LoadConfig
 from .._proto import (
     ConfigureRole,
     EmbedBatch,
@@ -41,7 +41,7 @@ from .._proto import (
     decode,
 )
 from ._generate import generate
-from ._loaders import load_bert, load_llama
+from ._loaders import load_config
 
 Progress = Callable[..., None]  # (completed, phase[, post=False: check for an abort only, send nothing])
 Handler = Callable[[Any, Progress], WireMessage]  # a request's class -> its reply (a class too)
@@ -133,12 +133,14 @@ class Engine:
             raise WorkerError("unsupported_request", f"this worker does not serve {msg.T}")
         return handler(msg, progress)
 
-    def model(self, model_ref: str, kind: str) -> Any:
-        m = self.models.get(model_ref)
+    def model(self, msg: EmbedBatch | Generate) -> Any:
+        """The model `msg` names, if its kind serves that request (the registry's `requests`)."""
+        m = self.models.get(msg.model_ref)
         if m is None:
-            raise WorkerError("model_not_loaded", f"model {model_ref!r} is not loaded in this worker")
-        if m.kind != kind:
-            raise WorkerError("invalid_request", f"model {model_ref!r} is a {m.kind} model, not {kind}")
+            raise WorkerError("model_not_loaded", f"model {msg.model_ref!r} is not loaded in this worker")
+        if type(msg) not in KINDS[m.kind].requests:
+            wanted = next(k for k, v in KINDS.items() if type(msg) in v.requests)
+            raise WorkerError("invalid_request", f"model {msg.model_ref!r} is a {m.kind} model, not {wanted}")
         return m
 
     def do_ping(self, msg: Ping, progress: Progress) -> Pong:
@@ -178,26 +180,15 @@ class Engine:
     def _load(self, msg: Load, path: Path, digest: str, verify: Callable[[], None], progress: Progress) -> Any:
         """Loaded and warmed under LOAD's window, not the first request's (or restored warm from the JIT cache)."""
         progress(1, "setup")
-        rc = msg.runtime_config
-        kind = rc.get("kind", "embedding")
-        fmt = msg.format
-        warmed = lambda k: progress(1 + k, "setup")  # noqa: E731
-        if fmt == "safetensors":
-            cfg_path = path.with_name("config.json")
-            try:
-                config = json.loads(cfg_path.read_text())
-            except (OSError, ValueError) as exc:
-                raise WorkerError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
-            return _Served(load_bert(kind, path, config, rc, digest, verify, warmed), kind, rc)
-        if fmt == "gguf" and kind == "generate":
-            lm, detokenizer = load_llama(path, rc, digest, verify, warmed)
-            served = _Served(lm, kind, rc)
-            served.detokenizer = detokenizer
-            return served
-        raise WorkerError("config_invalid", f"unsupported format/kind {fmt!r}/{kind!r}")
+        cfg = load_config(EMBEDDING, msg.runtime_config)
+        kind = KINDS[cfg.kind]
+        if msg.format not in kind.formats:
+            raise WorkerError("config_invalid", f"unsupported format/kind {msg.format!r}/{cfg.kind!r}")
+        impl, detokenizer = kind.load()(cfg, path, digest, verify, lambda k: progress(1 + k, "setup"))
+        return _Served(impl, cfg, detokenizer)
 
     def do_embed_batch(self, msg: EmbedBatch, progress: Progress) -> Vectors:
-        m = self.model(msg.model_ref, "embedding")
+        m = self.model(msg)
         rows = split_rows(msg.raw, [it["n_tokens"] for it in msg.items])
         try:
             out = m.impl.embed(rows, msg.pooling, msg.normalize, lambda n: progress(n, "inference"))
@@ -210,13 +201,13 @@ class Engine:
     def do_rerank(self, msg: Rerank, progress: Progress) -> Scores:
         """A cross-encoder scores composed pairs; an embedding model scores by bi-encoder cosine (labelled)."""
         m = self.models.get(msg.model_ref)
-        if m is None or m.kind not in ("rerank", "embedding"):
+        if m is None or Rerank not in KINDS[m.kind].requests:
             raise WorkerError("model_not_loaded", f"no rerank or embedding model {msg.model_ref!r} loaded")
         q, *docs = split_rows(msg.raw, [msg.query_n_tokens] + [c["n_tokens"] for c in msg.candidates],
                              allow_empty=True)
         done = lambda n: progress(n, "inference")  # noqa: E731
         try:
-            if m.kind == "rerank":
+            if m.kind == RERANK:
                 pairs, types = compose_pairs(q, docs, m.cls_id, m.sep_id, m.max_tokens)
                 scores, method = m.impl.score(pairs, types, done), "cross_encoder"
             else:
@@ -228,7 +219,7 @@ class Engine:
         return Scores(req_id=msg.req_id, n=len(docs), method=method, raw=np.asarray(scores, dtype="<f4").tobytes())
 
     def do_generate(self, msg: Generate, progress: Progress) -> Text:
-        m = self.model(msg.model_ref, "generate")
+        m = self.model(msg)
         if msg.grammar:
             raise WorkerError("grammar_unsupported", "this worker does not constrain decoding by grammar")
         try:
@@ -240,10 +231,10 @@ class Engine:
 class _Served:
     """A loaded model plus what the engine needs to know of it."""
 
-    def __init__(self, impl: Any, kind: str, rc: dict[str, Any]) -> None:
+    def __init__(self, impl: Any, cfg: LoadConfig, detokenizer: Any = None) -> None:
         self.impl = impl
-        self.kind = kind
-        self.dims = int(impl.dims) if kind in ("embedding", "rerank") and hasattr(impl, "dims") else 0
-        self.cls_id, self.sep_id = rc.get("cls_id", 101), rc.get("sep_id", 102)
-        self.max_tokens = int(rc.get("max_tokens", 256))
-        self.detokenizer: Any = None
+        self.kind = cfg.kind
+        self.dims = int(impl.dims) if KINDS[cfg.kind].encoder and hasattr(impl, "dims") else 0
+        self.cls_id, self.sep_id = cfg.ids
+        self.max_tokens = cfg.max_tokens
+        self.detokenizer = detokenizer  # a decoder's: ids in, text out

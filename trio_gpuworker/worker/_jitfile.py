@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import GpuWorkerError
+from .._worker_env import JIT_CACHE
 from ._kernelcache import host_fingerprint, tinygrad_version
 
 MAGIC = b"GWJIT\x00\x02\n"
 _HEAD = struct.Struct("<QQ")  # the header's offset and length
 PAGE = mmap.PAGESIZE
-ENV = "GPUWORKER_JIT_CACHE"
+ENV = JIT_CACHE
 SOFTWARE_FIELDS = ("tinygrad", "python", "code_sha256")
 _POLL_S = 0.05
 

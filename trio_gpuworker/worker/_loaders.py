@@ -7,12 +7,14 @@ anything from the cache runs.
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .._errors import WorkerError
+from .._kinds import EMBEDDING, GENERATE, DecoderRuntime, EncoderRuntime, LoadConfig
 from . import _jitcache, _jitfile, _warmcache
 from ._beam import BeamStats, beam_shape, check_beam
 
@@ -38,41 +40,45 @@ def _cached(path: Path, kind: str, key: dict[str, Any], build: Callable[[], Any]
         raise WorkerError("config_invalid", f"cannot load {path}: {exc}") from exc
 
 
-def _beam(rc: dict[str, Any]) -> int:
+def load_config(kind: str, rc: LoadConfig | Mapping[str, Any]) -> LoadConfig:
+    """LOAD's runtime_config, typed (a map, as tests and LOAD give it, is read the way the daemon wrote it)."""
+    if isinstance(rc, LoadConfig):
+        return rc
     try:
-        return check_beam(rc.get("beam", 0))
+        return LoadConfig.from_map({"kind": kind, **rc})
     except ValueError as exc:
         raise WorkerError("config_invalid", str(exc)) from exc
 
 
-ENCODERS = ("fused", "graph")
+def _beam(cfg: LoadConfig) -> int:
+    try:
+        return check_beam(cfg.beam)
+    except ValueError as exc:
+        raise WorkerError("config_invalid", str(exc)) from exc
+
+
 FUSED_THREADS = 1  # runtime_config `threads` default: replicas use the cores (bench/embed.py measures both)
 
 
-def encoder_for(rc: dict[str, Any], device: str) -> tuple[str, int]:
+def encoder_for(rc: EncoderRuntime | Mapping[str, Any], device: str) -> tuple[str, int]:
     """runtime_config `encoder`: "fused" (one C kernel per batch, CPU only) or "graph" (tinygrad-generated
     kernels, any device), and `threads`, the cores one fused kernel uses. Default: fused on CPU, graph
-    elsewhere."""
+    elsewhere. The values were checked when the EncoderRuntime was built; here, what depends on the device."""
+    rt = rc if isinstance(rc, EncoderRuntime) else load_config(EMBEDDING, rc).runtime
+    assert isinstance(rt, EncoderRuntime)
     cpu = device.split(":")[0] == "CPU"
-    choice = rc.get("encoder", "fused" if cpu else "graph")
-    if choice not in ENCODERS:
-        raise WorkerError("config_invalid", f"encoder must be one of {', '.join(ENCODERS)}, got {choice!r}")
+    choice = rt.encoder or ("fused" if cpu else "graph")
     if choice == "fused" and not cpu:
         raise WorkerError("config_invalid", f"encoder 'fused' runs on CPU only, not on {device}: use 'graph'")
-    from ..models.bert_fused import MAX_THREADS
-
-    threads = rc.get("threads", FUSED_THREADS)
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
-        raise WorkerError("config_invalid", f"threads must be an int within 1..{MAX_THREADS}, got {threads!r}")
-    if "threads" in rc and choice != "fused":
+    if rt.threads is not None and choice != "fused":
         raise WorkerError("config_invalid", "threads applies to the fused encoder only")
-    return choice, threads
+    return choice, FUSED_THREADS if rt.threads is None else rt.threads
 
 
 def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, threads: int,
                 verify: Callable[[], None], progress: ModelProgress) -> Any:
     """The fused encoder: one kernel serves every batch, so there are no shapes to warm and nothing to BEAM."""
-    if kind == "embedding":
+    if kind == EMBEDDING:
         from ..models.bert_fused import FusedBertEncoder as cls
     else:
         from ..models.bert_fused import FusedCrossEncoder as cls
@@ -86,7 +92,18 @@ def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, 
     return impl
 
 
-def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any], digest: str,
+def load_encoder(cfg: LoadConfig, path: Path, digest: str, verify: Callable[[], None],
+                 progress: ModelProgress) -> tuple[Any, None]:
+    """_kinds.KINDS' loader of embedding and rerank models: (encoder, no detokenizer)."""
+    cfg_path = path.with_name("config.json")
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise WorkerError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
+    return load_bert(cfg.kind, path, config, cfg, digest, verify, progress), None
+
+
+def load_bert(kind: str, path: Path, config: dict[str, Any], rc: LoadConfig | Mapping[str, Any], digest: str,
               verify: Callable[[], None], progress: ModelProgress) -> Any:
     """An encoder: fused on CPU (encoder_for), else with its micro-batch shapes captured: the runtime_config
     `warmup_shapes` (default: (16, 1), or with `beam` > 0 the model's tuned_shapes, each compiled under a BEAM
@@ -95,29 +112,22 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     them, and stored for every later worker."""
     from tinygrad import Device
 
-    if kind not in ("embedding", "rerank"):
+    cfg = load_config(kind, rc)
+    rt = cfg.runtime
+    if not isinstance(rt, EncoderRuntime):
         raise WorkerError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
-    choice, threads = encoder_for(rc, Device.DEFAULT)
+    choice, threads = encoder_for(rt, Device.DEFAULT)
     if choice == "fused":
-        if _beam(rc) or rc.get("warmup_shapes") is not None:
+        if _beam(cfg) or rt.warmup_shapes is not None:
             _log(f"worker: {kind} model {path.name}: beam and warmup_shapes tune tinygrad-generated kernels; "
                  "the fused encoder has none (encoder = 'graph' uses them)")
-        return _load_fused(kind, path, config, int(rc.get("max_tokens", 256)), threads, verify, progress)
-    if kind == "embedding":
+        return _load_fused(kind, path, config, cfg.max_tokens, threads, verify, progress)
+    if kind == EMBEDDING:
         from ..models.bert import BertEncoder as cls
-    elif kind == "rerank":
-        from ..models.cross_encoder import BertCrossEncoder as cls
     else:
-        raise WorkerError("config_invalid", f"safetensors artifacts serve embedding or rerank, not {kind!r}")
-    max_tokens = int(rc.get("max_tokens", 256))
-    beam = _beam(rc)
-    try:
-        given = rc.get("warmup_shapes")
-        shapes = [(int(length), int(batch)) for length, batch in given] if given is not None else None
-        if shapes == []:
-            raise ValueError("warmup_shapes is empty")
-    except (ValueError, TypeError) as exc:
-        raise WorkerError("config_invalid", f"warmup_shapes: {exc}") from exc
+        from ..models.cross_encoder import BertCrossEncoder as cls
+    max_tokens, beam = cfg.max_tokens, _beam(cfg)
+    shapes = list(rt.warmup_shapes) if rt.warmup_shapes is not None else None  # checked in EncoderRuntime
     # without an explicit list: one small shape, or with BEAM the shapes worth a search
     warm = shapes if shapes is not None else (cls.tuned_shapes(max_tokens) if beam else [(16, 1)])
     stats = BeamStats(beam)
@@ -159,31 +169,37 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: dict[str, Any],
     return served
 
 
-DECODERS = ("fused", "graph")
-
-
-def decoder_for(rc: dict[str, Any], device: str) -> str:
+def decoder_for(rc: DecoderRuntime | Mapping[str, Any], device: str) -> str:
     """runtime_config `decoder`: "fused" (one C kernel per step, CPU only) or "graph" (tinygrad-generated
     kernels, any device). Default: fused on CPU, graph elsewhere."""
-    choice = rc.get("decoder", "fused" if device.split(":")[0] == "CPU" else "graph")
-    if choice not in DECODERS:
-        raise WorkerError("config_invalid", f"decoder must be one of {', '.join(DECODERS)}, got {choice!r}")
+    rt = rc if isinstance(rc, DecoderRuntime) else load_config(GENERATE, rc).runtime
+    assert isinstance(rt, DecoderRuntime)
+    choice = rt.decoder or ("fused" if device.split(":")[0] == "CPU" else "graph")
     if choice == "fused" and device.split(":")[0] != "CPU":
         raise WorkerError("config_invalid", f"decoder 'fused' runs on CPU only, not on {device}: use 'graph'")
     return choice
 
 
-def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[], None],
+def load_decoder(cfg: LoadConfig, path: Path, digest: str, verify: Callable[[], None],
+                 progress: ModelProgress) -> tuple[Any, Any]:
+    """_kinds.KINDS' loader of generate models."""
+    return load_llama(path, cfg, digest, verify, progress)
+
+
+def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, verify: Callable[[], None],
                progress: ModelProgress) -> tuple[Any, Any]:
     """(decoder with its prefill and decode graphs captured, detokenizer): both restored from one entry. With
     `beam` > 0 both graphs are compiled under a BEAM search of that width (it tunes tinygrad-generated
-    kernels: the graph decoder's)."""
+    kernels: the graph decoder's). Its context is runtime_config `max_context`, the one the daemon caps
+    prompts by."""
     from tinygrad import Device
 
     from ..llm_tokenizer import ChatTokenizer
-    from ..models.greedy import DEFAULT_CONTEXT
 
-    beam, decoder = _beam(rc), decoder_for(rc, Device.DEFAULT)
+    cfg = load_config(GENERATE, rc)
+    rt = cfg.runtime
+    assert isinstance(rt, DecoderRuntime)
+    beam, decoder, context = _beam(cfg), decoder_for(rt, Device.DEFAULT), rt.context
     if decoder == "fused":
         from ..models.llama_fused import FusedLlamaLM as cls
     else:
@@ -191,7 +207,7 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
     verify()  # before the artifact is read or anything from the cache runs
 
     def build() -> tuple[Any, Any]:
-        lm = cls.load(path, warmup=False)
+        lm = cls.load(path, max_context=context, warmup=False)
         stats = BeamStats(beam)
         with beam_shape(beam, stats):
             lm.warmup(progress)
@@ -199,7 +215,7 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
             _log(f"worker: generate model {path.name}: {stats.describe()}")
         return lm, ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization in the worker
 
-    extra: dict[str, Any] = {"max_context": DEFAULT_CONTEXT, "beam": beam, "decoder": decoder}
+    extra: dict[str, Any] = {"max_context": context, "beam": beam, "decoder": decoder}
     fused = ("trio_gpuworker.models.quant", "trio_gpuworker.models.csource", "trio_gpuworker.models.ckernel",
              "trio_gpuworker.gguf_file")
     if decoder == "fused":  # its C lives in models/kernels/, not in the modules' source
@@ -208,6 +224,6 @@ def load_llama(path: Path, rc: dict[str, Any], digest: str, verify: Callable[[],
         extra["kernels_sha256"] = csource.digest()
     modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.llm_tokenizer",
                *(fused if decoder == "fused" else ()))
-    model, _, outcome = _cached(path, "generate", _key(digest, "generate", modules, extra), build)
+    model, _, outcome = _cached(path, GENERATE, _key(digest, GENERATE, modules, extra), build)
     _log(f"worker: generate model {path.name}: jit cache {outcome}")
     return model

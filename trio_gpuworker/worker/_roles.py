@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 
 from .._errors import StepFailed
+from .._kinds import EMBEDDING
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -133,7 +134,7 @@ class MiniLMRole(_Base):
         if not isinstance(self.normalize, bool):
             raise StepFailed("invalid_role_config", f"minilm role: normalize must be a bool, got {self.normalize!r}")
         model = models[ref]
-        if getattr(model, "kind", "embedding") != "embedding" or not callable(getattr(model.impl, "embed", None)):
+        if getattr(model, "kind", EMBEDDING) != EMBEDDING or not callable(getattr(model.impl, "embed", None)):
             raise StepFailed("backend_unsupported", f"minilm role: model {ref!r} is not an embedding model")
         self.model_ref, self.embed = ref, model.impl.embed
 
