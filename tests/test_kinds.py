@@ -64,7 +64,7 @@ def test_runtime_config_is_typed_per_kind() -> None:
     # built directly (the Python API, tests), a table is checked and converted the same way
     assert ModelConfig("m", Path("m.gguf"), kind=GENERATE, runtime_config={"decoder": "graph"}).runtime_config \
         == DecoderRuntime(decoder="graph")
-    with pytest.raises(ConfigError, match="models.m.runtime_config: max_context"):
+    with pytest.raises(ConfigError, match=r"models\.m\.runtime_config: max_context"):
         ModelConfig("m", Path("m.gguf"), kind=GENERATE, runtime_config={"max_context": -1})
 
 
