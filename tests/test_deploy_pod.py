@@ -124,13 +124,14 @@ class Kubelet:
         self.base_url = base_url
 
     async def probe(self, name: str) -> int | None:
-        """The probe's status code, or None when nothing accepted the connection."""
+        """The probe's status code, or None when the connection failed: refused, or closed without an answer
+        by a listener that is shutting down (the kubelet counts both as a failed probe)."""
         get = self.container[name]["httpGet"]
         async with httpx.AsyncClient(base_url=self.base_url, timeout=self.container[name]["timeoutSeconds"],
                                      limits=httpx.Limits(max_keepalive_connections=0)) as client:
             try:
                 return (await client.get(get["path"])).status_code
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
                 return None
 
 
