@@ -13,7 +13,15 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
-from trio_gpuworker import AdmissionPolicy, EngineCrashed, InvalidRequest, LaneState, NoLaneAvailable, OverCapacity
+from trio_gpuworker import (
+    AdmissionPolicy,
+    EngineCrashed,
+    InvalidRequest,
+    LaneState,
+    ModelLoading,
+    NoLaneAvailable,
+    OverCapacity,
+)
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor import Scheduler
 from trio_gpuworker.supervisor._admission import choose_lane
@@ -50,9 +58,13 @@ class FakeLane:
     loads: dict[str, Any] = field(default_factory=lambda: {"m": None})
     load_errors: dict[str, str] = field(default_factory=dict)
     cooldown: float | None = None
+    first: dict[str, Any] | None = None  # its first start's progress; None once settled
 
     def cooldown_remaining(self) -> float | None:
         return self.cooldown
+
+    def starting_first(self) -> dict[str, Any] | None:
+        return self.first
 
     def quarantine_error(self, remaining: float) -> EngineCrashed:
         return EngineCrashed("quarantined", lane_id=self.id, quarantined=True, cooldown_remaining_s=remaining)
@@ -72,6 +84,15 @@ def test_least_loaded_ready_lane() -> None:
         choose_lane("m", [a], drained={"a"})
     with pytest.raises(NoLaneAvailable, match="configured"):
         choose_lane("x", [a])
+    loading = {"phase": "load", "model": "m", "steps": 2, "elapsed_s": 3.0}
+    first = FakeLane("n", state=LaneState.LOADING, first=loading)
+    with pytest.raises(ModelLoading) as loading_info:  # refused, not queued behind a first LOAD
+        choose_lane("m", [first, FakeLane("n2", state=LaneState.STARTING, first={**loading, "phase": "spawn"})])
+    assert loading_info.value.code == "model_loading" and loading_info.value.retry_after_s > 0
+    assert set(loading_info.value.to_wire()["detail"]["lanes"]) == {"n", "n2"}
+    assert "n loading m (2 steps, 3 s)" in str(loading_info.value)
+    assert choose_lane("m", [first, a]).id == "a"  # another lane serves it already
+    assert choose_lane("m", [first, starting]).id == "s"  # a restart (past its first start) queues as before
     q1, q2 = FakeLane("q1", cooldown=30.0), FakeLane("q2", cooldown=10.0)
     assert choose_lane("m", [q1, a]).id == "a"
     with pytest.raises(EngineCrashed) as info:

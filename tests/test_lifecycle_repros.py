@@ -215,16 +215,16 @@ async def _kill_daemon_while_loading(tmp_path: Path, model: Path, extra: str, co
                                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         await wait_until(lambda: bool(live_procs(1, daemon.pid)), within_s=60)
-        [worker] = live_procs(1, daemon.pid)  # the daemon's one child
         await trio.sleep(1.5)  # past HELLO, inside its LOAD
-        assert alive(worker)
-        group = os.getpgid(worker)
+        workers = live_procs(1, daemon.pid)  # the daemon's children: the lane's and its replica's (they start at once)
+        assert workers and all(alive(w) for w in workers)
+        groups = [os.getpgid(w) for w in workers]
         daemon.kill()  # SIGKILL: no cleanup runs in the daemon
         with trio.fail_after(10):
             await daemon.wait()
-        await wait_until(lambda: zombie_or_gone(worker), within_s=5)
+        await wait_until(lambda: all(zombie_or_gone(w) for w in workers), within_s=5)
 
-        await wait_until(lambda: not live_procs(2, group), within_s=5)  # and everything it started
+        await wait_until(lambda: not any(live_procs(2, g) for g in groups), within_s=5)  # and all they started
     finally:
         if daemon.returncode is None:
             daemon.kill()

@@ -213,6 +213,24 @@ class NoLaneAvailable(GpuWorkerError):
     code = "no_lane_available"
 
 
+class ModelLoading(NoLaneAvailable):
+    """Every lane that serves the model is still in its first start (spawn, LOAD, compile): the daemon listens
+    before its workers are ready, and a request for a model none of them serves yet is refused, not queued
+    behind a load that may take minutes. Retry after `retry_after_s`."""
+
+    code = "model_loading"
+
+    def __init__(self, message: str, *, model: str, lanes: dict[str, Any], retry_after_s: float) -> None:
+        super().__init__(message)
+        self.model = model
+        self.lanes = lanes  # lane id -> its start progress (phase, model, steps, elapsed_s)
+        self.retry_after_s = retry_after_s
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self),
+                "detail": {"model": self.model, "lanes": self.lanes, "retry_after_s": self.retry_after_s}}
+
+
 class ClosedSupervisorError(GpuWorkerError):
     """We closed the supervisor (or lane); no more requests are accepted."""
 
@@ -322,6 +340,7 @@ __all__ = [
     "LeaseStateError",
     "LocalProtocolError",
     "MalformedMessage",
+    "ModelLoading",
     "ModelNotFound",
     "NoLaneAvailable",
     "NonceMismatch",

@@ -18,6 +18,7 @@ from .._errors import (
     GpuWorkerError,
     InvalidRequest,
     LaneNotFound,
+    ModelLoading,
     ModelNotFound,
     NoLaneAvailable,
     OverCapacity,
@@ -77,6 +78,8 @@ _CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loa
 def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
     if isinstance(exc, HttpError):
         return exc.status, exc.headers
+    if isinstance(exc, ModelLoading):
+        return 503, {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
     if isinstance(exc, OverCapacity):
         return 429, {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
     if isinstance(exc, EngineCrashed):

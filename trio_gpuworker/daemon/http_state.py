@@ -5,7 +5,9 @@ waits on a worker).
   restarting or quarantined never fail it: restarting the daemon would not bring them back sooner.
 - `/readyz`: every model a lane is configured for has a lane that can serve it now (`?model=ID`: that one).
   It fails first on SIGTERM, before the daemon stops admitting and before the listener closes.
-- `/healthz`: the lanes' states, 200 while any lane serves (as before /livez and /readyz existed).
+- `/healthz`: the lanes' states, 200 while any lane serves (as before /livez and /readyz existed); during a lane's
+  first start its entry's `starting` says how far it is (phase spawn or load, the model, PROGRESS steps, seconds),
+  and the status is `starting` until some lane serves.
 """
 
 from __future__ import annotations
@@ -34,14 +36,15 @@ class StateRoutes:
 
     async def healthz(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         """Cached lane state only: never waits on a worker."""
-        lanes = [{k: s[k] for k in ("lane_id", "state", "pid", "generation", "strikes", "cooldown_remaining_s")}
-                 for s in self.sup.status()]
+        lanes = [{k: s[k] for k in ("lane_id", "state", "pid", "generation", "strikes", "cooldown_remaining_s",
+                                    "starting")} for s in self.sup.status()]
         serving = any(ln["state"] in SERVING_STATES for ln in lanes)
         healthy = all(ln["state"] in SERVING_STATES for ln in lanes)
+        starting = any(ln["starting"] is not None for ln in lanes)  # a lane's first start: phase, model, steps
         if not self.admitting:
             return 503, {"status": "draining", "lanes": lanes}
-        return (200 if serving else 503), {"status": "ok" if healthy else "degraded" if serving else "unavailable",
-                                           "lanes": lanes}
+        status = "ok" if healthy else "degraded" if serving else "starting" if starting else "unavailable"
+        return (200 if serving else 503), {"status": status, "lanes": lanes}
 
     async def livez(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         ok, why = self.liveness()

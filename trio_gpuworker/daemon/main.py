@@ -1,7 +1,8 @@
 """gpuworkerd entry point: config, logging, supervisor, admission and batching, HTTP listeners, sd_notify, signals.
 
 Life of the process:
-  start    lanes spawn and load (STATUS= says so), listeners bind, READY=1
+  start    listeners bind at once, lanes spawn and load (STATUS=, the log and /healthz say how far; a model none
+           of whose lanes serves yet gets 503 model_loading), READY=1 once every lane's first start settled
   serve    WATCHDOG=1 every WATCHDOG_USEC/2 while the event loop and every lane task are alive; SIGHUP
            reloads lanes and models (RELOADING=1 ... READY=1)
   SIGTERM  STOPPING=1 and /readyz 503 at once; after daemon.shutdown_delay_s (default 0) stop admitting
@@ -15,71 +16,31 @@ import argparse
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import signal
-import socket
-import stat
 import sys
 from collections.abc import AsyncIterator, MutableMapping
 from functools import partial
 from pathlib import Path
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import ConfigError
-from ..supervisor import DigestCache, LaneState, LoadSpec, Supervisor, load_spec
-from .config import DaemonConfig, HttpConfig, load_config
+from ..supervisor import DigestCache, LaneState, LoadSpec, Supervisor, describe_progress, load_spec
+from .config import DaemonConfig, load_config
 from .http import Api
+from .listeners import API_SOCKET_MODE, hypercorn_config, prepare_unix_socket
 from .logs import setup_logging
 from .metrics import Metrics
 from .notify import Notifier
 from .reload import ReloadPlan, ReloadReport, Running, plan_reload
+from .startup import StartupReport
 
 log = logging.getLogger("trio_gpuworker.daemon")
 
-READ_TIMEOUT_SLACK_S = 5.0
 STATUS_INTERVAL_S = 5.0  # how often STATUS= is refreshed (more often when the watchdog asks for it)
-API_SOCKET_MODE = 0o660
-
-
-def hypercorn_config(bind: str, graceful_timeout_s: float, http: HttpConfig | None = None) -> HypercornConfig:
-    hc = HypercornConfig()
-    hc.bind = [bind]
-    if http is not None:
-        # A backstop for a connection that sends nothing at all: hypercorn's read timeout also runs while a
-        # request is being served, so it must exceed the body timeout plus the longest request. Stalled and
-        # dribbled bodies are cut by the app (http.body_timeout_s), idle keep-alive by keep_alive_timeout.
-        hc.read_timeout = math.ceil(http.body_timeout_s + http.request_timeout_s + READ_TIMEOUT_SLACK_S)
-    if bind.startswith("unix:"):
-        hc.umask = 0o117  # the API socket is 0660 from the moment it exists
-    hc.accesslog = None
-    hc.errorlog = logging.getLogger("hypercorn.error")
-    hc.graceful_timeout = graceful_timeout_s
-    return hc
-
-
-def prepare_unix_socket(path: Path) -> None:
-    """Create the parent directory; remove a stale socket file, refuse one a live daemon listens on."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        st = path.lstat()
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ConfigError(f"http.unix_socket: {path} exists and is not a socket")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(os.fspath(path))
-    except OSError:
-        path.unlink(missing_ok=True)  # nobody listens: a leftover of a daemon that was killed
-    else:
-        raise ConfigError(f"http.unix_socket: another daemon is listening on {path}")
-    finally:
-        probe.close()
 
 
 class Daemon:
@@ -162,7 +123,11 @@ class Daemon:
                 notes.append(f"{s['lane_id']} {s['state']}")
             if s["drained"]:
                 notes.append(f"{s['lane_id']} drained")
-        head = "draining" if self.stopping else "serving" if ready == len(lanes) else "degraded"
+        starting = [describe_progress(s["lane_id"], s["starting"]) for s in lanes if s["starting"] is not None]
+        head = "draining" if self.stopping else "serving" if ready == len(lanes) else \
+            "starting" if starting else "degraded"
+        if starting and not self.stopping:
+            return f"{head}: {ready}/{len(lanes)} lanes ready; {'; '.join(starting)}"
         text = f"{head}: {ready}/{len(lanes)} lanes ready, {self.api.inflight} in flight, {self.api.served} served"
         return text + (f"; {'; '.join(notes)}" if notes else "")
 
@@ -327,7 +292,9 @@ async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
                 notifier.status("starting: spawning workers and loading models")
                 windows = cfg.supervisor.windows
                 with trio.CancelScope() as workers_stop:  # bounds the workers' shutdown after the drain
-                    async with Supervisor(cfg.supervisor, admission=cfg.admission, batching=cfg.batching) as sup:
+                    # the listeners come up while the lanes start: a first start is never minutes of silence
+                    async with Supervisor(cfg.supervisor, admission=cfg.admission, batching=cfg.batching,
+                                          wait_for_lanes=False) as sup:
                         daemon = Daemon(cfg, sup, config_path=config_path, env=env, notifier=notifier)
                         async with trio.open_nursery() as inner:
                             daemon.nursery = inner
@@ -335,8 +302,11 @@ async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
                             binds = await daemon.start_listeners(outer)
                             outer.start_soon(daemon.notify_loop)
                             inner.start_soon(daemon.serve_signals, signals)
-                            notifier.ready(daemon.status_line())
-                            log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
+                            report = StartupReport(sup, cfg.supervisor.state_dir)
+                            report.listening(binds)
+                            if await report.run(until=daemon.stop_requested):  # READY=1 once every lane settled
+                                notifier.ready(daemon.status_line())
+                                log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
                             task_status.started(daemon)
                             await daemon.stop_requested.wait()
                             await daemon.drain()

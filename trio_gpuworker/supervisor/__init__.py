@@ -13,14 +13,17 @@ from ._lane import Lane
 from ._launcher import Launched, Launcher, ProcessLauncher, WorkerSpec
 from ._logring import LogRing
 from ._models import DigestCache, load_spec
+from ._startup import MODEL_LOADING_RETRY_AFTER_S, FirstStart, describe_progress
 from ._supervisor import Supervisor
 
 __all__ = [
+           "MODEL_LOADING_RETRY_AFTER_S",
            "ArenaManager",
            "Batcher",
            "DataPlane",
            "DigestCache",
            "EventBus",
+           "FirstStart",
            "Job",
            "Lane",
            "LaneState",
@@ -35,6 +38,7 @@ __all__ = [
            "Supervisor",
            "Ticket",
            "WorkerSpec",
+           "describe_progress",
            "load_spec",
            "silence_window",
 ]

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .._config import AdmissionPolicy, SupervisorConfig
-from .._errors import ClosedSupervisorError, InvalidRequest, NoLaneAvailable, OverCapacity
+from .._errors import ClosedSupervisorError, InvalidRequest, ModelLoading, NoLaneAvailable, OverCapacity
 from .._proto import LaneState
+from ._startup import MODEL_LOADING_RETRY_AFTER_S, describe_progress
 
 if TYPE_CHECKING:
     from ._lane import Lane
@@ -149,8 +150,9 @@ class Timing:
 
 
 def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset[str] = frozenset()) -> Lane:
-    """The least loaded lane serving `model`: not drained, not quarantined, ready before starting, and one that
-    loaded the model before one whose LOAD of it failed. Load = queued requests + the one running."""
+    """The least loaded lane serving `model`: not drained, not quarantined, ready before starting, restarting before
+    in its first start, and one that loaded the model before one whose LOAD of it failed. Load = queued requests +
+    the one running. When every such lane is in its first start: ModelLoading."""
     candidates = [lane for lane in lanes if model in lane.loads]
     if not candidates:
         raise NoLaneAvailable(f"no lane is configured to serve {model!r}")
@@ -163,10 +165,14 @@ def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset
         raise lane.quarantine_error(lane.cooldown_remaining() or 0.0)
     serving = (LaneState.READY, LaneState.BUSY)
     closing = (LaneState.DRAINING, LaneState.STOPPING, LaneState.STOPPED)
+    starting = {ln.id: p for ln in open_lanes if (p := ln.starting_first()) is not None}
+    if len(starting) == len(open_lanes):  # none has served yet: refuse rather than queue behind the first LOAD
+        raise ModelLoading(f"{model!r} is loading: " + "; ".join(describe_progress(k, p) for k, p in starting.items()),
+                           model=model, lanes=starting, retry_after_s=MODEL_LOADING_RETRY_AFTER_S)
 
-    def rank(ln: Lane) -> tuple[int, int, int]:
+    def rank(ln: Lane) -> tuple[int, int, int, int]:
         state = 0 if ln.state in serving else 2 if ln.state in closing else 1
-        return state, int(model in ln.load_errors), ln.queued + (ln.state == LaneState.BUSY)
+        return state, int(ln.id in starting), int(model in ln.load_errors), ln.queued + (ln.state == LaneState.BUSY)
 
     return min(open_lanes, key=rank)
 

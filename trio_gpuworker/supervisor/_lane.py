@@ -25,6 +25,7 @@ from ._lane_report import LaneReport, StandbyView
 from ._lane_runner import Hook, LaneRunner
 from ._launcher import Launcher, ProcessLauncher
 from ._logring import LogRing
+from ._startup import FirstStart
 
 
 class Lane:
@@ -114,6 +115,14 @@ class Lane:
     def standby(self) -> StandbyView | None:
         return self.report.standby if self.cfg.standby else None
 
+    @property
+    def first_start(self) -> FirstStart:
+        return self.report.first
+
+    def starting_first(self) -> dict[str, Any] | None:
+        """Where the lane's first start is (phase, model, steps, elapsed_s); None once it has settled."""
+        return self.report.first.describe(self.state, trio.current_time())
+
     def cooldown_remaining(self) -> float | None:
         return self.report.cooldown_remaining()
 
@@ -130,17 +139,24 @@ class Lane:
 
     # --- the lane task -----------------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start the first generation, report started once it serves or has failed, run until closed."""
+    async def run(self, *, wait_for_start: bool = True, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Start the first generation, report started once it serves or has failed (`wait_for_start=False`: once
+        its spawn is under way, so lanes started in a row number their generations in order), run until closed."""
         runner = self.runner
         try:
             async with trio.open_nursery() as nursery:
                 runner.nursery = nursery
                 nursery.start_soon(self._timers)
                 nursery.start_soon(self._refresh_health)
+                self.report.first.begin(trio.current_time())
                 runner.feed(self.machine.start(trio.current_time()))
+                if not wait_for_start:
+                    task_status.started()
                 await self.wait_state(*(s for s in LaneState if s not in (LaneState.STARTING, LaneState.LOADING)))
-                task_status.started()
+                self.report.first.settle(trio.current_time())
+                if wait_for_start:
+                    task_status.started()
                 await runner.stopped.wait()
                 nursery.cancel_scope.cancel()
         finally:

@@ -17,6 +17,7 @@ from .._proto import Finish, GenState, LaneLifecycle, Message, Outcome
 from ._events import EventBus
 from ._generation import Generation
 from ._logring import LogRing
+from ._startup import FirstStart
 from ._worker import describe_exit
 
 log = logging.getLogger("trio_gpuworker.lane")
@@ -67,6 +68,7 @@ class LaneReport:
         self.rss_mb: float | None = None
         self.last_exit: str | None = None
         self.last_error: str | None = None
+        self.first = FirstStart()
 
     def active(self) -> Generation | None:
         a = self.machine.active
@@ -166,6 +168,8 @@ class LaneReport:
             "device": self.cfg.device,
             "standby": self.standby.describe() if self.cfg.standby else None,
             "standby_enabled": self.cfg.standby,
+            "starting": self.first.describe(m.state, trio.current_time()),  # None once the first start settled
+            "ready_after_s": self.first.ready_after_s,
         }
 
     def step_waits_on_us(self) -> bool:

@@ -129,9 +129,17 @@ class LaneRunner:
             self.report.crashed(self.gens[e.gen], e.role.value)
 
     async def _exchange(self, gen: Generation, t: LaneTicket, job: Job) -> None:
-        n, machine = gen.number, self.machine
+        n, machine, first = gen.number, self.machine, self.report.first
+        if t.kind == "LOAD":
+            first.loading(t.model)
+
+        def progressed() -> None:
+            if t.kind == "LOAD":
+                first.progressed()
+            machine.progress(n, t)
+
         try:
-            reply = await exchange(gen.wp, job, gen.tracker, self.windows, on_progress=lambda: machine.progress(n, t),
+            reply = await exchange(gen.wp, job, gen.tracker, self.windows, on_progress=progressed,
                                    extend=self.report.step_waits_on_us if t.kind == "EXECUTE_STEP" else None)
         except InvalidRequest as exc:  # failed local validation: this request alone, nothing was written
             self.feed(machine.replied(n, t, exc, success=False, refused=True, now=trio.current_time()))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AsyncExitStack
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +42,12 @@ class Supervisor(ServingApi):
     the bare Python API runs without byte budgets) and the batcher (off unless `batching` enables it)."""
 
     def __init__(self, config: SupervisorConfig, *, admission: AdmissionPolicy | None = None,
-                 batching: BatchPolicy | None = None, launcher: Launcher | None = None) -> None:
+                 batching: BatchPolicy | None = None, launcher: Launcher | None = None,
+                 wait_for_lanes: bool = True) -> None:
         self.config = config
+        # True: `async with` returns once every lane's first start has settled. False: at once, while the lanes
+        # start (the daemon listens meanwhile; a model none of its lanes serves yet gets ModelLoading)
+        self._wait_for_lanes = wait_for_lanes
         self.runtime_dir = config.runtime_dir or default_runtime_dir(None, config.state_dir)
         self.events = EventBus()
         self.lanes: dict[str, Lane] = {}
@@ -88,7 +93,7 @@ class Supervisor(ServingApi):
                 self.dataplane = DataPlane(self.lanes, self.arena, self.events)
                 await self._nursery.start(self._run_dataplane)
             for lane in self.lanes.values():
-                await self._nursery.start(lane.run)
+                await self._nursery.start(partial(lane.run, wait_for_start=self._wait_for_lanes))
         except BaseException as exc:
             await self._abort(exc)
             raise
@@ -195,6 +200,11 @@ class Supervisor(ServingApi):
 
     def subscribe(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
         return self.events.subscribe()
+
+    async def wait_started(self) -> None:
+        """Until every lane's first start has settled: it serves, or that start failed (READY=1)."""
+        for lane in list(self.lanes.values()):
+            await lane.first_start.settled.wait()
 
     async def wait_ready(self, timeout: float = math.inf) -> None:
         """Until every lane is ready (tests and start-up notification)."""
