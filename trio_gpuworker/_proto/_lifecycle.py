@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from . import _lifecycle_rules as rules
 from ._lifecycle_parts import (
     RELOAD,
-    SERVING,
     Backoff,
     Crashed,
     Effect,
@@ -33,6 +32,7 @@ from ._lifecycle_parts import (
     Tickets,
 )
 from ._lifecycle_table import Event, GenState, LaneState, LifecycleError, step_lane
+from ._schema import SERVING  # the requests whose success clears strikes, marked on their classes
 from ._strikes import Fault, StrikePolicy
 
 E, G, L = Event, GenState, LaneState

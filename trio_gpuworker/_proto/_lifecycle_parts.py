@@ -10,7 +10,6 @@ from enum import StrEnum
 from ._lifecycle_table import Event, GenState, LifecycleError, step_generation
 
 RELOAD = "__RELOAD__"  # a queued reload: in order behind the requests queued before it
-SERVING = frozenset({"EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP"})  # only these clear strikes
 
 
 class Role(StrEnum):

@@ -70,7 +70,7 @@ class Load(WireMessage):
     model_ref: str | None = opt(text)
 
 
-@message("EMBED_BATCH", DAEMON)
+@message("EMBED_BATCH", DAEMON, serves=True)
 class EmbedBatch(WireMessage):
     req_id: int = need(uint)
     model_ref: str = need(text)
@@ -80,7 +80,7 @@ class EmbedBatch(WireMessage):
     raw: bytes = raw_frame()  # the items' token ids, int32 LE, back to back
 
 
-@message("RERANK", DAEMON)
+@message("RERANK", DAEMON, serves=True)
 class Rerank(WireMessage):
     req_id: int = need(uint)
     model_ref: str = need(text)
@@ -91,7 +91,7 @@ class Rerank(WireMessage):
 
 # the optional fields past `grammar` are negotiated extensions (_extensions.py): sent only to a worker that
 # advertised them
-@message("GENERATE", DAEMON)
+@message("GENERATE", DAEMON, serves=True)
 class Generate(WireMessage):
     req_id: int = need(uint)
     model_ref: str = need(text)
@@ -219,12 +219,12 @@ class WorkerFatal(WireMessage):
 
 # --- wake hints, either way
 
-@message("RING_READABLE", BOTH)
+@message("RING_READABLE", BOTH, hint=True)
 class RingReadable(WireMessage):
     ring_id: int = need(uint)
 
 
-@message("RING_WRITABLE", BOTH)
+@message("RING_WRITABLE", BOTH, hint=True)
 class RingWritable(WireMessage):
     ring_id: int = need(uint)
 

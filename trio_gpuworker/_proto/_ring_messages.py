@@ -105,7 +105,7 @@ class RingQuiesced(WireMessage):
     req_id: int | None = opt(uint)
 
 
-@message("EXECUTE_STEP", DAEMON)
+@message("EXECUTE_STEP", DAEMON, serves=True)
 class ExecuteStep(WireMessage):
     req_id: int = need(uint)
     role_id: str = need(text)

@@ -9,8 +9,10 @@ h11's `_events.py` is the model. A message class is written once, with the `mess
 
 `need(check)` is a required field, `opt(check)` an optional one (None: absent from the map), `raw_frame()` the
 raw frame that follows the control map. `ends=` names the requests a reply is terminal for, `precedes=` those it
-is an intermediate reply of. Everything else, the schemas, TERMINAL, INTERMEDIATE and the sender direction, is
-derived from the classes (_schema.py); nothing registers itself anywhere at import.
+is an intermediate reply of, `serves=True` marks a request that serves a caller (its success clears the lane's
+strikes), `hint=True` a wake-up hint that is never a reply. Everything else, the schemas, TERMINAL,
+INTERMEDIATE, SERVING, WAKE_HINTS and the sender direction, is derived from the classes (_schema.py); nothing
+registers itself anywhere at import.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class WireMessage:
     EXACT: ClassVar[bool]  # no keys beyond the declared fields (the handshake's exact key sets)
     ENDS: ClassVar[tuple[type[WireMessage], ...]]  # the requests this reply is terminal for
     PRECEDES: ClassVar[tuple[type[WireMessage], ...]]  # the requests this reply is an intermediate reply of
+    SERVES: ClassVar[bool]  # a request that serves a caller: only its success clears strikes
+    HINT: ClassVar[bool]  # a wake-up hint (RING_READABLE, RING_WRITABLE): a notification, never a reply
     SPEC: ClassVar[Spec]
     _REQUIRED: ClassVar[tuple[str, ...]]
     _OPTIONALS: ClassVar[tuple[str, ...]]
@@ -75,7 +79,8 @@ class WireMessage:
 
 
 def message(t: str, sender: str, *, exact: bool = False, ends: tuple[type[WireMessage], ...] = (),
-            precedes: tuple[type[WireMessage], ...] = ()) -> Callable[[type[W]], type[W]]:
+            precedes: tuple[type[WireMessage], ...] = (), serves: bool = False,
+            hint: bool = False) -> Callable[[type[W]], type[W]]:
     """Make `cls` a frozen, keyword-only dataclass for wire message `t` and derive its schema from its fields."""
     assert sender in (DAEMON, WORKER, BOTH)
 
@@ -92,6 +97,7 @@ def message(t: str, sender: str, *, exact: bool = False, ends: tuple[type[WireMe
             else:
                 required[f.name] = f.metadata[_CHECK]
         dc.T, dc.SENDER, dc.EXACT, dc.RAW, dc.ENDS, dc.PRECEDES = t, sender, exact, raw, ends, precedes
+        dc.SERVES, dc.HINT = serves, hint
         dc.SPEC = Spec(sender, required, optional, raw=raw, exact=exact)
         dc._REQUIRED, dc._OPTIONALS = tuple(required), tuple(optional)
         dc._NAMES = tuple((f.name, f.name in optional) for f in dataclasses.fields(dc) if f.name in required

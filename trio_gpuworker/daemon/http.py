@@ -21,9 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._errors import (
-    GpuWorkerError,
-)
+from .._errors import GpuWorkerError, ModelLoading
 from ..supervisor import Supervisor
 from . import http_fields as spec
 from .admin import LaneAdmin
@@ -231,7 +229,7 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
         except GpuWorkerError as exc:
             status, headers = error_status(exc)
             outcome = getattr(exc, "code", "internal")
-            if status >= 500:
+            if status >= 500 and not isinstance(exc, ModelLoading):  # the startup report says what loads
                 log.warning("%s %s -> %d %s", method, path, status, exc)
             await self._respond(send, status, error_body(exc), headers)
         except Exception as exc:  # the daemon must answer, whatever broke

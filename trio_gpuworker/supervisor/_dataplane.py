@@ -58,8 +58,12 @@ class DataPlane(RingIO):
     def _step_waits_on_us(self, lane: Lane) -> bool:
         """A step of `lane` is blocked on a full egress ring nobody pulls: no hang of its own. Its puller is woken
         (a worker that hung before its RING_READABLE left it parked): drained, the next window sees the hang."""
-        return bool([e.hint.set() for e in self.ends.values() if e.lane is lane and e.steps and not e.released
-                     and e.ring.writable < STALL_BYTES])
+        stalled = False
+        for e in self.ends.values():
+            if e.lane is lane and e.steps and not e.released and e.ring.writable < STALL_BYTES:
+                e.hint.set()
+                stalled = True
+        return stalled
 
     def _lane(self, lane_id: str) -> Lane:
         lane = self.lanes.get(lane_id)

@@ -8,9 +8,10 @@ anything more needs the worker's negotiated extensions (_proto/_extensions.py), 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import trio
@@ -20,12 +21,31 @@ from .._proto import MAX_TOP_LOGPROBS
 from . import _requests as rq
 
 if TYPE_CHECKING:
+    from .._config import SupervisorConfig
     from .._proto import Message
+    from ._admission import Ticket
+    from ._lane import Lane
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 256
 SEED_BOUND = 1 << 64
 OnDelta = Callable[[dict[str, Any]], None]
+T = TypeVar("T")
+
+
+class GenerateHost(Protocol):
+    """What generate() needs of the ServingApi that calls it: the config, admission, the chat tokenizer, the CPU
+    threads tokenization runs on, deadlines and the lane choice."""
+
+    config: SupervisorConfig
+    _cpu: trio.CapacityLimiter
+
+    def _off_loop(self, fn: Callable[[], T]) -> Awaitable[T]: ...
+    def _admit(self, model: str, nbytes: int) -> AbstractContextManager[Ticket | None]: ...
+    def _deadline(self, timeout: float | None) -> float: ...
+    def _left(self, deadline: float, what: str, timeout: float | None) -> float | None: ...
+    def chat_tokenizer(self, model: str) -> Any: ...
+    def pick_lane(self, model: str) -> Lane: ...
 
 
 @dataclass(frozen=True)
@@ -91,7 +111,7 @@ def _stops(stop: Any) -> list[str]:
     return stops
 
 
-async def generate(api: Any, prompt: str | None, *, model: str, messages: list[dict[str, str]] | None,
+async def generate(api: GenerateHost, prompt: str | None, *, model: str, messages: list[dict[str, str]] | None,
                    max_tokens: int, grammar: str | None, timeout: float | None, sampling: Sampling,
                    on_delta: OnDelta | None) -> dict[str, Any]:
     """ServingApi.generate (`api`, which calls this): see there."""

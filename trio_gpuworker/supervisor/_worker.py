@@ -13,12 +13,11 @@ import trio
 
 from .._channel import receive_message
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
-from .._proto import DAEMON, Connection, HandshakeRules, Message
+from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message
 from ._launcher import Launched, Launcher, WorkerSpec
 from ._logring import LogRing
 
 REPLY_BUFFER = 64
-WAKE_HINTS = {"RING_READABLE", "RING_WRITABLE"}
 
 
 @dataclass

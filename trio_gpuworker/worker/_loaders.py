@@ -75,20 +75,30 @@ def encoder_for(rc: EncoderRuntime | Mapping[str, Any], device: str) -> tuple[st
     return choice, FUSED_THREADS if rt.threads is None else rt.threads
 
 
-def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, threads: int,
+def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, threads: int, digest: str,
                 verify: Callable[[], None], progress: ModelProgress) -> Any:
-    """The fused encoder: one kernel serves every batch, so there are no shapes to warm and nothing to BEAM."""
+    """The fused encoder: one kernel serves every batch, so there are no shapes to warm and nothing to BEAM. Its
+    packed weights and captured kernel are one JIT cache entry, as SmolLM2's are: a warm start maps them instead
+    of reading, converting, packing and uploading 90 MB and capturing the kernel again."""
+    from ..models import csource
+
     if kind == EMBEDDING:
         from ..models.bert_fused import FusedBertEncoder as cls
     else:
         from ..models.bert_fused import FusedCrossEncoder as cls
-    verify()
-    try:
+    verify()  # before the artifact is read or anything from the cache runs
+
+    def build() -> Any:
         impl = cls.load(path, config, max_tokens=max_tokens, threads=threads)
         impl.warmup(progress)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise WorkerError("config_invalid", f"cannot load {path}: {exc}") from exc
-    _log(f"worker: {kind} model {path.name}: fused encoder, {threads} thread(s)")
+        return impl
+
+    modules = (cls.__module__, "trio_gpuworker.models.bert", "trio_gpuworker.models.csource",
+               "trio_gpuworker.models.ckernel")
+    key = _key(digest, kind, modules, {"max_tokens": max_tokens, "threads": threads, "encoder": "fused",
+                                       "kernels_sha256": csource.digest()})
+    impl, _, outcome = _cached(path, kind, key, build)
+    _log(f"worker: {kind} model {path.name}: fused encoder, {threads} thread(s), jit cache {outcome}")
     return impl
 
 
@@ -121,7 +131,7 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: LoadConfig | Ma
         if _beam(cfg) or rt.warmup_shapes is not None:
             _log(f"worker: {kind} model {path.name}: beam and warmup_shapes tune tinygrad-generated kernels; "
                  "the fused encoder has none (encoder = 'graph' uses them)")
-        return _load_fused(kind, path, config, cfg.max_tokens, threads, verify, progress)
+        return _load_fused(kind, path, config, cfg.max_tokens, threads, digest, verify, progress)
     if kind == EMBEDDING:
         from ..models.bert import BertEncoder as cls
     else:
