@@ -64,3 +64,12 @@ id = "embed-0"
 models = ["{DEFAULT_MODEL}"]
 {lane_extra}"""
     return parse_config(text, Path.cwd(), env={})
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a daemon started as its own process)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

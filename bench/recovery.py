@@ -29,9 +29,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # bench/http.py would shadow the standard library's `http` (httpx imports it): this folder stays off the path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "bench"))
 
 import numpy as np
 import trio
+from _common import free_port
 
 from tests.fakes import fake_command
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
@@ -128,14 +130,6 @@ replicas = 1
 standby = {str(standby).lower()}
 """)
     return conf
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_kills(n: int, state: Path, beam: int, standby: bool) -> tuple[float, float, list[float]]:

@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]  # bench/http.py shadows http
+# bench/http.py would shadow the standard library's `http` (httpx imports it): keep this folder last
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"]
+sys.path.append(str(ROOT / "bench"))
 
 import httpx
+from _common import free_port
 
 EMBED = {"model": "all-MiniLM-L6-v2", "input": ["The daemon supervises tinygrad workers."]}
 CHAT = {"model": "SmolLM2-135M-Instruct", "max_tokens": 8,
@@ -35,14 +38,6 @@ CHAT = {"model": "SmolLM2-135M-Instruct", "max_tokens": 8,
 TARGETS = {"embedding": 20.0, "chat": 60.0}
 WARM_READY_TARGET_S = 5.0
 POLL_S = 0.05  # each poll is a request the starting daemon answers: not so often that they slow it
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

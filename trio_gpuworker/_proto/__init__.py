@@ -42,7 +42,14 @@ from ._lifecycle_parts import (
     Spawn,
 )
 from ._lifecycle_parts import Ticket as LaneTicket
-from ._lifecycle_table import GENERATION_TRANSITIONS, LANE_TRANSITIONS, GenState, LaneState, LifecycleError
+from ._lifecycle_table import (
+    GENERATION_TRANSITIONS,
+    LANE_TRANSITIONS,
+    SERVING_STATES,
+    GenState,
+    LaneState,
+    LifecycleError,
+)
 from ._message import Message, decode
 from ._messages import (
     Cancel,
@@ -134,6 +141,7 @@ __all__ = [
     "RING_HEADER_LEN",
     "SCHEMAS",
     "SERVING",
+    "SERVING_STATES",
     "TERMINAL",
     "TRANSITIONS",
     "V3_MAX_GEN_TOKENS",

@@ -31,6 +31,10 @@ class LaneState(StrEnum):
     STOPPED = "stopped"  # closed for good
 
 
+# a lane that takes requests now; StrEnum members equal their values, so this also matches status() strings
+SERVING_STATES = frozenset({LaneState.READY, LaneState.BUSY})
+
+
 class GenState(StrEnum):
     SPAWNING = "spawning"  # its process runs; HELLO not accepted yet
     LOADING = "loading"  # past HELLO, loading the lane's models

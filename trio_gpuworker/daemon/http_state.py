@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..supervisor import LaneState
+from ..supervisor import SERVING_STATES
 from .http_common import HttpError, Raw
 
 if TYPE_CHECKING:
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from .admin import LaneAdmin
     from .metrics import Metrics
 
-SERVING_STATES = (LaneState.READY.value, LaneState.BUSY.value)
 
 
 class StateRoutes:

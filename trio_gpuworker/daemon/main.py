@@ -28,7 +28,7 @@ from hypercorn.trio import serve
 
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import ConfigError
-from ..supervisor import DigestCache, LaneState, LoadSpec, Supervisor, describe_progress, load_spec
+from ..supervisor import SERVING_STATES, DigestCache, LaneState, LoadSpec, Supervisor, describe_progress, load_spec
 from .config import DaemonConfig, load_config
 from .http import Api
 from .listeners import API_SOCKET_MODE, hypercorn_config, prepare_unix_socket
@@ -114,12 +114,12 @@ class Daemon:
 
     def status_line(self) -> str:
         lanes = self.sup.status()
-        ready = sum(s["state"] in (LaneState.READY.value, LaneState.BUSY.value) for s in lanes)
+        ready = sum(s["state"] in SERVING_STATES for s in lanes)
         notes = []
         for s in lanes:
             if s["cooldown_remaining_s"] is not None:
                 notes.append(f"{s['lane_id']} quarantined ({s['cooldown_remaining_s']:.0f} s left)")
-            elif s["state"] not in (LaneState.READY.value, LaneState.BUSY.value):
+            elif s["state"] not in SERVING_STATES:
                 notes.append(f"{s['lane_id']} {s['state']}")
             if s["drained"]:
                 notes.append(f"{s['lane_id']} drained")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..supervisor import LaneState, describe_progress
+from ..supervisor import SERVING_STATES, describe_progress
 
 if TYPE_CHECKING:
     from ..supervisor import Lane, Supervisor
@@ -33,7 +33,6 @@ log = logging.getLogger("trio_gpuworker.daemon")
 
 PROGRESS_INTERVAL_S = 10.0  # how often a line says which lanes are still starting
 TIMES_FILE = "startup.json"
-SERVING = (LaneState.READY, LaneState.BUSY)
 
 
 class StartupReport:
@@ -82,13 +81,12 @@ class StartupReport:
             nursery.start_soon(self._tick, began)
             if until is not None:
                 nursery.start_soon(_cancel_when, until, nursery.cancel_scope)
-            for lane in lanes:
-                await lane.first_start.settled.wait()
+            await self.sup.wait_started()
             nursery.cancel_scope.cancel()
         if until is not None and until.is_set():
             return False
         times = {ln.id: t for ln in lanes if (t := ln.first_start.ready_after_s) is not None}
-        serving = sum(ln.state in SERVING for ln in lanes)
+        serving = sum(ln.state in SERVING_STATES for ln in lanes)
         log.info("%d of %d lane(s) ready after %.1f s", serving, len(lanes), trio.current_time() - began)
         if serving == len(lanes):  # a failed start is no estimate of the next one
             self._write(times)
@@ -97,9 +95,9 @@ class StartupReport:
     async def _settled(self, lane: Lane) -> None:
         await lane.first_start.settled.wait()
         after = lane.first_start.ready_after_s or 0.0
-        if lane.state in SERVING and not lane.load_errors:
+        if lane.state in SERVING_STATES and not lane.load_errors:
             log.info("lane %s ready after %.1f s: %s", lane.id, after, ", ".join(lane.models_loaded))
-        elif lane.state in SERVING:
+        elif lane.state in SERVING_STATES:
             log.warning("lane %s ready after %.1f s, but some models failed to load: %s", lane.id, after,
                         "; ".join(f"{m}: {e}" for m, e in lane.load_errors.items()))
         else:

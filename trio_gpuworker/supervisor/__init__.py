@@ -1,7 +1,7 @@
 """The trio shell around _proto: lanes, supervisor, spawn/kill, log ring, event bus, routing, admission,
 batching and the daemon-side data plane."""
 
-from .._proto import LaneState
+from .._proto import SERVING_STATES, LaneState
 from ._admission import Router, Scheduler, Ticket
 from ._arena import ArenaManager
 from ._batching import Batcher
@@ -18,6 +18,7 @@ from ._supervisor import Supervisor
 
 __all__ = [
            "MODEL_LOADING_RETRY_AFTER_S",
+           "SERVING_STATES",
            "ArenaManager",
            "Batcher",
            "DataPlane",

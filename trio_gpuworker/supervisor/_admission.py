@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from .._config import AdmissionPolicy, SupervisorConfig
 from .._errors import ClosedSupervisorError, InvalidRequest, ModelLoading, NoLaneAvailable, OverCapacity
-from .._proto import LaneState
+from .._proto import SERVING_STATES, LaneState
 from ._startup import MODEL_LOADING_RETRY_AFTER_S, describe_progress
 
 if TYPE_CHECKING:
@@ -163,7 +163,6 @@ def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset
     if not open_lanes:
         lane = min(routable, key=lambda ln: ln.cooldown_remaining() or 0.0)
         raise lane.quarantine_error(lane.cooldown_remaining() or 0.0)
-    serving = (LaneState.READY, LaneState.BUSY)
     closing = (LaneState.DRAINING, LaneState.STOPPING, LaneState.STOPPED)
     starting = {ln.id: p for ln in open_lanes if (p := ln.starting_first()) is not None}
     if len(starting) == len(open_lanes):  # none has served yet: refuse rather than queue behind the first LOAD
@@ -171,7 +170,7 @@ def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset
                            model=model, lanes=starting, retry_after_s=MODEL_LOADING_RETRY_AFTER_S)
 
     def rank(ln: Lane) -> tuple[int, int, int, int]:
-        state = 0 if ln.state in serving else 2 if ln.state in closing else 1
+        state = 0 if ln.state in SERVING_STATES else 2 if ln.state in closing else 1
         return state, int(ln.id in starting), int(model in ln.load_errors), ln.queued + (ln.state == LaneState.BUSY)
 
     return min(open_lanes, key=rank)
@@ -219,7 +218,7 @@ class Router:
             return []
         return [ln.id for ln in self.lanes.values()
                 if model in ln.loads and model in ln.models_loaded and ln.id not in self._drained
-                and ln.cooldown_remaining() is None and ln.state in (LaneState.READY, LaneState.BUSY)]
+                and ln.cooldown_remaining() is None and ln.state in SERVING_STATES]
 
     def served_models(self) -> list[str]:
         """Models some lane is configured to serve, in configuration order."""
