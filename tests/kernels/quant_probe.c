@@ -6,6 +6,13 @@
 #define QMM_TYPE TYPE
 #define QMM_NT NT
 #include "qmatmul.h"
+/* the batched decode's instance: tiles of 2 rows, split accumulators, the group staged once */
+#define QMM_NAME mms
+#define QMM_TYPE TYPE
+#define QMM_NT 2
+#define QMM_SPLIT 1
+#define QMM_STAGE (COLS / 32)
+#include "qmatmul.h"
 
 /* every packed block of a ROWS x COLS matrix, dequantised in place of the float32 matrix */
 void dequant(float *restrict y, const unsigned char *restrict w) {
@@ -18,4 +25,8 @@ void dequant(float *restrict y, const unsigned char *restrict w) {
 
 void matvec(float *restrict y, const float *restrict x, const unsigned char *restrict w) {
   mm(y, ROWS, x, COLS, w, ROWS, COLS / 32, NX);
+}
+
+void matvec_split(float *restrict y, const float *restrict x, const unsigned char *restrict w) {
+  mms(y, ROWS, x, COLS, w, ROWS, COLS / 32, NX);
 }

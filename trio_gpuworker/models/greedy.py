@@ -2,7 +2,9 @@
 
 A decoder supplies two replays of its captured graphs: `_prefill_step` (a PREFILL_CHUNK-row chunk, padded)
 and `_decode_step` (one token); both return the greedy next id, and `_logits()` then reads that step's logits
-(only sampling and logprobs read them, so greedy decoding costs what it did).
+(only sampling and logprobs read them, so greedy decoding costs what it did). A decoder that can batch
+(`batches`) also has `_batched_step`: one token of each of up to BATCH sequences, each in its own KV cache slot
+(1..BATCH; generate() uses slot 0), which models/batched.py drives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..gguf_file import end_of_generation_ids
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
 PREFILL_CHUNK = 32
+BATCH = 4  # sequences in one batched decode step (models/batched.py)
 
 
 class GreedyDecoder(abc.ABC):
@@ -25,6 +28,7 @@ class GreedyDecoder(abc.ABC):
     eos_ids: set[int]
     _prefill: Any  # the TinyJits of a chunk and of one token
     _decode: Any
+    batches = False  # has _batched_step and BATCH + 1 cache slots
 
     def _hparams(self, kv: dict[str, Any], max_context: int) -> float:
         """The GGUF's llama hyperparameters, onto self; returns RoPE's base frequency."""
@@ -43,22 +47,57 @@ class GreedyDecoder(abc.ABC):
         return float(g("rope.freq_base", 10000.0))
 
     @abc.abstractmethod
-    def _prefill_step(self, tokens: np.ndarray, start: int, last: int) -> int:
-        """`tokens` (at most PREFILL_CHUNK) at positions start.. -> the greedy next id after row `last`."""
+    def _prefill_step(self, tokens: np.ndarray, start: int, last: int, slot: int = 0) -> int:
+        """`tokens` (at most PREFILL_CHUNK) at positions start.. of cache `slot` -> the greedy next id after row
+        `last`."""
 
     @abc.abstractmethod
     def _decode_step(self, token: int, pos: int) -> int:
         """`token` at position `pos` -> the greedy next id."""
 
     @abc.abstractmethod
-    def _logits(self) -> np.ndarray:
-        """The float32 logits (vocab_size,) of the last step's predicted row (valid until the next step)."""
+    def _logits(self, row: int = 0) -> np.ndarray:
+        """The float32 logits (vocab_size,) of the last step's predicted row (of a batched step's `row`), valid
+        until the next step."""
+
+    def _batched_step(self, tokens: list[int], positions: list[int], slots: list[int]) -> list[int]:
+        """One token of each sequence, at its position in its cache slot -> each one's greedy next id."""
+        raise NotImplementedError(f"{type(self).__name__} does not batch sequences")
+
+    def prefill(self, ids: np.ndarray, slot: int = 0) -> int:
+        """Run prompt `ids` (checked) through the chunked prefill into cache `slot`: the greedy next id."""
+        n, nxt = len(ids), 0
+        for s in range(0, n, PREFILL_CHUNK):
+            chunk = ids[s : s + PREFILL_CHUNK].astype(np.int32)
+            nxt = self._prefill_step(chunk, s, len(chunk) - 1, slot)
+        return nxt
+
+    def check_prompt(self, prompt_ids: np.ndarray, max_tokens: int) -> np.ndarray:
+        """The prompt as a flat integer array. ValueError when max_tokens < 1, or the prompt is empty, not
+        integers, holds an id outside the vocabulary, or prompt + max_tokens exceeds max_context."""
+        ids = np.asarray(prompt_ids).reshape(-1)
+        n = len(ids)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if n == 0:
+            raise ValueError("empty prompt")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prompt ids must be integers, got {ids.dtype}")
+        if n + max_tokens > self.max_context:
+            raise ValueError(f"prompt of {n} tokens + {max_tokens} new exceeds the {self.max_context}-token context")
+        # An out-of-range id would index past the embedding table rather than fail.
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"prompt holds token ids outside 0..{self.vocab_size - 1}")
+        return ids
 
     def warmup(self, progress: Callable[[int], None] | None = None) -> None:
         """Trace and capture both JIT graphs. `progress` sees 1..4 after the (slow) first prefill calls."""
         # TinyJit runs eagerly once, captures on the second call and replays from the third: two prefill
         # chunks and three decode steps reach replay on both graphs.
         self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, progress, ignore_eos=True)
+        if self.batches:  # the batched graph too: three steps of two sequences reach its replay
+            for _ in range(3):
+                self._batched_step([0, 0], [1, 1], [1, 2])
 
     def generate(
         self,
@@ -77,23 +116,10 @@ class GreedyDecoder(abc.ABC):
         there (a stop string was generated). `ignore_eos` keeps going past end-of-generation tokens (warm-up,
         benchmarks). ValueError when max_tokens < 1, or the prompt is empty, not integers, holds an id outside
         the vocabulary, or prompt + max_tokens exceeds max_context."""
-        ids = np.asarray(prompt_ids).reshape(-1)
+        ids = self.check_prompt(prompt_ids, max_tokens)
         n = len(ids)
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if n == 0:
-            raise ValueError("empty prompt")
-        if ids.dtype.kind not in "iu":
-            raise ValueError(f"prompt ids must be integers, got {ids.dtype}")
-        if n + max_tokens > self.max_context:
-            raise ValueError(f"prompt of {n} tokens + {max_tokens} new exceeds the {self.max_context}-token context")
-        # An out-of-range id would index past the embedding table rather than fail.
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"prompt holds token ids outside 0..{self.vocab_size - 1}")
         sampler = Sampler(sampling)
-        nxt = 0
-        for s in range(0, n, PREFILL_CHUNK):
-            nxt = self._prefill_step(ids[s : s + PREFILL_CHUNK].astype(np.int32), s, min(PREFILL_CHUNK, n - s) - 1)
+        nxt = self.prefill(ids)
         out_ids: list[int] = []
         pos = n
         while True:

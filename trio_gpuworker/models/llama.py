@@ -131,7 +131,8 @@ class LlamaLM(GreedyDecoder):
             lm.warmup()
         return lm
 
-    def _prefill_step(self, tokens: np.ndarray, start: int, last: int) -> int:
+    def _prefill_step(self, tokens: np.ndarray, start: int, last: int, slot: int = 0) -> int:
+        assert slot == 0, "one cache slot: this decoder does not batch"
         chunk = np.zeros(PREFILL_CHUNK, dtype=np.int32)
         chunk[: len(tokens)] = tokens
         nxt, self._last_logits = self._prefill(Tensor(chunk), self._start.bind(start), self._last.bind(last))
@@ -141,7 +142,7 @@ class LlamaLM(GreedyDecoder):
         nxt, self._last_logits = self._decode(Tensor([token], dtype=dtypes.int32), self._start.bind(pos))
         return int(nxt.item())
 
-    def _logits(self) -> np.ndarray:
+    def _logits(self, row: int = 0) -> np.ndarray:
         assert self._last_logits is not None, "no step has run"
         return self._last_logits.numpy().reshape(-1)
 

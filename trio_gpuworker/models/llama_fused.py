@@ -26,7 +26,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from .._kinds import DEFAULT_CONTEXT
 from ..gguf_file import GGUFTensor, read_tensors
 from . import ckernel, csource, quant
-from .greedy import PREFILL_CHUNK, GreedyDecoder
+from .greedy import BATCH, PREFILL_CHUNK, GreedyDecoder
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,26 @@ class LlamaDims:
 
 @dataclass(frozen=True)
 class Step:
-    """One captured graph's chunk: T tokens, matmul tiles of NT rows."""
+    """One captured graph's chunk: T rows, matmul tiles of NT rows, SPLIT accumulators per row (kernels/qmatmul.h),
+    HEADS rows predicted from (1: the chunk's last; T: every row, a batched decode step)."""
 
     t: int
     nt: int
+    split: int
+    heads: int
+
+
+# The captured graphs: a prefill chunk, one token, and one token of each of BATCH sequences. The last two split
+# their accumulators alike, so a sequence decoded in a batch is bit for bit the sequence decoded alone.
+PREFILL = Step(t=PREFILL_CHUNK, nt=4, split=0, heads=1)
+DECODE = Step(t=1, nt=1, split=1, heads=1)
+BATCHED = Step(t=BATCH, nt=2, split=1, heads=BATCH)
+STEPS = {s.t: s for s in (PREFILL, DECODE, BATCHED)}
 
 
 class FusedLlamaLM(GreedyDecoder):
+    batches = True
+
     def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int) -> None:
         theta = self._hparams(kv, max_context)
         self.ff = int(raw["blk.0.ffn_gate.weight"].shape[0])
@@ -106,20 +119,23 @@ class FusedLlamaLM(GreedyDecoder):
         inv_freq = theta ** (-np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
         rot = np.exp(1j * np.arange(self.slots)[:, None] * inv_freq[None, :])
         self.rope = Tensor(np.concatenate([rot.real, rot.imag], axis=1).reshape(-1))
-        self.cache = Tensor.zeros(self.n_layers * 2 * self.n_kv * self.slots * self.head_dim).contiguous()
+        # A cache slot per sequence: slot 0 for generate(), 1..BATCH for the sequences of a batch (models/batched.py).
+        self.cache = Tensor.zeros((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim).contiguous()
         self.weights = [self.tok_embd, self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.wgu, self.wd,
                         self.rope, self.out_norm, self.output]
         Tensor.realize(self.cache, *self.weights)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
+        self._batched = TinyJit(self._forward)
+        self._jits = {PREFILL_CHUNK: self._prefill, 1: self._decode, BATCH: self._batched}
         # Persistent JIT inputs, written in place: a fresh Tensor(ids) and .item() schedule a copy each, which
         # cost ~2.5 ms of Python per decode step here.
-        self._ids = {n: Tensor.zeros(n + 2, dtype=dtypes.int32).contiguous().realize() for n in (PREFILL_CHUNK, 1)}
+        self._ids = {n: Tensor.zeros(3 * n + 1, dtype=dtypes.int32).contiguous().realize() for n in STEPS}
         # The kernel's scratch, persistent too: its last vocab_size floats are the step's logits, which sampling
         # and logprobs read in place after the replay (greedy never does).
         nqkv = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        self._scratch = {n: Tensor.zeros(n * 2 * self.dim + n * max(nqkv + self.dim, 3 * self.ff) + self.vocab_size)
-                         .contiguous().realize() for n in (PREFILL_CHUNK, 1)}
+        self._scratch = {s.t: Tensor.zeros(s.t * 2 * self.dim + s.t * max(nqkv + self.dim, 3 * self.ff)
+                                           + s.heads * self.vocab_size).contiguous().realize() for s in STEPS.values()}
         self._last_t = 1
 
     @classmethod
@@ -132,38 +148,47 @@ class FusedLlamaLM(GreedyDecoder):
             lm.warmup()
         return lm
 
-    def _prefill_step(self, tokens: np.ndarray, start: int, last: int) -> int:
-        return self._step(self._prefill, tokens, start, last)
+    def _prefill_step(self, tokens: np.ndarray, start: int, last: int, slot: int = 0) -> int:
+        n = len(tokens)
+        return self._step(PREFILL_CHUNK, tokens, np.arange(start, start + n), [slot] * n, last + 1)[0]
 
-    def _decode_step(self, token: int, pos: int) -> int:
-        return self._step(self._decode, [token], pos, 0)
+    def _decode_step(self, token: int, pos: int, slot: int = 0) -> int:
+        return self._step(1, [token], [pos], [slot], 1)[0]
 
-    def _step(self, jit: TinyJit, tokens: np.ndarray | list[int], start: int, last: int) -> int:
-        """One replay: `tokens` at positions start.., the next id after row `last`."""
-        self._last_t = PREFILL_CHUNK if jit is self._prefill else 1
-        ids = self._ids[self._last_t]
+    def _batched_step(self, tokens: list[int], positions: list[int], slots: list[int]) -> list[int]:
+        # one sequence left runs the one-token graph: same arithmetic, half the rows of the batched one's tile
+        return self._step(BATCH if len(tokens) > 1 else 1, tokens, positions, slots, len(tokens))
+
+    def _step(self, t: int, tokens: np.ndarray | list[int], positions: Any, slots: list[int], used: int) -> list[int]:
+        """One replay of the T = `t` graph: `tokens` at `positions` in cache `slots`; the first `used` rows are
+        real (a prefill chunk predicts after the last of them, a batched step after each)."""
+        self._last_t = t
+        ids = self._ids[t]
         view = np.frombuffer(ids.uop.buffer.as_memoryview(force_zero_copy=True), np.int32)
         view[:] = 0
-        view[: len(tokens)], view[-2:] = tokens, (start, last)
-        out = jit(ids).uop.buffer.as_memoryview(force_zero_copy=True)
-        return int(np.frombuffer(out, np.int32)[0])
+        n = len(tokens)
+        view[:n], view[t : t + n], view[2 * t : 2 * t + n], view[3 * t] = tokens, positions, slots, used
+        out = self._jits[t](ids).uop.buffer.as_memoryview(force_zero_copy=True)
+        return [int(v) for v in np.frombuffer(out, np.int32)[: used if STEPS[t].heads > 1 else 1]]
 
-    def _logits(self) -> np.ndarray:
+    def _logits(self, row: int = 0) -> np.ndarray:
         scratch = self._scratch[self._last_t].uop.buffer.as_memoryview(force_zero_copy=True)
-        return np.frombuffer(scratch, np.float32)[-self.vocab_size:]
+        heads = STEPS[self._last_t].heads
+        return np.frombuffer(scratch, np.float32)[-self.vocab_size * heads:].reshape(heads, -1)[row]
 
     def _forward(self, ids: Tensor) -> Tensor:
-        """ids (T + 2,) int32: T tokens, their start position, the row to predict from -> next id, (1,) int32."""
-        T, D, H, KV, HD = ids.shape[0] - 2, self.dim, self.n_heads, self.n_kv, self.head_dim
+        """ids (3T + 1,) int32: T tokens, their positions, their cache slots, the rows in use -> next ids (HEADS,)."""
+        T, D, H, KV, HD = (ids.shape[0] - 1) // 3, self.dim, self.n_heads, self.n_kv, self.head_dim
         FF, V = self.ff, self.vocab_size
         nqkv, ty = (H + 2 * KV) * HD, self.types
         dims = LlamaDims(d=D, h=H, kv=KV, hd=HD, ff=FF, v=V, s=self.slots, nl=self.n_layers, eps=self.eps,
                          g=quant.G, type_embd=self.embd_type, type_out=self.out_type, type_qkv=ty["q"],
                          type_o=ty["o"], type_gu=ty["gu"], type_down=ty["d"])
-        src = csource.source("llama_forward.c", dims, Step(t=T, nt=4 if T % 4 == 0 else 1))
+        step = STEPS[T]
+        src = csource.source("llama_forward.c", dims, step)
         scratch = self._scratch[T]
-        assert scratch.shape[0] == T * 2 * D + T * max(nqkv + D, 3 * FF) + V
+        assert scratch.shape[0] == T * 2 * D + T * max(nqkv + D, 3 * FF) + step.heads * V
         macs = T * self.n_layers * D * (nqkv + D + 3 * FF) + D * V
         mem = sum(w.nbytes() for w in (self.wqkv, self.wo, self.wgu, self.wd, self.output))
-        return ckernel.kernel("forward", src, [Tensor.empty(1, dtype=dtypes.int32), scratch, self.cache],
+        return ckernel.kernel("forward", src, [Tensor.empty(step.heads, dtype=dtypes.int32), scratch, self.cache],
                               [ids, *self.weights], inout=(2,), ops=2 * macs, mem=mem)[0].realize()

@@ -1,7 +1,10 @@
-/* The fused llama decoder (models/llama_fused.py): one call runs a chunk of T tokens through every layer
-   over the GGUF's packed weights, appends their K and V rows to the cache, and writes the greedy next id.
-   Defines (models/llama_fused.py LlamaDims and Step): T, NT, D, H, KV, HD, FF, V, S, NL, EPS, G and the GGML
-   type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU, TYPE_DOWN. */
+/* The fused llama decoder (models/llama_fused.py): one call runs T rows through every layer over the GGUF's
+   packed weights, appends each row's K and V to its sequence's cache slot, and writes the greedy next ids.
+   A prefill chunk is T tokens of one sequence at consecutive positions (HEADS 1: the next id after its last
+   row); a batched decode step is one token of each of up to T sequences, each at its own position in its own
+   slot (HEADS == T: a next id per row), so the weights are read once for all of them.
+   Defines (models/llama_fused.py LlamaDims and Step): T, NT, SPLIT, HEADS, D, H, KV, HD, FF, V, S, NL, EPS, G
+   and the GGML type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU, TYPE_DOWN. */
 #include "llama_math.h"
 #include "quant.h"
 
@@ -13,38 +16,51 @@
 #define SZO ((long)D * (D / 32) * BS(TYPE_O))
 #define SZGU ((long)2 * FF * (D / 32) * BS(TYPE_GU))
 #define SZD ((long)D * (FF / 32) * BS(TYPE_DOWN))
+#define SLOT ((long)NL * 2 * KV * S * HD)  /* cache floats of one sequence */
 
 #define QMM_NAME mmq
+#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
+#define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_QKV
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmo
+#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
+#define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_O
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmgu
+#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
+#define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_GU
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmd
+#define QMM_STAGE (HEADS > 1 ? FF / 32 : 0)
+#define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_DOWN
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmh
+#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
 #define QMM_TYPE TYPE_OUT
-#define QMM_NT 1
+#define QMM_NT (HEADS == 1 ? 1 : NT)
+#define QMM_SPLIT 1
 #include "qmatmul.h"
 
 /* Layer weights are stacked: layer l's block of a kind starts at l * its size. Scratch: x, h, then either
-   q|k|v + attention output, or gate/up pairs + their product; logits last. ids: T tokens, their start
-   position, the row to predict from. */
+   q|k|v + attention output, or gate/up pairs + their product; HEADS rows of logits last. ids: T tokens, each
+   row's position, each row's cache slot, then n, the rows in use (the rest, up to the matmul tile, are
+   padding: computed, never attended to, cached or predicted from). */
 void forward(int *restrict out, float *restrict scr, float *restrict cache, const int *restrict ids,
     const unsigned char *restrict embd, const float *restrict an, const unsigned char *restrict wqkv,
     const unsigned char *restrict wo, const float *restrict fn, const unsigned char *restrict wgu,
     const unsigned char *restrict wd, const double *restrict rope, const float *restrict on,
     const unsigned char *restrict wout) {
-  /* rows past the one predicted from are padding: skip them, up to the matmul tile */
-  int start = ids[T], n = (ids[T + 1] + NT) / NT * NT;
+  const int *ps = ids + T, *sl = ids + 2 * T;
+  /* at least one row in use: the JIT cache's probe replays every graph on all-zero ids */
+  int used = ids[3 * T] < 1 ? 1 : ids[3 * T] > T ? T : ids[3 * T], n = (used + NT - 1) / NT * NT;
   float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
   float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
   double sc[GQ][S + 8];
@@ -54,11 +70,12 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
     *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
   }
   for (int l = 0; l < NL; l++) {
-    float *kc = cache + (long)l * 2 * KV * S * HD, *vc = kc + (long)KV * S * HD;
+    #define KC(t) (cache + sl[t] * SLOT + (long)l * 2 * KV * S * HD)
+    #define VC(t) (KC(t) + (long)KV * S * HD)
     for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, an + l * D, D, EPS);
     mmq(qkv, NQKV, h, D, wqkv + l * SZQKV, NQKV, D / 32, n);
-    for (int t = 0; t < n; t++) {
-      int pos = start + t; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD;
+    for (int t = 0; t < used; t++) {
+      int pos = ps[t]; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD, *kc = KC(t), *vc = VC(t);
       const double *cs = rope + (long)pos * HD;
       /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
       for (int i = 0; i < (H + KV) * HD / 2; i++) {
@@ -71,8 +88,8 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
       }
     }
     /* the H / KV query heads sharing a KV head go together: each cached K and V row is read once */
-    for (int t = 0; t < n; t++) for (int g = 0; g < KV; g++) {
-      int pos = start + t; const float *q = qkv + t * NQKV + g * GQ * HD;
+    for (int t = 0; t < used; t++) for (int g = 0; g < KV; g++) {
+      int pos = ps[t]; const float *kc = KC(t), *vc = VC(t), *q = qkv + t * NQKV + g * GQ * HD;
       /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
       double mx[GQ], sum[GQ], o[GQ][HD];
       for (int r = 0; r < GQ; r++) { mx[r] = -__builtin_inf(); sum[r] = 0; for (int i = 0; i < HD; i++) o[r][i] = 0; }
@@ -106,8 +123,13 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
     mmd(h, D, a, FF, wd + l * SZD, D, FF / 32, n);
     for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
   }
-  rmsnorm(h, x + ids[T + 1] * D, on, D, EPS);
-  mmh(lg, V, h, D, wout, V, D / 32, 1);
-  int best = 0; for (int i = 1; i < V; i++) if (lg[i] > lg[best]) best = i;  /* first max, like numpy */
-  out[0] = best;
+  /* a prefill chunk predicts from its last row only; a batched step from every row in use */
+  int first = HEADS == 1 ? used - 1 : 0, nh = HEADS == 1 ? 1 : n;
+  for (int t = 0; t < nh; t++) rmsnorm(h + t * D, x + (first + t) * D, on, D, EPS);
+  mmh(lg, V, h, D, wout, V, D / 32, nh);
+  for (int t = 0; t < (HEADS == 1 ? 1 : used); t++) {
+    const float *l = lg + (long)t * V;
+    int best = 0; for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;  /* first max, like numpy */
+    out[t] = best;
+  }
 }
