@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ._errors import InvalidRequest
-from ._proto import POOLINGS, EmbedBatch, Generate, Rerank, WireMessage
+from ._proto import POOLINGS, EmbedBatch, Generate, GeneratePacked, Rerank, WireMessage
 
 EMBEDDING, RERANK, GENERATE = "embedding", "rerank", "generate"
 DEFAULT_MAX_TOKENS = 256  # truncation of each encoder input, as sentence-transformers does
@@ -120,7 +120,7 @@ _ENCODERS = "trio_gpuworker.worker._loaders:load_encoder"
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(EMBEDDING, (EmbedBatch, Rerank), ("safetensors",), _ENCODERS, EncoderRuntime, encoder=True),
     Kind(RERANK, (Rerank,), ("safetensors",), _ENCODERS, EncoderRuntime, encoder=True),
-    Kind(GENERATE, (Generate,), ("gguf",), "trio_gpuworker.worker._loaders:load_decoder", DecoderRuntime,
+    Kind(GENERATE, (Generate, GeneratePacked), ("gguf",), "trio_gpuworker.worker._loaders:load_decoder", DecoderRuntime,
          encoder=False),
 )}
 MODEL_KINDS = tuple(KINDS)

@@ -73,7 +73,7 @@ if __name__ == "__main__":
     sys.modules.setdefault("trio_gpuworker", _package)
 
 from trio_gpuworker._lifeline import watch_lifeline
-from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, EXTENSIONS, Connection, Message, hello_fields
+from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, EXTENSIONS, Connection, Message, hello_fields
 
 DIMS = 4
 SERVING = ("EMBED_BATCH", "RERANK", "GENERATE")
@@ -167,7 +167,9 @@ class FakeWorker:
             return 3
         self.sock.connect(a.socket)
         print(f"fake worker {os.getpid()} connected", file=sys.stderr, flush=True)  # what a crash's log tail shows
-        engine = {"engine": "fake", "version": "1", "build_flags": list(EXTENSIONS) if a.stream_token_s else []}
+        # every extension but batched generation, which a scripted worker does not serve
+        flags = [e for e in EXTENSIONS if e != EXT_PACKED] if a.stream_token_s else []
+        engine = {"engine": "fake", "version": "1", "build_flags": flags}
         hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, engine)
         if self.at_start("garbage_hello"):
             self.write(frame(garbage_bytes()))

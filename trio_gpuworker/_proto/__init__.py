@@ -7,7 +7,8 @@ from ._connection import CLOSED, NEED_DATA, Connection, decode_control
 from ._extensions import ALL as EXTENSIONS
 from ._extensions import CANCEL as EXT_CANCEL
 from ._extensions import LONG as EXT_LONG
-from ._extensions import MAX_TOP_LOGPROBS, V3_MAX_GEN_TOKENS, advertised
+from ._extensions import MAX_TOP_LOGPROBS, PACKED_SLOTS, V3_MAX_GEN_TOKENS, advertised
+from ._extensions import PACKED as EXT_PACKED
 from ._extensions import SAMPLING as EXT_SAMPLING
 from ._extensions import STREAM as EXT_STREAM
 from ._extensions import describe as describe_extensions
@@ -56,6 +57,7 @@ from ._messages import (
     EmbedBatch,
     Err,
     Generate,
+    GeneratePacked,
     Hello,
     HelloAck,
     Load,
@@ -70,6 +72,7 @@ from ._messages import (
     Shutdown,
     Text,
     TextDelta,
+    Texts,
     Unload,
     Unloaded,
     Vectors,
@@ -125,6 +128,7 @@ __all__ = [
     "EXTENSIONS",
     "EXT_CANCEL",
     "EXT_LONG",
+    "EXT_PACKED",
     "EXT_SAMPLING",
     "EXT_STREAM",
     "GENERATION_TRANSITIONS",
@@ -133,6 +137,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "MESSAGES",
     "NEED_DATA",
+    "PACKED_SLOTS",
     "POOLINGS",
     "PROTOCOL_VERSION",
     "RELOAD",
@@ -163,6 +168,7 @@ __all__ = [
     "FrameDecoder",
     "GenState",
     "Generate",
+    "GeneratePacked",
     "Handshake",
     "HandshakeRules",
     "HandshakeState",
@@ -217,6 +223,7 @@ __all__ = [
     "StrikePolicy",
     "Text",
     "TextDelta",
+    "Texts",
     "Ticket",
     "UninstallRing",
     "Unload",

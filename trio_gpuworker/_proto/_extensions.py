@@ -12,6 +12,10 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
 - LONG: GENERATE `max_tokens` beyond the reference's 64, up to the model's context.
 - CANCEL: CANCEL {req_id}, out of band: the worker stops that GENERATE at its next token and answers ERR
   `request_cancelled` (a caller that left, not a fault: no strike).
+- PACKED: GENERATE_PACKED {model_ref, steps, join, leave} + ids, answered by TEXTS {seqs, failed?}: concurrent
+  generations of one model decoded together in chunks of steps, the sequences kept in the worker between chunks
+  (the reference HELLO's `packed` capability, still one request in flight). A worker whose model does not batch
+  answers ERR `unsupported_request`; the daemon then generates that model's requests one at a time.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ STREAM = "gpuworker.stream"
 SAMPLING = "gpuworker.sampling"
 LONG = "gpuworker.long_generation"
 CANCEL = "gpuworker.cancel"
-ALL = (STREAM, SAMPLING, LONG, CANCEL)
+PACKED = "gpuworker.packed_generation"
+ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED)
 
 V3_MAX_GEN_TOKENS = 64  # the reference's GENERATE limit ("micro-LLM is <= 64 tokens")
+PACKED_SLOTS = 4  # GENERATE_PACKED: sequences one batch holds at once
 MAX_TOP_LOGPROBS = 5  # GENERATE `logprobs`: alternatives per token, as OpenAI allows for completions
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "logprobs")
 
@@ -40,6 +46,8 @@ def advertised(hello: Mapping[str, Any] | None) -> frozenset[str]:
 
 def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
     """The extensions a request with these fields needs its worker to have."""
+    if t == "GENERATE_PACKED":
+        return frozenset({PACKED})
     if t != "GENERATE":
         return frozenset()
     need = set()
@@ -54,9 +62,10 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
 
 def describe(missing: frozenset[str]) -> str:
     what = {STREAM: "streamed text", SAMPLING: "sampling, stop sequences or logprobs",
-            LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation"}
+            LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation",
+            PACKED: "batched generation"}
     return ", ".join(what[m] for m in sorted(missing))
 
 
-__all__ = ["ALL", "CANCEL", "LONG", "MAX_TOP_LOGPROBS", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS",
-           "advertised", "describe", "required"]
+__all__ = ["ALL", "CANCEL", "LONG", "MAX_TOP_LOGPROBS", "PACKED", "PACKED_SLOTS", "SAMPLING", "SAMPLING_FIELDS",
+           "STREAM", "V3_MAX_GEN_TOKENS", "advertised", "describe", "required"]

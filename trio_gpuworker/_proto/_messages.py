@@ -27,6 +27,10 @@ from ._wire import WireMessage, collect, message, need, opt, raw_frame
 
 ENGINE = exact_record(engine=text, version=text, build_flags=list_of(text))
 ITEM = record(id=uint, n_tokens=uint)
+# GENERATE_PACKED: a sequence that joins (its sampling fields are GENERATE's, optional), and one's chunk result
+JOINING = record(seq=uint, n_tokens=uint, max_tokens=uint)
+SEQ_RESULT = record(seq=uint, text=text, n_gen=uint, ids=list_of(uint),
+                    finish_reason=optional(one_of("stop", "length")))
 CANDIDATE = record(n_tokens=uint)
 PHASES = ("setup", "inference", "control")
 POOLINGS = ("mean", "cls")
@@ -107,6 +111,21 @@ class Generate(WireMessage):
     raw: bytes = raw_frame()  # the prompt's ids
 
 
+# the PACKED extension (_extensions.py): one chunk of a batch of sequences decoded together. The worker keeps each
+# sequence (its KV cache slot, sampler, stop strings) between chunks: the ones in `join` are prefilled and start,
+# the ones in `leave` are dropped (their callers left), then every live one advances up to `steps` tokens. Any
+# ERR ends every sequence of the model's batch on both sides.
+@message("GENERATE_PACKED", DAEMON, serves=True)
+class GeneratePacked(WireMessage):
+    req_id: int = need(uint)
+    model_ref: str = need(text)
+    steps: int = need(uint)
+    join: list[dict[str, Any]] = need(list_of(JOINING))
+    leave: list[int] = need(list_of(uint))
+    live: list[int] = need(list_of(uint))  # the daemon's sequences going on past `leave`: the worker's must match
+    raw: bytes = raw_frame()  # the joining sequences' prompt ids, int32 LE, in `join` order
+
+
 @message("UNLOAD", DAEMON)
 class Unload(WireMessage):
     req_id: int = need(uint)
@@ -175,6 +194,15 @@ class TextDelta(WireMessage):
     text: str = need(TEXT)
     n_gen: int = need(uint)
     logprobs: list[dict[str, Any]] | None = opt(list_of(mapping))
+
+
+# each live (or just finished) sequence's chunk: its new final text and ids, n_gen so far, and finish_reason once
+# it ended (then the worker has dropped it); `failed` names joining sequences refused, with why
+@message("TEXTS", WORKER, ends=(GeneratePacked,))
+class Texts(WireMessage):
+    req_id: int = need(uint)
+    seqs: list[dict[str, Any]] = need(list_of(SEQ_RESULT))
+    failed: list[dict[str, Any]] | None = opt(list_of(record(seq=uint, code=text, msg=text)))
 
 
 @message("UNLOADED", WORKER, ends=(Unload,))

@@ -15,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from .._proto._extensions import PACKED_SLOTS
 from ..gguf_file import end_of_generation_ids
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
 PREFILL_CHUNK = 32
-BATCH = 4  # sequences in one batched decode step (models/batched.py)
+BATCH = PACKED_SLOTS  # sequences in one batched decode step (models/batched.py): the protocol's batch
 
 
 class GreedyDecoder(abc.ABC):

@@ -19,6 +19,7 @@ import trio
 from .._errors import InvalidRequest
 from .._proto import MAX_TOP_LOGPROBS
 from . import _requests as rq
+from ._genbatch import packer_for
 
 if TYPE_CHECKING:
     from .._config import SupervisorConfig
@@ -163,9 +164,14 @@ async def generate(api: GenerateHost, prompt: str | None, *, model: str, message
             if msg.t == "TEXT_DELTA" and on_delta is not None:
                 on_delta({k: msg[k] for k in ("text", "n_gen", "logprobs") if k in msg.fields})
 
-        reply = await lane.call("GENERATE", fields, ids.tobytes(), timeout=left, on_progress=progress,
-                                on_started=timing.started if timing is not None else None,
-                                on_settled=ticket.job() if ticket else None)
+        # concurrent requests for this model decode together where the worker can (supervisor/_genbatch.py)
+        packer = packer_for(lane, model, fields)
+        reply = None if packer is None else await packer.generate(fields, ids, timeout=left, on_delta=on_delta,
+                                                                   timing=timing)
+        if reply is None:
+            reply = await lane.call("GENERATE", fields, ids.tobytes(), timeout=left, on_progress=progress,
+                                    on_started=timing.started if timing is not None else None,
+                                    on_settled=ticket.job() if ticket else None)
         if ticket is not None:
             ticket.count_tokens(reply["n_prompt"], reply["n_gen"])
     out = {"text": reply["text"], "n_prompt": reply["n_prompt"], "n_gen": reply["n_gen"],

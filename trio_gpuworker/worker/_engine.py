@@ -23,6 +23,7 @@ from .._proto import (
     ConfigureRole,
     EmbedBatch,
     Generate,
+    GeneratePacked,
     InstallRing,
     Load,
     Loaded,
@@ -33,6 +34,7 @@ from .._proto import (
     Rerank,
     Scores,
     Text,
+    Texts,
     UninstallRing,
     Unload,
     Unloaded,
@@ -40,6 +42,7 @@ from .._proto import (
     WireMessage,
     decode,
 )
+from ._genbatch import PackedGeneration
 from ._generate import generate
 from ._loaders import load_config
 
@@ -107,12 +110,14 @@ class Engine:
         self.models: dict[str, Any] = {}
         self.dataplane: Any = None  # WorkerDataPlane, set once the handshake gave us a generation
         self.post: Callable[[str, dict[str, Any]], None] | None = None  # queues a notice (TEXT_DELTA) to the daemon
+        self.packed = PackedGeneration()  # GENERATE_PACKED's batches, kept between chunks
         # every request this engine serves, by class: a new request is its class plus one row here
         self.handlers: dict[type[WireMessage], Handler] = {
             Load: self.do_load,
             EmbedBatch: self.do_embed_batch,
             Rerank: self.do_rerank,
             Generate: self.do_generate,
+            GeneratePacked: self.do_generate_packed,
             Unload: self.do_unload,
             Ping: self.do_ping,
             InstallRing: self._on_dataplane(lambda m: self.dataplane.install_ring(m)),
@@ -133,7 +138,7 @@ class Engine:
             raise WorkerError("unsupported_request", f"this worker does not serve {msg.T}")
         return handler(msg, progress)
 
-    def model(self, msg: EmbedBatch | Generate) -> Any:
+    def model(self, msg: EmbedBatch | Generate | GeneratePacked) -> Any:
         """The model `msg` names, if its kind serves that request (the registry's `requests`)."""
         m = self.models.get(msg.model_ref)
         if m is None:
@@ -147,6 +152,7 @@ class Engine:
         return Pong(req_id=msg.req_id, rss_mb=round(rss_mb(), 1), models_loaded=sorted(self.models))
 
     def do_unload(self, msg: Unload, progress: Progress) -> Unloaded:
+        self.packed.drop(msg.model_ref)
         if self.models.pop(msg.model_ref, None) is None:
             raise WorkerError("model_not_loaded", f"model {msg.model_ref!r} is not loaded")
         return Unloaded(req_id=msg.req_id)
@@ -224,6 +230,15 @@ class Engine:
             raise WorkerError("grammar_unsupported", "this worker does not constrain decoding by grammar")
         try:
             return generate(m, msg, progress, self.post)
+        except ValueError as exc:
+            raise WorkerError("invalid_request", str(exc)) from exc
+
+    def do_generate_packed(self, msg: GeneratePacked, progress: Progress) -> Texts:
+        m = self.model(msg)
+        try:
+            return self.packed.run(m, msg, progress)
+        except NotImplementedError as exc:
+            raise WorkerError("unsupported_request", str(exc)) from exc
         except ValueError as exc:
             raise WorkerError("invalid_request", str(exc)) from exc
 

@@ -1,0 +1,121 @@
+"""Batched generation through the daemon (supervisor/_genbatch.py, worker/_genbatch.py): concurrent generate requests
+for SmolLM2 on one real worker decode together in GENERATE_PACKED chunks, and each gets what it gets alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from tests.helpers import wait_until
+from tests.reference_llama import gguf_path
+from tests.state import SESSION_STATE
+from trio_gpuworker import DeadlineExceeded, EngineCrashed, LaneConfig, ModelConfig, Supervisor, SupervisorConfig
+from trio_gpuworker._proto import PACKED_SLOTS
+from trio_gpuworker.llm_tokenizer import ChatTokenizer
+from trio_gpuworker.supervisor._genbatch import packer_for
+
+pytestmark = pytest.mark.slow
+
+LM = "lm"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "List three colours:", "The sea is", "import numpy as np\n"]
+
+
+@pytest.fixture
+async def sup() -> AsyncIterator[Supervisor]:
+    with tempfile.TemporaryDirectory(prefix="gw-gb-") as run:
+        cfg = SupervisorConfig(lanes=(LaneConfig("gen", (LM,)),),
+                               models=(ModelConfig(LM, gguf_path(), kind="generate", format="gguf",
+                                                   runtime_config={"max_context": 512}),),
+                               state_dir=SESSION_STATE, runtime_dir=Path(run), arena_bytes=16 << 20)
+        async with Supervisor(cfg) as s:
+            yield s
+
+
+async def alone(sup: Supervisor, prompt: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """GENERATE as one request on its own, the way a worker without batching answers it."""
+    ids = np.asarray(ChatTokenizer.from_gguf(gguf_path()).encode(prompt), dtype="<i4")
+    reply = await sup.lanes["gen"].call("GENERATE", {"model_ref": LM, **fields}, ids.tobytes())
+    return {k: reply[k] for k in ("text", "n_gen", "finish_reason")}
+
+
+async def together(sup: Supervisor, asks: list[tuple[str, dict[str, Any]]], stagger_s: float = 0.05,
+                   ) -> list[dict[str, Any]]:
+    out: list[Any] = [None] * len(asks)
+
+    async def one(i: int) -> None:
+        await trio.sleep(i * stagger_s)  # later ones join a batch already decoding
+        prompt, kw = asks[i]
+        deltas: list[str] = []
+        got = await sup.generate(prompt, model=LM, on_delta=(lambda d: deltas.append(d["text"])) if
+                                 kw.pop("stream", False) else None, **kw)
+        out[i] = {k: got[k] for k in ("text", "n_gen", "finish_reason")} | ({"deltas": deltas} if deltas else {})
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(asks)):
+            nursery.start_soon(one, i)
+    return out
+
+
+async def test_concurrent_requests_each_get_what_they_get_alone(sup: Supervisor) -> None:
+    asks = [(p, {"max_tokens": 12 + 4 * i}) for i, p in enumerate(PROMPTS)]
+    asks[1][1]["stream"] = True
+    asks[2][1]["stop"] = [","]
+    asks[3][1].update(temperature=0.8, seed=5)
+    want = [await alone(sup, p, {**kw, **({"stream": True} if kw.get("stream") else {})}) for p, kw in asks]
+    got = await together(sup, [(p, dict(kw)) for p, kw in asks])
+    assert "".join(got[1].pop("deltas")) == got[1]["text"]  # the streamed deltas joined are the text
+    assert got == want
+    packer = packer_for(sup.lanes["gen"], LM, {})
+    assert packer is not None and packer.peak == PACKED_SLOTS  # more requests than slots: the batch was full
+    assert not packer.live and not packer.pending
+
+
+async def test_a_caller_that_leaves_frees_its_slot(sup: Supervisor) -> None:
+    want = [await alone(sup, p, {"max_tokens": 16}) for p in PROMPTS[:PACKED_SLOTS]]
+    errors: list[BaseException] = []
+
+    async def leaver() -> None:
+        with pytest.raises(DeadlineExceeded) as info:
+            await sup.generate(PROMPTS[-1], model=LM, max_tokens=400, timeout=0.5)
+        errors.append(info.value)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(leaver)
+        got = await together(sup, [(p, {"max_tokens": 16}) for p in PROMPTS[:PACKED_SLOTS]], stagger_s=0.2)
+    assert len(errors) == 1 and got == want  # four more than fit beside it: its slot went to one of them
+    packer = packer_for(sup.lanes["gen"], LM, {})
+    assert packer is not None and not packer.live
+
+
+async def test_a_worker_crash_fails_every_sequence_of_the_batch(sup: Supervisor) -> None:
+    lane = sup.lanes["gen"]
+    failures: list[BaseException] = []
+    packer = packer_for(lane, LM, {})
+    assert packer is not None
+
+    async def victim(prompt: str) -> None:
+        try:
+            await sup.generate(prompt, model=LM, max_tokens=400)
+        except EngineCrashed as exc:
+            failures.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for p in PROMPTS[:3]:
+            nursery.start_soon(victim, p)
+        await wait_until(lambda: len(packer.live) == 3, within_s=60)
+        assert lane.pid is not None
+        os.kill(lane.pid, signal.SIGKILL)
+    assert len(failures) == 3 and not packer.live
+    # the lane restarts and batches again
+    want = await alone(sup, PROMPTS[0], {"max_tokens": 8})
+    got = await together(sup, [(PROMPTS[0], {"max_tokens": 8})] * 2)
+    assert got == [want, want]

@@ -1,0 +1,196 @@
+"""Batched generation in the daemon (the PACKED extension): concurrent generate requests for one model on one lane
+become the sequences of one batch, decoded together by GENERATE_PACKED chunks, still one request in flight.
+
+Each chunk tells the worker which sequences join (their prompts and sampling), which leave (their callers went),
+and runs CHUNK_STEPS decode steps (STREAM_STEPS while one streams); a request that arrives while a chunk runs
+joins at the next one, without waiting for the batch to finish. There is no task of its own: a waiting caller runs
+the next chunk when none is in flight, and every chunk's answer is applied by the lane's `on_result`, so a caller
+that leaves mid-chunk loses nobody else's tokens. An error of a chunk (a crash, a restart, an ERR) fails every
+sequence of the batch with it (fan-out: none is lost, none gets another's text). Used only with a worker that
+advertised PACKED, for requests the batch serves (no grammar, no logprobs); a model whose decoder does not batch
+answers ERR unsupported_request once, and that lane's requests for it go one at a time from then on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from .._errors import DeadlineExceeded, GpuWorkerError, InvalidRequest, WorkerError
+from .._proto import EXT_PACKED, PACKED_SLOTS, Message, advertised
+
+if TYPE_CHECKING:
+    from ._admission import Timing
+    from ._lane import Lane
+
+CHUNK_STEPS = 8  # decode steps per chunk: the longest a new request waits to join, in steps of the batch
+STREAM_STEPS = 1  # while a sequence streams: its text goes out token by token, as GENERATE's TEXT_DELTAs do
+JOIN_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream")
+OnDelta = Callable[[dict[str, Any]], None]
+
+
+class _Waiter:
+    """One caller's sequence: what it asked, what came back so far, and how it ended."""
+
+    def __init__(self, seq: int, fields: dict[str, Any], ids: np.ndarray, on_delta: OnDelta | None,
+                 timing: Timing | None) -> None:
+        self.seq, self.fields, self.ids, self.on_delta, self.timing = seq, fields, ids, on_delta, timing
+        self.parts: list[str] = []
+        self.n_gen = 0
+        self.finish: str | None = None
+        self.error: BaseException | None = None
+        self.fallback = False  # the model does not batch: the caller generates alone
+        self.done = trio.Event()
+
+    def end(self, error: BaseException | None = None, *, fallback: bool = False) -> None:
+        if not self.done.is_set():
+            self.error, self.fallback = error, fallback
+            self.done.set()
+
+
+class Packer:
+    """The batch of one model on one lane."""
+
+    def __init__(self, lane: Lane, model: str) -> None:
+        self.lane, self.model = lane, model
+        self.pending: list[_Waiter] = []  # waiting to join
+        self.live: dict[int, _Waiter] = {}  # in the worker's batch
+        self.leaving: list[int] = []  # in the worker's batch, their callers gone: dropped at the next chunk
+        self.busy = False
+        self.changed = trio.Event()  # set (and replaced) after every chunk
+        self.generation: int | None = None  # the worker generation that holds the live sequences
+        self.unsupported = False
+        self.peak = 0  # the most sequences one chunk has decoded together
+        self._seqs = itertools.count(1)
+
+    async def generate(self, fields: dict[str, Any], ids: np.ndarray, *, timeout: float | None,
+                       on_delta: OnDelta | None, timing: Timing | None) -> dict[str, Any] | None:
+        """GENERATE's answer for these fields ({text, n_prompt, n_gen, finish_reason}), decoded in the batch; None
+        when the model turned out not to batch (the caller then sends GENERATE)."""
+        w = _Waiter(next(self._seqs), fields, ids, on_delta, timing)
+        self.pending.append(w)
+        try:
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                while not w.done.is_set():
+                    if not self.busy and (self.pending or self.live):
+                        await self._chunk()
+                    else:
+                        await self.changed.wait()
+        finally:
+            if not w.done.is_set():
+                self._leave(w)
+        if not w.done.is_set():
+            raise DeadlineExceeded(f"generate on {self.model!r} did not finish within {timeout:g} s")
+        if w.fallback:
+            return None
+        if w.error is not None:
+            raise w.error
+        return {"text": "".join(w.parts), "n_prompt": len(ids), "n_gen": w.n_gen, "finish_reason": w.finish}
+
+    def _leave(self, w: _Waiter) -> None:
+        """`w`'s caller left: its slot is free at the next chunk."""
+        w.end(DeadlineExceeded("the caller left"))
+        if w in self.pending:
+            self.pending.remove(w)
+        elif self.live.pop(w.seq, None) is not None:
+            self.leaving.append(w.seq)
+
+    async def _chunk(self) -> None:
+        live = list(self.live)
+        joining = self.pending[: PACKED_SLOTS - len(live)]
+        del self.pending[: len(joining)]
+        leave, self.leaving = self.leaving, []
+        for w in joining:
+            self.live[w.seq] = w
+        self.peak = max(self.peak, len(self.live))
+        streams = any(w.on_delta is not None for w in self.live.values())
+        fields = {"model_ref": self.model, "steps": STREAM_STEPS if streams else CHUNK_STEPS, "leave": leave,
+                  "live": live,
+                  "join": [{"seq": w.seq, "n_tokens": len(w.ids), **{k: w.fields[k] for k in JOIN_FIELDS
+                                                                      if k in w.fields}} for w in joining]}
+        raw = b"".join(w.ids.tobytes() for w in joining)
+        self.busy, settled = True, False
+
+        def started() -> None:
+            self.generation = self.lane.generation
+            for w in joining:
+                if w.timing is not None:
+                    w.timing.started()
+
+        def on_result(reply: Message | None, error: BaseException | None) -> None:
+            nonlocal settled
+            if not settled:
+                settled = True
+                self._apply(reply, error)
+
+        try:
+            # live sequences exist only in the generation that holds them: another one fails them (BrokenWorker)
+            await self.lane.call("GENERATE_PACKED", fields, raw, on_result=on_result, on_started=started,
+                                 generation=self.generation if live else None)
+        except trio.Cancelled:
+            raise  # the lane drains the chunk and still calls on_result
+        except BaseException as exc:  # refused before the lane took it: nothing reached a worker
+            on_result(None, exc)
+            if not isinstance(exc, GpuWorkerError | Exception):
+                raise
+
+    def _apply(self, reply: Message | None, error: BaseException | None) -> None:
+        """A chunk's answer: each sequence's text and end, or the error that ends the whole batch."""
+        self.busy = False
+        try:
+            if error is not None or reply is None:
+                fallback = isinstance(error, WorkerError) and error.code == "unsupported_request"
+                self.unsupported = self.unsupported or fallback
+                for w in list(self.live.values()):
+                    w.end(error or GpuWorkerError("GENERATE_PACKED ended without an answer"), fallback=fallback)
+                if fallback:
+                    for w in self.pending:
+                        w.end(fallback=True)
+                    self.pending.clear()
+                self.live.clear()
+                self.leaving.clear()
+                self.generation = None
+                return
+            for f in reply.get("failed") or []:
+                if (w := self.live.pop(f["seq"], None)) is not None:
+                    w.end(InvalidRequest(f"{f['code']}: {f['msg']}"))
+            for r in reply["seqs"]:
+                if (w := self.live.get(r["seq"])) is None:
+                    continue  # its caller left during the chunk: it is in `leaving`, or the worker dropped it
+                w.parts.append(r["text"])
+                w.n_gen = r["n_gen"]
+                if w.timing is not None:
+                    w.timing.token(w.n_gen)
+                if r["text"] and w.on_delta is not None:
+                    w.on_delta({"text": r["text"], "n_gen": w.n_gen})
+                if r["finish_reason"] is not None:
+                    w.finish = r["finish_reason"]
+                    del self.live[w.seq]
+                    w.end()
+        finally:
+            self.changed.set()
+            self.changed = trio.Event()
+
+
+_PACKERS: weakref.WeakKeyDictionary[Lane, dict[str, Packer]] = weakref.WeakKeyDictionary()
+
+
+def packer_for(lane: Lane, model: str, fields: dict[str, Any]) -> Packer | None:
+    """The batch a GENERATE with these fields joins on `lane`, or None when it goes alone: the lane's worker did not
+    advertise PACKED, the model does not batch, or the request needs what a batch does not do (grammar, logprobs)."""
+    if fields.get("grammar") or "logprobs" in fields:
+        return None
+    gen = lane.gens.get(lane.generation)
+    if gen is None or EXT_PACKED not in advertised(gen.wp.hello):
+        return None
+    packer = _PACKERS.setdefault(lane, {}).setdefault(model, Packer(lane, model))
+    return None if packer.unsupported else packer
+
+
+__all__ = ["CHUNK_STEPS", "Packer", "packer_for"]
