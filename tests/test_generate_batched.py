@@ -29,14 +29,17 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "List three colours:", "The sea is", "import numpy as np\n"]
 
 
+def config(run: str, env: dict[str, str] | None = None) -> SupervisorConfig:
+    return SupervisorConfig(lanes=(LaneConfig("gen", (LM,), env=env or {}),),
+                            models=(ModelConfig(LM, gguf_path(), kind="generate", format="gguf",
+                                                runtime_config={"max_context": 512}),),
+                            state_dir=SESSION_STATE, runtime_dir=Path(run), arena_bytes=16 << 20)
+
+
 @pytest.fixture
 async def sup() -> AsyncIterator[Supervisor]:
     with tempfile.TemporaryDirectory(prefix="gw-gb-") as run:
-        cfg = SupervisorConfig(lanes=(LaneConfig("gen", (LM,)),),
-                               models=(ModelConfig(LM, gguf_path(), kind="generate", format="gguf",
-                                                   runtime_config={"max_context": 512}),),
-                               state_dir=SESSION_STATE, runtime_dir=Path(run), arena_bytes=16 << 20)
-        async with Supervisor(cfg) as s:
+        async with Supervisor(config(run)) as s:
             yield s
 
 
@@ -119,3 +122,17 @@ async def test_a_worker_crash_fails_every_sequence_of_the_batch(sup: Supervisor)
     want = await alone(sup, PROMPTS[0], {"max_tokens": 8})
     got = await together(sup, [(PROMPTS[0], {"max_tokens": 8})] * 2)
     assert got == [want, want]
+
+
+async def test_the_batched_graph_restores_from_the_jit_cache(tmp_path: Path) -> None:
+    """A worker whose decoder (batched graph included) comes from the JIT cache batches what a built one does."""
+    env = {"GPUWORKER_JIT_CACHE": str(tmp_path / "jit")}
+    asks = [(p, {"max_tokens": 10}) for p in PROMPTS[:3]]
+    answers, logs = [], []
+    for _ in range(2):
+        with tempfile.TemporaryDirectory(prefix="gw-gb-") as run:
+            async with Supervisor(config(run, env)) as s:
+                answers.append(await together(s, [(p, dict(kw)) for p, kw in asks]))
+                logs.append(s.lanes["gen"].log.tail(1 << 15))
+    assert "jit cache miss" in logs[0] and "jit cache hit" in logs[1], logs
+    assert answers[0] == answers[1]
