@@ -167,8 +167,9 @@ class FakeWorker:
             return 3
         self.sock.connect(a.socket)
         print(f"fake worker {os.getpid()} connected", file=sys.stderr, flush=True)  # what a crash's log tail shows
-        # every extension but batched generation, which a scripted worker does not serve
-        flags = [e for e in EXTENSIONS if e != EXT_PACKED] if a.stream_token_s else []
+        # every extension but batched generation, unless --packed: then it advertises that too and answers
+        # GENERATE_PACKED unsupported_request, as a worker whose decoder does not batch does
+        flags = [e for e in EXTENSIONS if e != EXT_PACKED or a.packed] if a.stream_token_s else []
         engine = {"engine": "fake", "version": "1", "build_flags": flags}
         hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, engine)
         if self.at_start("garbage_hello"):
@@ -362,6 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream-token-s", type=float, default=0.0, help="stream GENERATE, a token every S s")
     p.add_argument("--fault-rate", type=float, default=0.0, help="probability of a random fault per serving request")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--packed", type=int, default=0, help="1: advertise batched generation too (and not serve it)")
     p.add_argument("--socket", required=True)
     p.add_argument("--nonce", required=True)
     return p.parse_args(argv)
