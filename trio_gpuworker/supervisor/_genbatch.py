@@ -4,8 +4,8 @@ become the sequences of one batch, decoded together by GENERATE_PACKED chunks, s
 Each chunk tells the worker which sequences join (their prompts and sampling), which leave (their callers went),
 and runs CHUNK_STEPS decode steps (STREAM_STEPS while one streams); a request that arrives while a chunk runs
 joins at the next one, without waiting for the batch to finish. There is no task of its own: a waiting caller runs
-the next chunk when none is in flight, and every chunk's answer is applied by the lane's `on_result`, so a caller
-that leaves mid-chunk loses nobody else's tokens. An error of a chunk (a crash, a restart, an ERR) fails every
+the next chunk when none is in flight (shielded: its leaving cannot abandon the others' chunk), and every chunk's
+answer is applied by the lane's `on_result`. An error of a chunk (a crash, a restart, an ERR) fails every
 sequence of the batch with it (fan-out: none is lost, none gets another's text). Used only with a worker that
 advertised PACKED, for requests the batch serves (no grammar, no logprobs); a model whose decoder does not batch
 answers ERR unsupported_request once, and that lane's requests for it go one at a time from then on.
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from .._errors import DeadlineExceeded, GpuWorkerError, InvalidRequest, WorkerError
+from .._errors import BrokenWorkerError, DeadlineExceeded, InvalidRequest, WorkerError
 from .._proto import EXT_PACKED, PACKED_SLOTS, Message, advertised
 
 if TYPE_CHECKING:
@@ -130,15 +130,14 @@ class Packer:
                 self._apply(reply, error)
 
         try:
-            # live sequences exist only in the generation that holds them: another one fails them (BrokenWorker)
-            await self.lane.call("GENERATE_PACKED", fields, raw, on_result=on_result, on_started=started,
-                                 generation=self.generation if live else None)
-        except trio.Cancelled:
-            raise  # the lane drains the chunk and still calls on_result
-        except BaseException as exc:  # refused before the lane took it: nothing reached a worker
+            # Shielded: the chunk carries the other callers' sequences, so the caller that happens to drive it
+            # leaving (it waits at most one chunk more) must not abandon it. Live sequences exist only in the
+            # generation that holds them: another one fails them (BrokenWorkerError).
+            with trio.CancelScope(shield=True):
+                await self.lane.call("GENERATE_PACKED", fields, raw, on_result=on_result, on_started=started,
+                                     generation=self.generation if live else None)
+        except Exception as exc:  # every sequence of the chunk gets it, through on_result
             on_result(None, exc)
-            if not isinstance(exc, GpuWorkerError | Exception):
-                raise
 
     def _apply(self, reply: Message | None, error: BaseException | None) -> None:
         """A chunk's answer: each sequence's text and end, or the error that ends the whole batch."""
@@ -148,7 +147,7 @@ class Packer:
                 fallback = isinstance(error, WorkerError) and error.code == "unsupported_request"
                 self.unsupported = self.unsupported or fallback
                 for w in list(self.live.values()):
-                    w.end(error or GpuWorkerError("GENERATE_PACKED ended without an answer"), fallback=fallback)
+                    w.end(error or BrokenWorkerError("GENERATE_PACKED ended without an answer"), fallback=fallback)
                 if fallback:
                     for w in self.pending:
                         w.end(fallback=True)
