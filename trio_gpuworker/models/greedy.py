@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .._proto._extensions import PACKED_SLOTS
+from .._proto import PACKED_SLOTS
 from ..gguf_file import end_of_generation_ids
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
