@@ -136,3 +136,23 @@ async def test_the_batched_graph_restores_from_the_jit_cache(tmp_path: Path) -> 
                 logs.append(s.lanes["gen"].log.tail(1 << 15))
     assert "jit cache miss" in logs[0] and "jit cache hit" in logs[1], logs
     assert answers[0] == answers[1]
+
+
+async def test_the_worker_refuses_chunks_that_do_not_fit_its_batch(sup: Supervisor) -> None:
+    """GENERATE_PACKED straight on the lane: a sequence the worker does not hold is an ERR (the batch ends on both
+    sides); a joining prompt it refuses fails that sequence alone."""
+    from trio_gpuworker import WorkerError
+
+    lane = sup.lanes["gen"]
+    base = {"model_ref": LM, "steps": 2, "leave": []}
+    with pytest.raises(WorkerError) as info:
+        await lane.call("GENERATE_PACKED", {**base, "join": [], "live": [7]}, b"")
+    assert info.value.code == "invalid_request"
+    ids = np.array([1, 2, 3], dtype="<i4")
+    joins = [{"seq": 1, "n_tokens": 3, "max_tokens": 4}, {"seq": 2, "n_tokens": 3, "max_tokens": 4000}]
+    reply = await lane.call("GENERATE_PACKED", {**base, "join": joins, "live": []}, ids.tobytes() * 2)
+    assert [f["seq"] for f in reply["failed"]] == [2] and reply["failed"][0]["code"] == "invalid_request"
+    assert [(r["seq"], r["n_gen"]) for r in reply["seqs"]] == [(1, 3)]  # its first token and two steps
+    too_many = [{"seq": 10 + i, "n_tokens": 3, "max_tokens": 4} for i in range(PACKED_SLOTS)]
+    with pytest.raises(WorkerError):
+        await lane.call("GENERATE_PACKED", {**base, "join": too_many, "live": [1]}, ids.tobytes() * PACKED_SLOTS)

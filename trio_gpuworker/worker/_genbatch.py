@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .._proto import GeneratePacked, Texts
+from .._proto import PACKED_SLOTS, GeneratePacked, Texts
 from ..models.batched import Batch, Sequence
 from ..models.sampling import SamplingParams
 from ._generate import TextStream
@@ -87,8 +87,8 @@ class PackedGeneration:
         ids = np.frombuffer(msg.raw, dtype="<i4").astype(np.int32)
         if sum(j["n_tokens"] for j in msg.join) != len(ids):
             raise ValueError("the joining sequences' n_tokens do not add up to the ids sent")
-        if len(seqs) + len(msg.join) > len(batch._free) + len(batch.live):
-            raise ValueError("more sequences than the batch has slots")
+        if len(seqs) + len(msg.join) > PACKED_SLOTS:
+            raise ValueError(f"more sequences than the batch's {PACKED_SLOTS} slots")
         done, at, failed = 0, 0, []
         out: list[_Seq] = list(seqs.values())
         for j in msg.join:
