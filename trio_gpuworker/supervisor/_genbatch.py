@@ -42,11 +42,16 @@ class _Waiter:
                  timing: Timing | None) -> None:
         self.seq, self.fields, self.ids, self.on_delta, self.timing = seq, fields, ids, on_delta, timing
         self.parts: list[str] = []
+        self.unsent: list[dict[str, Any]] = []  # deltas for on_delta, which runs in the caller's task, never the lane's
         self.n_gen = 0
         self.finish: str | None = None
         self.error: BaseException | None = None
         self.fallback = False  # the model does not batch: the caller generates alone
         self.done = trio.Event()
+
+    def flush(self) -> None:
+        while self.unsent and self.on_delta is not None:
+            self.on_delta(self.unsent.pop(0))
 
     def end(self, error: BaseException | None = None, *, fallback: bool = False) -> None:
         if not self.done.is_set():
@@ -82,6 +87,7 @@ class Packer:
                         await self._chunk()
                     else:
                         await self.changed.wait()
+                    w.flush()
         finally:
             if not w.done.is_set():
                 self._leave(w)
@@ -91,6 +97,7 @@ class Packer:
             return None
         if w.error is not None:
             raise w.error
+        w.flush()
         return {"text": "".join(w.parts), "n_prompt": len(ids), "n_gen": w.n_gen, "finish_reason": w.finish}
 
     def _leave(self, w: _Waiter) -> None:
@@ -167,7 +174,7 @@ class Packer:
                 if w.timing is not None:
                     w.timing.token(w.n_gen)
                 if r["text"] and w.on_delta is not None:
-                    w.on_delta({"text": r["text"], "n_gen": w.n_gen})
+                    w.unsent.append({"text": r["text"], "n_gen": w.n_gen})
                 if r["finish_reason"] is not None:
                     w.finish = r["finish_reason"]
                     del self.live[w.seq]
