@@ -23,6 +23,7 @@ WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, ki
 # every request ends within this much simulated time of its start, whatever the workers do (it may wait for a
 # queue, a restart with backoff and a standby's load, each bounded by a window)
 BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
+ROLL_TIMEOUT_S = 60.0  # a roll-over's own deadline when the step gives none: within BOUND
 SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
 
@@ -141,6 +142,11 @@ class World:
     async def _reload(self, step: Step) -> str | None:
         assert self.sup is not None
         await self.sup.reload_lane(self._lane(step).id, timeout=step.timeout)
+        return None
+
+    async def _roll(self, step: Step) -> str | None:
+        """A roll-over (a tuner's kernels taking over), with a deadline inside BOUND when the caller gives none."""
+        await self._lane(step).roll_over(timeout=step.timeout if step.timeout is not None else ROLL_TIMEOUT_S)
         return None
 
     async def _drain(self, step: Step) -> str | None:

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import trio
 
 from .._config import LaneConfig
 from .._errors import ConfigError
 from .._kinds import EncoderRuntime
 from ..models.shapes import tuned_shapes
-from ..supervisor import Supervisor
+from ..supervisor import Lane, Supervisor
 from .admin import LaneAdmin
 from .config import DaemonConfig
 
@@ -41,8 +43,12 @@ def planned_steps(cfg: DaemonConfig, model: str) -> int:
 
 
 async def tune(cfg: DaemonConfig, model: str, beam: int | None = None,
-               on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Load `model` once with BEAM `beam` (default: its configured `beam`) into the daemon's caches."""
+               on_progress: Callable[[dict[str, Any]], None] | None = None, *, env: Mapping[str, str] | None = None,
+               load_window_s: float | None = None,
+               alongside: Callable[[Lane], Awaitable[None]] | None = None) -> dict[str, Any]:
+    """Load `model` once with BEAM `beam` (default: its configured `beam`) into the daemon's caches. The daemon's
+    background tuner adds its worker's `env` (priority, cores), a longer `load_window_s` (it pauses the search
+    while requests run) and `alongside(lane)`, run beside the LOAD until it ends (the pacing)."""
     sc = cfg.supervisor
     mc = sc.model(model)
     width = mc.beam if beam is None else beam
@@ -50,13 +56,19 @@ async def tune(cfg: DaemonConfig, model: str, beam: int | None = None,
         raise ConfigError(f"models.{model}.beam is 0: nothing to tune (set beam = N there, or pass --beam N)")
     serving = next((ln for ln in sc.lanes if model in ln.models), None)
     lane = LaneConfig(TUNE_LANE, (), device=serving.device if serving else "CPU",
-                      env=dict(serving.env) if serving else {})
-    tuned_cfg = replace(sc, lanes=(lane,), runtime_dir=Path(tempfile.mkdtemp(prefix="gw-tune-")),
-                        models=tuple(replace(m, beam=width) if m.id == model else m for m in sc.models))
+                      env={**(serving.env if serving else {}), **(env or {})})
+    windows = sc.windows if load_window_s is None else replace(sc.windows, load_s=load_window_s)
     t0 = time.monotonic()
-    async with Supervisor(tuned_cfg) as sup:
-        result = await LaneAdmin(sup).load_model(TUNE_LANE, model, on_progress=on_progress)
-        log = sup.lanes[TUNE_LANE].log.tail(1 << 16)
+    with tempfile.TemporaryDirectory(prefix="gw-tune-") as run_dir:
+        tuned_cfg = replace(sc, lanes=(lane,), runtime_dir=Path(run_dir), windows=windows,
+                            models=tuple(replace(m, beam=width) if m.id == model else m for m in sc.models))
+        async with Supervisor(tuned_cfg) as sup:
+            async with trio.open_nursery() as nursery:
+                if alongside is not None:
+                    nursery.start_soon(alongside, sup.lanes[TUNE_LANE])
+                result = await LaneAdmin(sup).load_model(TUNE_LANE, model, on_progress=on_progress)
+                nursery.cancel_scope.cancel()
+            log = sup.lanes[TUNE_LANE].log.tail(1 << 16)
     summary = next((ln.split(": ", 2)[-1] for ln in reversed(log.splitlines()) if f"beam {width}:" in ln),
                    "already tuned: the captured JITs were restored from the cache, nothing was compiled")
     return {"model": model, "beam": width, "configured_beam": mc.beam, "device": lane.device,

@@ -32,6 +32,7 @@ class Generation:
         self.wp = wp
         self.tracker = RequestTracker()  # req_ids and the open request of this connection
         self.models: list[str] = []
+        self.beams: dict[str, int] = {}  # the BEAM width each of its models loads with (its settings at spawn)
         self.load_errors: dict[str, str] = {}
         self.nursery: trio.Nursery | None = None
         self.rc: int | None = None

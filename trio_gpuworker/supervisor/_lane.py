@@ -18,7 +18,16 @@ import trio
 
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import BrokenWorkerError, DeadlineExceeded, EngineCrashed, WorkerError
-from .._proto import RELOAD, Backoff, LaneLifecycle, LaneState, LaneTicket, Message, StrikePolicy
+from .._proto import (
+    RELOAD,
+    SERVING_STATES,
+    Backoff,
+    LaneLifecycle,
+    LaneState,
+    LaneTicket,
+    Message,
+    StrikePolicy,
+)
 from ._generation import Generation, numbering
 from ._jobs import Job, LoadSpec
 from ._lane_report import LaneReport, StandbyView
@@ -236,6 +245,23 @@ class Lane:
         if job.error is not None:
             raise job.error
 
+    async def roll_over(self, timeout: float | None = None) -> int:
+        """Replace the active worker by a fresh one that loads `loads` as they are now (tuned kernels), failing and
+        delaying no request: it loads beside the active one, takes over between two requests, and the old one
+        stops in order. Returns the new generation's number; BrokenWorkerError when the lane is closing or
+        quarantined, or the roll-over did not complete within `timeout` (its successor is then stopped)."""
+        before = self.generation
+        self.runner.feed(self.machine.roll_over(trio.current_time()))
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while self.machine.rolling:
+                await self.runner.changed.wait()
+        if self.machine.rolling:
+            self.runner.feed(self.machine.stop_rolling(trio.current_time()))
+            raise BrokenWorkerError(f"lane {self.id}: the roll-over did not complete within {timeout:g} s")
+        if self.generation == before or self.state not in SERVING_STATES:
+            raise BrokenWorkerError(f"lane {self.id} is {self.state.value}: nothing was rolled over")
+        return self.generation
+
     def lift_quarantine(self) -> None:
         """Lift a quarantine at once (an unload does, a reload does): a fresh worker with zero strikes starts."""
         self.runner.feed(self.machine.lift_quarantine(trio.current_time()))
@@ -271,6 +297,7 @@ class Lane:
         self.loads = {**self._loads, spec.model_ref: spec}
         if (gen := self.report.active()) is not None:
             gen.loaded(spec.model_ref, reply)
+            gen.beams[spec.model_ref] = int(spec.runtime_config.get("beam", 0))
         await self._apply_to_standby("LOAD", spec.model_ref)
         return reply
 

@@ -163,6 +163,8 @@ class LaneReport:
             "rss_mb": self.rss_mb,
             "queued": len(m.tickets.queue),
             "restarts": m.restarts,
+            "rollovers": m.rollovers,
+            "beams": dict(gen.beams) if gen is not None else {},
             "last_exit": self.last_exit,
             "last_error": self.last_error,
             "device": self.cfg.device,

@@ -166,6 +166,7 @@ class LaneRunner:
                            on_fault=lambda fault: self.feed(self.machine.fault(number, fault.cause,
                                                                                trio.current_time())))
         gen = self.gens[number] = Generation(number, role, wp)
+        gen.beams = {m: int(spec.runtime_config.get("beam", 0)) for m, spec in self._loads().items()}
         # if the lane task is being torn down this spawns nothing: the lane's cancel answers everything
         _start(self.nursery, host, gen, self.windows,
                lambda: self.feed(self.machine.hello(number, trio.current_time())),
