@@ -123,7 +123,7 @@ class BackgroundTuner:
                  "serving meanwhile with untuned kernels", model, device, mc.beam, total)
 
         def progress(step: dict[str, Any]) -> None:
-            done = min(int(step.get("completed") or 0), total)
+            done = min(max(int(step.get("completed") or 0) - 1, 0), total)  # the first PROGRESS is the setup
             p["done"] = done
             now = time.monotonic()
             if done and now - said[0] >= PROGRESS_LOG_S:
