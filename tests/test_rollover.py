@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import trio
 
 from tests.fakes import fake_command
 from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
+from tests.test_lane_supervision import pid_alive
 from trio_gpuworker import Supervisor, SupervisorConfig
 from trio_gpuworker._kinds import EncoderRuntime
 
@@ -36,14 +36,6 @@ def loads(path: Path) -> dict[int, int]:
         rec = json.loads(line)
         out[rec["pid"]] = rec["runtime_config"]["beam"]
     return out
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.mark.parametrize("standby", [False, True])
@@ -85,7 +77,7 @@ async def test_an_untuned_lane_rolls_over_under_steady_load_and_fails_no_request
             gen, pid = old[ln.id]
             assert ln.generation > gen and ln.pid != pid and ln.status()["rollovers"] == 1
             assert sup.lane_status(ln)["kernels"] == {MODEL: "tuned"} and ln.policy.strikes == 0
-            assert pid is not None and gone(pid)  # stopped in order and reaped
+            assert pid is not None and not pid_alive(pid)  # stopped in order and reaped
         asked = loads(record)
         assert sorted(asked[ln.pid] for ln in sup.lanes.values() if ln.pid) == [BEAM, BEAM]
         assert [asked[pid] for _, pid in old.values() if pid] == [0, 0]
