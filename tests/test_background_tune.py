@@ -13,12 +13,16 @@ import numpy as np
 import pytest
 import trio
 
+from tests.fakes import fake_command
+from tests.helpers import daemon_config
+from tests.supervision_helpers import MODEL, expected_fake_rows, rows
 from tests.test_beam import IDS, tiny_daemon_config
 from trio_gpuworker._kinds import EncoderRuntime
 from trio_gpuworker.daemon.config import load_config
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.daemon.pacing import Pacer
-from trio_gpuworker.daemon.tuner import TunedRecord, to_tune
+from trio_gpuworker.daemon.tuned import TunedRecord
+from trio_gpuworker.daemon.tuner import to_tune
 
 
 def test_the_pacer_pauses_while_busy_but_never_starves_the_search() -> None:
@@ -105,3 +109,30 @@ async def test_the_daemon_serves_at_once_tunes_in_the_background_and_rolls_over(
         assert daemon.tuner is None
         assert daemon.sup.lane_status(daemon.sup.lanes["t"])["kernels"] == {"tiny": "tuned"}
         nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_tuner_is_logged_and_the_lanes_keep_serving_untuned(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A model tuned on a device this machine lacks: the tuner's real worker cannot start there. The daemon logs
+    it, the lane (a scripted worker) keeps serving on its untuned settings, and nothing is recorded."""
+    caplog.set_level(logging.INFO, logger="trio_gpuworker.daemon")
+    cfg = daemon_config(tmp_path, fake_command())
+    sc = cfg.supervisor
+    cfg = dataclasses.replace(cfg, supervisor=dataclasses.replace(
+        sc, models=tuple(dataclasses.replace(m, beam=1) for m in sc.models),
+        lanes=tuple(dataclasses.replace(ln, device="CUDA") for ln in sc.lanes)))
+    async with trio.open_nursery() as nursery:
+        daemon = await nursery.start(run_daemon, cfg)
+        assert daemon.tuner is not None and daemon.sup.untuned == {MODEL}
+        with trio.fail_after(120):
+            await daemon.tuner.finished.wait()
+        progress = dict(daemon.tuner.progress[MODEL])
+        rs = rows(2, 3)
+        out = await daemon.sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
+        status = daemon.sup.lane_status(daemon.sup.lanes["lane0"])
+        nursery.cancel_scope.cancel()
+    assert progress["phase"] == "failed" and progress["error"]
+    np.testing.assert_array_equal(out[:, :3], expected_fake_rows(rs))
+    assert status["kernels"] == {MODEL: "untuned"} and status["rollovers"] == 0
+    assert f"tuning {MODEL} failed after" in caplog.text and "keep the untuned kernels" in caplog.text
+    assert to_tune(cfg, TunedRecord(sc.state_dir)) == [MODEL]  # tried again at the next start

@@ -37,7 +37,8 @@ from .metrics import Metrics
 from .notify import Notifier
 from .reload import ReloadPlan, ReloadReport, Running, plan_reload
 from .startup import StartupReport
-from .tuner import BackgroundTuner, TunedRecord, to_tune
+from .tuned import TunedRecord
+from .tuner import BackgroundTuner, to_tune
 
 log = logging.getLogger("trio_gpuworker.daemon")
 

@@ -3,32 +3,28 @@ hand-coded ones; a tuner searches meanwhile in a worker of its own at low priori
 once its kernels are in the cache, each lane rolls over to a worker that loads them, without failing a request.
 
 What needs it: a model with a `beam` whose kernels are tinygrad-generated on its lane's device
-(`ModelConfig.tunes_on`: the graph encoder and decoder; the CPU default's fused C kernels have nothing to tune).
-A model tuned once is recorded in `<state_dir>/cache/tuned.json` under a key of its artifact, beam, device and
-runtime_config, so later starts load the tuned kernels at once (restored from the kernel and JIT caches). If those
-caches are wiped, a worker's LOAD searches again, as `gpuworkerctl tune` would; the record only skips the wait.
+(`ModelConfig.tunes_on`: the graph encoder and decoder; the CPU default's fused C kernels have nothing to tune)
+and that no earlier search recorded (tuned.py). A tuner that fails is logged; the lanes keep serving untuned.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import trio
 
-from .._config import ModelConfig
 from .._errors import GpuWorkerError
 from .._worker_env import CPUS, NICE
 from ..supervisor import Lane, LaneState, Supervisor
 from .config import DaemonConfig
 from .pacing import POLL_S, Pacer
 from .tune import planned_steps, tune
+from .tuned import TunedRecord, tuner_device
 
 log = logging.getLogger("trio_gpuworker.daemon")
 
@@ -36,45 +32,12 @@ TUNER_NICE = 19  # serving keeps the cores' priority
 TUNER_LOAD_WINDOW_S = 3600.0  # the tuning LOAD's silence window: its search is paused while requests run
 ROLL_OVER_TIMEOUT_S = 600.0  # per lane: the tuned worker's LOAD (cached kernels) and the hand-over
 PROGRESS_LOG_S = 10.0  # at most one "tuning ..." line this often
-RECORD_FILE = "tuned.json"
-
-
-class TunedRecord:
-    """Which models' tuned kernels this state directory's caches hold."""
-
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / "cache" / RECORD_FILE
-        try:
-            self._keys: dict[str, str] = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            self._keys = {}
-
-    @staticmethod
-    def key(mc: ModelConfig, device: str) -> str:
-        st = mc.path.stat()
-        return json.dumps([os.fspath(mc.path), st.st_size, st.st_mtime_ns, mc.beam, device,
-                           mc.runtime_config.to_map(), mc.max_tokens])
-
-    def has(self, mc: ModelConfig, device: str) -> bool:
-        return self._keys.get(f"{mc.id}@{device}") == self.key(mc, device)
-
-    def add(self, mc: ModelConfig, device: str) -> None:
-        self._keys[f"{mc.id}@{device}"] = self.key(mc, device)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._keys, indent=1))
-        tmp.replace(self.path)
-
-
-def tuner_device(cfg: DaemonConfig, model: str) -> str:
-    """The device the tuner searches on: that of the first lane serving `model` (as `gpuworkerctl tune`)."""
-    return next((ln.device for ln in cfg.supervisor.lanes if model in ln.models), "CPU")
 
 
 def to_tune(cfg: DaemonConfig, record: TunedRecord) -> list[str]:
     """The models whose lanes should start untuned while the tuner runs."""
-    return [m.id for m in cfg.supervisor.models
-            if m.tunes_on(tuner_device(cfg, m.id)) and not record.has(m, tuner_device(cfg, m.id))]
+    sc = cfg.supervisor
+    return [m.id for m in sc.models if m.tunes_on(tuner_device(sc, m.id)) and not record.has(m, tuner_device(sc, m.id))]
 
 
 def tuner_cpu() -> str:
@@ -116,7 +79,7 @@ class BackgroundTuner:
         self.finished.set()
 
     async def _one(self, sup: Supervisor, model: str) -> None:
-        mc, device = self.cfg.supervisor.model(model), tuner_device(self.cfg, model)
+        mc, device = self.cfg.supervisor.model(model), tuner_device(self.cfg.supervisor, model)
         total, t0, said = planned_steps(self.cfg, model), time.monotonic(), [0.0]
         p = self.progress[model] = {"phase": "tuning", "done": 0, "total": total}
         log.info("tuning %s kernels for this %s (beam %d, %d shape(s)) in the background, at low priority; "
@@ -135,13 +98,13 @@ class BackgroundTuner:
         pacer = Pacer()
         try:
             await tune(self.cfg, model, on_progress=progress, env={NICE: str(TUNER_NICE), CPUS: tuner_cpu()},
-                       load_window_s=TUNER_LOAD_WINDOW_S, alongside=lambda lane: self._pace(lane, pacer))
-        except (GpuWorkerError, OSError) as exc:
+                       load_window_s=TUNER_LOAD_WINDOW_S, alongside=lambda lane: self._pace(lane, pacer),
+                       record=self.record)
+        except Exception as exc:  # a tuner is an optimisation: whatever ends it, the node keeps serving
             p.update(phase="failed", error=str(exc))
             log.warning("tuning %s failed after %.0f s; its lanes keep the untuned kernels: %s", model,
-                        time.monotonic() - t0, exc)
+                        time.monotonic() - t0, exc, exc_info=not isinstance(exc, GpuWorkerError | OSError))
             return
-        self.record.add(mc, device)
         searched = time.monotonic() - t0
         p.update(phase="rolling over", done=total)
         try:
