@@ -25,7 +25,7 @@ from trio_gpuworker import (
     SupervisorConfig,
     Windows,
 )
-from trio_gpuworker._proto import InstallRing
+from trio_gpuworker._proto import InstallRing, RingReadable
 from trio_gpuworker.supervisor import ArenaManager
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
@@ -180,9 +180,9 @@ async def test_a_batch_with_a_bad_header_loads_the_good_objects_first(tmp_path: 
         good = [np.full(16, i, np.float32) for i in range(3)]
         await dp.push_many(end, good, first_object_id=10, first_sequence=0)
         end.ring.write(b"MO01" + b"\x00" * 36)  # then a header with the magic but nothing else right
-        await sup.lanes["dp"].notify(end.generation, "RING_READABLE", {"ring_id": end.ring_id})
+        await sup.lanes["dp"].notify(end.generation, RingReadable(ring_id=end.ring_id))
         handles = [await dp.next_event(end) for _ in good]
-        assert [h["object_id"] for h in handles] == [10, 11, 12]
+        assert [h.object_id for h in handles] == [10, 11, 12]
         with pytest.raises(ObjectFailed) as info:
             await dp.next_event(end)
         assert info.value.code in ("header_malformed", "unsupported_object_version")

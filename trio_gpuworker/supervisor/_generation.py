@@ -7,13 +7,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import trio
 
 from .._config import Windows
 from .._errors import EngineCrashed
-from .._proto import Message, ReplyKind, RequestTracker
+from .._proto import Err, Load, Loaded, Message, Ping, ReplyKind, RequestTracker, Shutdown, Unload, WireMessage
 from ._jobs import LoadSpec
 from ._worker import WorkerProcess
 
@@ -41,23 +40,27 @@ class Generation:
     def describe(self, state: str) -> dict[str, object]:
         return {"generation": self.number, "pid": self.wp.pid, "state": state, "models": list(self.models)}
 
-    def loaded(self, model: str, reply: Message) -> None:
+    def loaded(self, model: str, reply: WireMessage) -> None:
         """A LOAD's answer: what it loaded, or why it could not (recorded, not fatal: the others still load)."""
-        if reply.t == "ERR":
-            self.load_errors[model] = f"{reply['code']}: {reply['msg']}"
-        else:
-            self.load_errors.pop(model, None)
-            if reply["model_ref"] not in self.models:
-                self.models.append(reply["model_ref"])
+        match reply:
+            case Err(code=code, msg=msg):
+                self.load_errors[model] = f"{code}: {msg}"
+            case Loaded(model_ref=ref):
+                self.load_errors.pop(model, None)
+                if ref not in self.models:
+                    self.models.append(ref)
 
 
-def own_fields(kind: str, model: str | None, loads: Mapping[str, LoadSpec]) -> dict[str, Any]:
-    """The fields of a request the lane makes itself: its models' LOADs, standby applies, PING, SHUTDOWN."""
-    if kind == "LOAD" and model in loads:
-        return loads[model].load_fields()
-    if kind in ("LOAD", "UNLOAD"):
-        return {"model_ref": model}
-    return {"mode": "graceful"} if kind == "SHUTDOWN" else {}
+def own_request(kind: str, model: str | None, loads: Mapping[str, LoadSpec]) -> WireMessage:
+    """A request the lane makes itself: its models' LOADs, standby applies, PING, SHUTDOWN (the lifecycle names
+    its kind; a LOAD of a model the lane no longer has names the model alone, and the worker refuses it)."""
+    if kind == Load.T:
+        return loads[model].request() if model in loads else Load.from_fields(
+            {"artifact_path": None, "artifact_digest": None, "format": None, "runtime_config": None,
+             "model_ref": model})
+    own: dict[str, Callable[[], WireMessage]] = {
+        Unload.T: lambda: Unload(model_ref=model), Ping.T: Ping, Shutdown.T: lambda: Shutdown(mode="graceful")}
+    return own[kind]()
 
 
 async def host(gen: Generation, windows: Windows, on_hello: Callable[[], None],

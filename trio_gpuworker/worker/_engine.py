@@ -113,7 +113,9 @@ class Engine:
         return handler(msg, progress)
 
     def model(self, msg: EmbedBatch | Generate) -> Any:
-        """The model `msg` names, if its kind serves that request (the registry's `requests`)."""
+        """The model `msg` names, if its kind serves that request (the registry's `requests`). The daemon checked
+        the kind already (supervisor/_route.py, its one check); this is the worker's own, kept because a worker is
+        a separate process that takes whatever arrives on its socket, and answers a wrong kind with a typed ERR."""
         m = self.models.get(msg.model_ref)
         if m is None:
             raise WorkerError("model_not_loaded", f"model {msg.model_ref!r} is not loaded in this worker")
