@@ -55,10 +55,10 @@ class ServingRoutes:
         return value
 
     def _inputs(self, value: Any, key: str, *, ids: bool = False) -> list[Any]:
-        """A non-empty list of strings (or, with `ids`, of token-id lists, checked by the Supervisor), capped at
-        http.max_inputs."""
-        if not isinstance(value, list) or not value or not (
-                all(isinstance(x, str) for x in value) or (ids and all(isinstance(x, list) for x in value))):
+        """A non-empty list, capped at http.max_inputs: the HTTP API's own rules. What each item must be (a
+        string, or with `ids` a list of token ids) is the Supervisor's one check of the texts, as for the
+        Python API."""
+        if not isinstance(value, list) or not value:
             raise InvalidRequest(f"'{key}' must be a string or a non-empty list of strings"
                                  + (", a list of token ids or a non-empty list of them" if ids else ""))
         if len(value) > self.http.max_inputs:

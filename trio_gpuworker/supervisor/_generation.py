@@ -6,13 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 
 import trio
 
 from .._config import Windows
 from .._errors import EngineCrashed
-from .._proto import Err, Load, Loaded, Message, Ping, ReplyKind, RequestTracker, Shutdown, Unload, WireMessage
+from .._proto import (
+    MESSAGES,
+    Err,
+    Load,
+    Loaded,
+    Message,
+    Ping,
+    ReplyKind,
+    RequestTracker,
+    Shutdown,
+    Unload,
+    WireMessage,
+)
 from ._jobs import LoadSpec
 from ._worker import WorkerProcess
 
@@ -53,14 +66,16 @@ class Generation:
 
 def own_request(kind: str, model: str | None, loads: Mapping[str, LoadSpec]) -> WireMessage:
     """A request the lane makes itself: its models' LOADs, standby applies, PING, SHUTDOWN (the lifecycle names
-    its kind; a LOAD of a model the lane no longer has names the model alone, and the worker refuses it)."""
-    if kind == Load.T:
-        return loads[model].request() if model in loads else Load.from_fields(
-            {"artifact_path": None, "artifact_digest": None, "format": None, "runtime_config": None,
-             "model_ref": model})
+    its kind)."""
+    if kind == Load.T and model in loads:
+        return loads[model].request()
     own: dict[str, Callable[[], WireMessage]] = {
         Unload.T: lambda: Unload(model_ref=model), Ping.T: Ping, Shutdown.T: lambda: Shutdown(mode="graceful")}
-    return own[kind]()
+    if (make := own.get(kind)) is not None:
+        return make()
+    # a LOAD of a model the lane no longer has, or a kind the lane never makes: its fields are all missing, so
+    # it is refused (InvalidRequest) before a byte is written, and the lane goes on
+    return MESSAGES[kind].from_fields(defaultdict(type(None)))
 
 
 async def host(gen: Generation, windows: Windows, on_hello: Callable[[], None],
