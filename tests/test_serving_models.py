@@ -49,7 +49,7 @@ async def check_generate_greedy_with_progress_per_token(sup: Supervisor) -> None
     assert "Paris" in reply.text
     out = await sup.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
                              model=DEFAULT_LM, max_tokens=8)
-    assert out["text"] == reply["text"]  # greedy: the same prompt gives the same continuation
+    assert out["text"] == reply.text  # greedy: the same prompt gives the same continuation
 
 
 async def check_generate_limits(sup: Supervisor) -> None:
