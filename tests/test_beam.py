@@ -18,6 +18,7 @@ import trio
 from trio_gpuworker import ConfigError, Supervisor, SupervisorConfig
 from trio_gpuworker.daemon import ctl
 from trio_gpuworker.daemon.config import load_config, parse_config
+from trio_gpuworker.daemon.tuned import TunedRecord
 from trio_gpuworker.worker._beam import BeamStats, check_beam
 
 TINY = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
@@ -101,6 +102,7 @@ async def test_tune_then_workers_search_nothing(tmp_path: Path) -> None:
     searched = int(out.split("beam 1 on CPU, beam 1: ")[1].split(" kernel(s)")[0])
     assert searched > 0
     cfg = load_config(conf).supervisor
+    assert TunedRecord(cfg.state_dir).has(cfg.model("tiny"), "CPU")  # a daemon started now tunes nothing again
     # the daemon's next worker restores the tuned shape from the JIT cache (and compiles the other shapes, untuned)
     tuned, log = await embed_on_fresh_worker(cfg)
     assert "jit cache hit, 1 shape(s) restored, 10 compiled" in log and "kernel(s) searched" not in log, log

@@ -18,6 +18,7 @@ import pytest
 from tests.reference_llama import gguf_path
 from tests.state import SESSION_STATE
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
+from trio_gpuworker._proto import Generate
 from trio_gpuworker.worker import _jitcache as jc
 from trio_gpuworker.worker import _jitfile as jf
 from trio_gpuworker.worker import _kernelcache as kc
@@ -195,7 +196,7 @@ PROMPT = np.array([1, 9690, 42, 253, 2024, 30, 2], dtype=np.int32)
 
 async def start_and_generate(cfg: SupervisorConfig) -> tuple[np.ndarray, str]:
     async with Supervisor(cfg) as sup:
-        reply = await sup.lanes["gen"].call("GENERATE", {"model_ref": "m", "max_tokens": 8}, PROMPT.tobytes())
+        reply = await sup.lanes["gen"].call(Generate(model_ref="m", max_tokens=8, raw=PROMPT.tobytes()))
         return np.frombuffer(reply.raw or b"", dtype="<i4").copy(), sup.lanes["gen"].log.tail(4096)
 
 

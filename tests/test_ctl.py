@@ -49,7 +49,7 @@ async def test_status_table_and_json(daemon: tuple[Supervisor, str]) -> None:
     assert rc == 0
     header, *rows = out.splitlines()
     assert header.split() == ["LANE", "STATE", "GEN", "PID", "STRIKES", "RSS_MB", "QUEUED", "RESTARTS", "STANDBY",
-                              "MODELS"]
+                              "KERNELS", "MODELS"]
     assert rows[0].split()[:5] == ["lane0", "ready", "1", str(sup.lanes["lane0"].pid), "0"]
     assert rows[2].split()[-1] == DEFAULT_LM
     rc, out, _ = await gpuworkerctl(sock, "--json", "status")

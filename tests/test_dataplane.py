@@ -22,6 +22,7 @@ from trio_gpuworker import (
     SupervisorConfig,
     Windows,
 )
+from trio_gpuworker._proto import ExecuteStep, InstallRing, RingReadable
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
@@ -100,7 +101,7 @@ async def test_bad_objects_fail_before_allocation_and_fault_the_ring(tmp_path: P
         dp = sup.dataplane
         end = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC)
         end.ring.write(header)  # bypasses the daemon's own validation on purpose
-        await sup.lanes["dp"].notify(end.generation, "RING_READABLE", {"ring_id": end.ring_id})
+        await sup.lanes["dp"].notify(end.generation, RingReadable(ring_id=end.ring_id))
         with pytest.raises(ObjectFailed) as info:
             await dp.next_event(end)
         assert info.value.code == code
@@ -118,7 +119,7 @@ async def test_eof_mid_object(tmp_path: Path) -> None:
         end = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC)
         end.ring.write(encode_header(1, 0, 64) + b"\x01" * 16)
         end.ring.close()  # the producer closes the ring in the middle of the payload
-        await sup.lanes["dp"].notify(end.generation, "RING_READABLE", {"ring_id": end.ring_id})
+        await sup.lanes["dp"].notify(end.generation, RingReadable(ring_id=end.ring_id))
         with pytest.raises(ObjectFailed) as info:
             await dp.next_event(end)
         assert info.value.code == "eof_mid_object"
@@ -163,11 +164,10 @@ async def test_crash_mid_object_faults_rings_and_rejects_stale_handles(tmp_path:
             await dp.execute_step("dp", "echo", 1, [{"port_id": "in", "object_id": 1, "sequence": 0,
                                                      "device_handle": handle}], [])
         # a stale handle that reaches the worker anyway is refused there too
-        reply = await lane.call("EXECUTE_STEP", {"role_id": "echo", "step_id": 2, "runtime": {},
-                                                 "release_inputs_after": False, "outputs": [],
-                                                 "inputs": [{"port_id": "in", "object_id": 1, "sequence": 0,
-                                                             "device_handle": handle}]})
-        assert reply.t == "STEP_FAILED" and reply["reason"] == "invalid_input_handle"
+        reply = await lane.call(ExecuteStep(role_id="echo", step_id=2, runtime={}, release_inputs_after=False,
+                                            outputs=[], inputs=[{"port_id": "in", "object_id": 1, "sequence": 0,
+                                                                 "device_handle": handle}]))
+        assert reply.T == "STEP_FAILED" and reply.reason == "invalid_input_handle"
 
 
 async def test_install_ring_rejects_a_bad_layout(tmp_path: Path) -> None:
@@ -175,16 +175,16 @@ async def test_install_ring_rejects_a_bad_layout(tmp_path: Path) -> None:
         lane = sup.lanes["dp"]
         install = {"ring_id": 99, "edge_id": "e", "port_id": "p", "direction": "ingress",
                    "layout": {"offset": 4096, "header_len": 128, "capacity": 1024}, "object_spec": SPEC}
-        reply = await lane.call("INSTALL_RING", install)  # nothing was written there: a zero magic
-        assert reply.t == "RING_FAULT" and reply["reason"] == "ring_layout_invalid", reply
-        assert "magic 0x00000000" in reply["msg"]
+        reply = await lane.call(InstallRing(**install))  # nothing was written there: a zero magic
+        assert reply.T == "RING_FAULT" and reply.reason == "ring_layout_invalid", reply
+        assert "magic 0x00000000" in reply.msg
         # the worker reads the daemon's header in place, little-endian: a real one with only its u16 ABI version
         # (offset 4) changed is refused as that version
         Ring.init(sup.arena.mmap, 4096, 99, 1024).release()
         struct.pack_into("<H", sup.arena.mmap, 4096 + 4, RING_VERSION + 1)
-        reply = await lane.call("INSTALL_RING", install)
-        assert reply.t == "RING_FAULT" and reply["reason"] == "unsupported_ring_version", reply
-        assert f"version {RING_VERSION + 1}," in reply["msg"]
+        reply = await lane.call(InstallRing(**install))
+        assert reply.T == "RING_FAULT" and reply.reason == "unsupported_ring_version", reply
+        assert f"version {RING_VERSION + 1}," in reply.msg
 
 
 async def test_file_pump_streams_a_file_through_a_small_ring(tmp_path: Path) -> None:
@@ -198,13 +198,13 @@ async def test_file_pump_streams_a_file_through_a_small_ring(tmp_path: Path) -> 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: dp.pump_file(ingress, path, object_id=1, sequence=0))
             loaded = await dp.next_event(ingress)
-        assert loaded["extent"] == weights.nbytes
+        assert loaded.extent == weights.nbytes
         await dp.configure_role("dp", "echo", {"kind": "echo"})
         got: list = []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: _collect(dp, egress, got))
             await dp.execute_step("dp", "echo", 1, [{"port_id": "in", "object_id": 1, "sequence": 0,
-                                                     "device_handle": loaded["device_handle"]}],
+                                                     "device_handle": loaded.device_handle}],
                                   [{"port_id": "out", "ring_id": egress.ring_id, "object_id": 2, "sequence": 0,
                                     "extent": weights.nbytes}])
         np.testing.assert_array_equal(got[0][2].view(np.float32), weights)

@@ -25,7 +25,7 @@ from trio_gpuworker import (
     SupervisorConfig,
     Windows,
 )
-from trio_gpuworker._proto import Message
+from trio_gpuworker._proto import InstallRing, RingReadable
 from trio_gpuworker.supervisor import ArenaManager
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
@@ -180,9 +180,9 @@ async def test_a_batch_with_a_bad_header_loads_the_good_objects_first(tmp_path: 
         good = [np.full(16, i, np.float32) for i in range(3)]
         await dp.push_many(end, good, first_object_id=10, first_sequence=0)
         end.ring.write(b"MO01" + b"\x00" * 36)  # then a header with the magic but nothing else right
-        await sup.lanes["dp"].notify(end.generation, "RING_READABLE", {"ring_id": end.ring_id})
+        await sup.lanes["dp"].notify(end.generation, RingReadable(ring_id=end.ring_id))
         handles = [await dp.next_event(end) for _ in good]
-        assert [h["object_id"] for h in handles] == [10, 11, 12]
+        assert [h.object_id for h in handles] == [10, 11, 12]
         with pytest.raises(ObjectFailed) as info:
             await dp.next_event(end)
         assert info.value.code in ("header_malformed", "unsupported_object_version")
@@ -202,10 +202,10 @@ def _worker_plane(arena: ArenaManager, bridge: Any = None) -> Any:
 async def _installed(arena: ArenaManager, plane: Any, capacity: int = 4096) -> tuple[Any, Any]:
     lease = await arena.lease(capacity)
     ring = arena.init_ring(lease)
-    reply = plane.install_ring(Message("INSTALL_RING", {
-        "req_id": 1, "ring_id": lease.ring_id, "edge_id": "e", "port_id": "p", "direction": "ingress",
-        "layout": {"offset": lease.offset, "header_len": 128, "capacity": capacity}, "object_spec": SPEC}))
-    assert reply.t == "RING_INSTALLED"
+    reply = plane.install_ring(InstallRing(
+        req_id=1, ring_id=lease.ring_id, edge_id="e", port_id="p", direction="ingress",
+        layout={"offset": lease.offset, "header_len": 128, "capacity": capacity}, object_spec=SPEC))
+    assert reply.T == "RING_INSTALLED"
     return lease, ring
 
 
@@ -289,10 +289,10 @@ async def test_an_unknown_ring_version_is_named_as_such() -> None:
         lease = await arena.lease(1024)
         ring = arena.init_ring(lease)
         arena.mmap[lease.offset + 4:lease.offset + 6] = (3).to_bytes(2, "little")
-        reply = plane.install_ring(Message("INSTALL_RING", {
-            "req_id": 1, "ring_id": lease.ring_id, "edge_id": "e", "port_id": "p", "direction": "ingress",
-            "layout": {"offset": lease.offset, "header_len": 128, "capacity": 1024}, "object_spec": SPEC}))
-        assert reply.t == "RING_FAULT" and reply.fields["reason"] == "unsupported_ring_version"
+        reply = plane.install_ring(InstallRing(
+            req_id=1, ring_id=lease.ring_id, edge_id="e", port_id="p", direction="ingress",
+            layout={"offset": lease.offset, "header_len": 128, "capacity": 1024}, object_spec=SPEC))
+        assert reply.T == "RING_FAULT" and reply.reason == "unsupported_ring_version"
         ring.release()
         arena.release(lease, _quiesced(lease))
 

@@ -15,6 +15,7 @@ import trio
 from tests.reference_llama import gguf_path
 from tests.state import SESSION_STATE
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
+from trio_gpuworker._proto import EmbedBatch, Generate
 
 pytestmark = pytest.mark.slow
 
@@ -72,10 +73,10 @@ async def serve(cfg: SupervisorConfig, step: bool) -> tuple[dict[int, np.ndarray
         for b in BATCHES:
             rows = rng.integers(1000, 20000, (b, 16)).astype("<i4")
             items = [{"id": i, "n_tokens": 16} for i in range(b)]
-            reply = await lane.call("EMBED_BATCH", {"model_ref": "enc", "items": items, "pooling": "mean",
-                                                    "normalize": True}, rows.tobytes())
+            reply = await lane.call(EmbedBatch(model_ref="enc", items=items, pooling="mean", normalize=True,
+                                               raw=rows.tobytes()))
             vectors[b] = np.frombuffer(reply.raw or b"", dtype="<f4").reshape(b, -1).copy()
-        reply = await lane.call("GENERATE", {"model_ref": "lm", "max_tokens": 8}, PROMPT.tobytes())
+        reply = await lane.call(Generate(model_ref="lm", max_tokens=8, raw=PROMPT.tobytes()))
         return vectors, np.frombuffer(reply.raw or b"", dtype="<i4").copy(), lane.log.tail(1 << 15)
 
 

@@ -19,6 +19,7 @@ from tests.helpers import client_for, daemon_config, wait_until
 from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
 from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, RestartPolicy, Supervisor
 from trio_gpuworker._errors import RequestTooLarge
+from trio_gpuworker._proto import EmbedBatch
 
 
 def batch_fields(n: int, pooling: str = "mean", n_tokens: int = 1) -> dict[str, object]:
@@ -30,7 +31,7 @@ async def test_request_failing_the_schema_fails_alone(tmp_path: Path) -> None:
     async with Supervisor(fake_config(tmp_path, fake_command())) as sup:
         lane = sup.lanes["lane0"]
         with pytest.raises(InvalidRequest, match="pooling"):
-            await lane.call("EMBED_BATCH", batch_fields(1, pooling="max"), np.ones(1, "<i4").tobytes())
+            await lane.call(EmbedBatch(**batch_fields(1, pooling="max"), raw=np.ones(1, "<i4").tobytes()))
         rs = rows(3, 2)
         out = await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
         np.testing.assert_array_equal(out[:, :3], expected_fake_rows(rs))
@@ -43,7 +44,7 @@ async def test_request_larger_than_max_frame_fails_alone(tmp_path: Path) -> None
         lane = sup.lanes["lane0"]
         n = 20_000  # 80 KB of token ids: one raw frame over the 64 KiB limit
         with pytest.raises(RequestTooLarge) as info:
-            await lane.call("EMBED_BATCH", batch_fields(n), np.ones(n, "<i4").tobytes())
+            await lane.call(EmbedBatch(**batch_fields(n), raw=np.ones(n, "<i4").tobytes()))
         assert info.value.code == "request_too_large" and isinstance(info.value, InvalidRequest)
         rs = rows(4)
         out = await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
@@ -60,7 +61,7 @@ async def test_stopped_worker_cannot_block_the_request_write(tmp_path: Path) -> 
         await sup.embed_ids(rows(2), model=MODEL, pooling="mean", normalize=True)  # then the worker stops
         n = 4 * 1024 * 1024  # 16 MiB of ids, far beyond the socket buffer
         with trio.fail_after(cfg.windows.inference_s + 10), pytest.raises(EngineCrashed) as info:
-            await lane.call("EMBED_BATCH", batch_fields(1, n_tokens=n), np.ones(n, "<i4").tobytes())
+            await lane.call(EmbedBatch(**batch_fields(1, n_tokens=n), raw=np.ones(n, "<i4").tobytes()))
         assert info.value.cause == "hang" and info.value.generation == 1
         assert lane.policy.strikes == 1
         with trio.fail_after(10):
@@ -94,7 +95,7 @@ async def test_expired_quarantine_comes_back_without_traffic(tmp_path: Path) -> 
         lane0, lane1 = sup.lanes["lane0"], sup.lanes["lane1"]
         for _ in range(2):
             with pytest.raises(EngineCrashed):
-                await lane0.call("EMBED_BATCH", batch_fields(1), np.ones(1, "<i4").tobytes())
+                await lane0.call(EmbedBatch(**batch_fields(1), raw=np.ones(1, "<i4").tobytes()))
         assert lane0.cooldown_remaining() is not None
         assert lane1.state == LaneState.READY
         quarantined = lane0.generation

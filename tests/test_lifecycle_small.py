@@ -15,6 +15,7 @@ from tests.fakes import fake_command
 from tests.supervision_helpers import fake_config
 from tests.test_dataplane_faults import SPEC, config, wait_until
 from trio_gpuworker import BrokenWorkerError, DeadlineExceeded, Supervisor, Windows
+from trio_gpuworker._proto import Ping, RingWritable
 from trio_gpuworker.supervisor import silence_window
 
 
@@ -23,7 +24,7 @@ async def test_notify_to_a_generation_that_is_gone_is_typed(tmp_path):
         lane = sup.lanes["lane0"]
         await sup.wait_ready(10)
         with pytest.raises(BrokenWorkerError):
-            await lane.notify(lane.generation + 1, "RING_WRITABLE", {"ring_id": 1})
+            await lane.notify(lane.generation + 1, RingWritable(ring_id=1))
 
 
 def test_the_window_comes_from_the_request_kind_not_the_reported_phase():
@@ -47,12 +48,12 @@ async def test_a_ring_whose_installer_gave_up_leaves_no_lease(tmp_path):
 async def test_pong_reports_the_current_rss_not_the_peak(tmp_path):
     async with Supervisor(config(tmp_path)) as sup:
         lane = sup.lanes["dp"]
-        reply = await lane.call("PING", {})
+        reply = await lane.call(Ping())
         proc = Path(f"/proc/{lane.pid}")
         now = int((proc / "statm").read_text().split()[1]) * 4096 / (1 << 20)
         peak = next(int(ln.split()[1]) / 1024 for ln in (proc / "status").read_text().splitlines()
                     if ln.startswith("VmHWM"))
-        assert abs(reply["rss_mb"] - now) < 16 and reply["rss_mb"] <= peak + 1
+        assert abs(reply.rss_mb - now) < 16 and reply.rss_mb <= peak + 1
 
 
 async def test_a_crash_publishes_worker_crashed_then_ring_faults_with_their_ids(tmp_path):

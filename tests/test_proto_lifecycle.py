@@ -145,6 +145,65 @@ def test_a_promoted_standby_never_carries_two_requests() -> None:
     assert user.gen == 2 and w.machine.promotions == 1
 
 
+@pytest.mark.parametrize("standby", [False, True])
+def test_a_roll_over_hands_over_at_a_request_boundary_and_fails_nothing(standby: bool) -> None:
+    """Issue 18: tuned kernels take over without failing or delaying a request. The successor loads beside the
+    busy active generation; the request queued meanwhile goes to the successor once the open one is answered,
+    and the old generation then gets SHUTDOWN, in order, with no strike."""
+    w = World(standby=standby)
+    ready(w)
+    if standby:
+        ready(w, 2)
+    w.do("submit", ("EMBED_BATCH",))
+    first = sent_user(w, 1)
+    w.do("roll_over", ())
+    succ = 3 if standby else 2
+    if standby:  # the old settings' standby is retired, its successor spawned
+        assert 2 in w.killed or w.sent[2].kind == "SHUTDOWN"
+    assert w.spawned[succ] == "standby" and w.machine.rolling
+    ready(w, succ)
+    w.do("submit", ("EMBED_BATCH",))
+    assert w.machine.generation == 1 and succ not in w.sent  # not beside the open request
+    w.do("reply", (1, True))
+    assert w.answers[first.id] == [(Outcome.REPLY, ("reply", 1, first.id))]
+    assert w.machine.generation == succ and w.machine.rollovers == 1 and not w.machine.rolling
+    assert sent_user(w, succ).gen == succ and w.sent[1].kind == "SHUTDOWN"
+    w.do("reply", (1, True))
+    w.do("fault", (1, "ordered"))
+    w.do("end", (1,))
+    assert w.crashed == [] and w.machine.policy.strikes == 0 and w.machine.state is L.BUSY
+    w.do("reply", (succ, True))
+    assert not w.unanswered()
+    if standby:  # the configured standby comes back with the new settings
+        w.do("tick", (0.5,))
+        assert [r for g, r in w.spawned.items() if g > succ] == ["standby"]
+
+
+def test_a_roll_over_whose_active_crashes_promotes_the_successor() -> None:
+    w = World(standby=False)
+    ready(w)
+    w.do("submit", ("EMBED_BATCH",))
+    t = sent_user(w, 1)
+    w.do("roll_over", ())
+    ready(w, 2)
+    w.do("fault", (1, "crash"))
+    w.do("end", (1,))
+    assert w.answers[t.id][0][0] in (Outcome.CRASHED, Outcome.REPLY)
+    assert w.machine.generation == 2 and w.machine.state is L.READY and not w.machine.rolling
+    assert w.machine.rollovers == 0 and w.machine.promotions == 1
+
+
+def test_a_roll_over_given_up_stops_its_successor_and_none_while_closing() -> None:
+    w = World(standby=False)
+    ready(w)
+    w.do("roll_over", ())
+    w.do("stop_rolling", ())
+    assert 2 in w.killed and w.machine.standby is None and not w.machine.rolling
+    w.do("close", ())
+    w.do("roll_over", ())
+    assert not w.machine.rolling and 3 not in w.spawned
+
+
 def test_two_strikes_quarantine_and_a_reload_lifts_it() -> None:
     w = World(standby=False)
     ready(w)

@@ -12,6 +12,7 @@ import trio
 from tests.helpers import embedded_default
 from tests.state import SESSION_STATE
 from trio_gpuworker import InvalidRequest, Supervisor, WorkerError
+from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DEFAULT_LM, DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
@@ -38,17 +39,17 @@ async def check_generate_greedy_with_progress_per_token(sup: Supervisor) -> None
     ids = np.asarray(tok.encode(prompt), dtype="<i4")
     progress: list[int] = []
     lane = sup.pick_lane(DEFAULT_LM)
-    reply = await lane.call("GENERATE", {"model_ref": DEFAULT_LM, "max_tokens": 8}, ids.tobytes(),
-                            on_progress=lambda m: progress.append(m["completed"]))
+    reply = await lane.call(Generate(model_ref=DEFAULT_LM, max_tokens=8, raw=ids.tobytes()),
+                            on_progress=lambda m: progress.append(m.completed))
     gen = np.frombuffer(reply.raw, dtype="<i4").tolist()
-    assert reply["n_prompt"] == len(ids) and reply["n_gen"] == len(gen) <= 8
+    assert reply.n_prompt == len(ids) and reply.n_gen == len(gen) <= 8
     assert progress == list(range(1, len(gen) + 1))  # one PROGRESS per generated token
-    assert reply["text"] == tok.decode(gen, skip_special=True)
-    assert reply["finish_reason"] == ("length" if len(gen) == 8 else "stop")
-    assert "Paris" in reply["text"]
+    assert reply.text == tok.decode(gen, skip_special=True)
+    assert reply.finish_reason == ("length" if len(gen) == 8 else "stop")
+    assert "Paris" in reply.text
     out = await sup.generate(messages=[{"role": "user", "content": "What is the capital of France?"}],
                              model=DEFAULT_LM, max_tokens=8)
-    assert out["text"] == reply["text"]  # greedy: the same prompt gives the same continuation
+    assert out["text"] == reply.text  # greedy: the same prompt gives the same continuation
 
 
 async def check_generate_limits(sup: Supervisor) -> None:

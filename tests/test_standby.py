@@ -126,8 +126,8 @@ async def test_load_and_unload_reach_both_workers(tmp_path: Path) -> None:
 
         async def standby_models() -> list[str]:
             pong = await lane.standby_call("PING")
-            assert pong is not None and pong.t == "PONG"
-            return list(pong["models_loaded"])
+            assert pong is not None and pong.T == "PONG"
+            return list(pong.models_loaded)
 
         await lane.load_model(spec)
         assert lane.models_loaded == [MODEL, "second"]

@@ -11,6 +11,7 @@ import pytest
 from tests.helpers import embedded_default
 from tests.state import SESSION_STATE
 from trio_gpuworker import Supervisor, WorkerError
+from trio_gpuworker._proto import EmbedBatch
 from trio_gpuworker.daemon.config import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ async def test_oversized_vectors_reply_is_a_typed_error_and_no_strike() -> None:
         fields = {"model_ref": DEFAULT_MODEL, "pooling": "mean", "normalize": True,
                   "items": [{"id": i, "n_tokens": 4} for i in range(n)]}
         with pytest.raises(WorkerError) as info:
-            await lane.call("EMBED_BATCH", fields, ids.tobytes())
+            await lane.call(EmbedBatch(**fields, raw=ids.tobytes()))
         assert info.value.code == "reply_too_large"
         assert lane.generation == 1 and lane.policy.strikes == 0
         vecs = await sup.embed(["still serving"], model=DEFAULT_MODEL)

@@ -31,6 +31,11 @@ class ModelConfig:
     # Leading sizes an embedding model was trained to be cut to (Matryoshka); what `dimensions` may ask for
     matryoshka_dims: tuple[int, ...] = ()
 
+    def tunes_on(self, device: str) -> bool:
+        """Whether a BEAM search changes this model's kernels on `device`: a `beam` and tinygrad-generated kernels
+        (the fused C encoder and decoder are not searched)."""
+        return self.beam > 0 and self.runtime_config.backend(device) == "graph"
+
     def __post_init__(self) -> None:
         # Checked here, once, so that every way of building a ModelConfig (the TOML loader, the Python API, tests)
         # hands the supervisor and the worker a valid, typed runtime_config.

@@ -31,6 +31,10 @@ def _int(name: str, value: Any, lo: int, hi: int) -> int:
     return value
 
 
+def _default_backend(device: str) -> str:
+    return "fused" if device.split(":")[0] == "CPU" else "graph"
+
+
 def _backend(name: str, value: Any) -> None:
     if value is not None and value not in BACKENDS:
         raise ValueError(f"{name} must be one of {', '.join(BACKENDS)}, got {value!r}")
@@ -49,6 +53,11 @@ class RuntimeConfig:
                 raise ValueError(f"{k}: unknown key (known: {', '.join(sorted(known)) or 'none'})")
         return cls(**raw)
 
+    def backend(self, device: str) -> str | None:
+        """Which kernels the worker runs on `device`: "fused" (C, CPU only) or "graph" (tinygrad-generated, what
+        BEAM tunes); None for a kind without the choice."""
+        return None
+
     def to_map(self) -> dict[str, Any]:
         out = {}
         for f in fields(self):
@@ -66,6 +75,9 @@ class EncoderRuntime(RuntimeConfig):
     encoder: str | None = None
     threads: int | None = None
     warmup_shapes: tuple[tuple[int, int], ...] | None = None
+
+    def backend(self, device: str) -> str:
+        return self.encoder or _default_backend(device)
 
     def __post_init__(self) -> None:
         _backend("encoder", self.encoder)
@@ -89,6 +101,9 @@ class DecoderRuntime(RuntimeConfig):
 
     decoder: str | None = None
     max_context: int | None = None
+
+    def backend(self, device: str) -> str:
+        return self.decoder or _default_backend(device)
 
     def __post_init__(self) -> None:
         _backend("decoder", self.decoder)

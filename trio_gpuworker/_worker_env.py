@@ -10,5 +10,7 @@ WORKER_ID = "GPUWORKER_WORKER_ID"  # "<lane>.<generation>"
 LANE_ID = "GPUWORKER_LANE_ID"
 ARENA_FD = "GPUWORKER_ARENA_FD"  # the shared memfd the rings live in, inherited
 ARENA_BYTES = "GPUWORKER_ARENA_BYTES"
+NICE = "GPUWORKER_NICE"  # added to the worker's niceness at start (the background tuner's: 19)
+CPUS = "GPUWORKER_CPUS"  # the cores it may run on, "0,1" (the background tuner's: one core)
 
-__all__ = ["ARENA_BYTES", "ARENA_FD", "DEVICE", "JIT_CACHE", "KERNEL_CACHE", "LANE_ID", "WORKER_ID"]
+__all__ = ["ARENA_BYTES", "ARENA_FD", "CPUS", "DEVICE", "JIT_CACHE", "KERNEL_CACHE", "LANE_ID", "NICE", "WORKER_ID"]

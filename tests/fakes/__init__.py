@@ -14,14 +14,14 @@ FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"
 
 
 OPTIONS = ("on_request", "once_file", "delay", "load_delay", "first_load_delay", "progress_every", "fault_rate",
-           "seed", "stream_token_s", "packed")
+           "seed", "stream_token_s", "packed", "record_loads")
 
 
 def fake_command(behavior: str | None = None, **opts: object) -> tuple[str, ...]:
     """`(python, fake_worker.py, --behavior NAME, --on-request N, ...)`; keyword `on_request=2` -> `--on-request 2`.
 
     Options: on_request, once_file, delay, load_delay, first_load_delay, progress_every, fault_rate, seed,
-    stream_token_s, packed. None values are left out.
+    stream_token_s, packed, record_loads. None values are left out.
     """
     from .fake_worker import BEHAVIORS
 

@@ -51,6 +51,7 @@ from RANDOM_FAULTS (crash, crash between header and raw, silent hang, garbage, w
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -216,6 +217,10 @@ class FakeWorker:
             if delay:
                 time.sleep(delay)
             model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
+            if self.args.record_loads:  # what this worker was asked to load, for tests of the settings it got
+                with open(self.args.record_loads, "a") as f:
+                    f.write(json.dumps({"pid": os.getpid(), "model_ref": model_ref,
+                                        "runtime_config": msg.get("runtime_config")}) + "\n")
             if model_ref not in self.models:
                 self.models.append(model_ref)
             cold_load_ms = (time.monotonic() - started) * 1000
@@ -357,6 +362,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--on-request", type=int, default=1)
     p.add_argument("--once-file")
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--record-loads", default=None, help="append each LOAD's model_ref and runtime_config here")
     p.add_argument("--load-delay", type=float, default=0.0, help="every LOAD after the first takes this long")
     p.add_argument("--first-load-delay", type=float, default=0.0, help="the first LOAD takes this long (silent)")
     p.add_argument("--progress-every", type=float)

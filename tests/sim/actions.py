@@ -15,7 +15,7 @@ import trio
 from tests.sim.launcher import SimLauncher
 from tests.sim.schedule import Schedule, Step
 from trio_gpuworker import GpuWorkerError, Supervisor, Windows
-from trio_gpuworker._proto import LaneState
+from trio_gpuworker._proto import Generate, LaneState, Rerank
 from trio_gpuworker.supervisor import Lane, LoadSpec
 
 WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, kill_grace_s=1.0, shutdown_s=2.0,
@@ -23,6 +23,7 @@ WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, ki
 # every request ends within this much simulated time of its start, whatever the workers do (it may wait for a
 # queue, a restart with backoff and a standby's load, each bounded by a window)
 BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
+ROLL_TIMEOUT_S = 60.0  # a roll-over's own deadline when the step gives none: within BOUND
 SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
 
@@ -104,8 +105,8 @@ class World:
         q, docs = self._ids(3), [self._ids(1 + k % 5) for k in range(1 + step.arg % 5)]
         raw = np.concatenate([q, *docs]).astype("<i4").tobytes()
         reply = await self.sup.pick_lane("sim-a").call(
-            "RERANK", {"model_ref": "sim-a", "query_n_tokens": len(q),
-                       "candidates": [{"n_tokens": len(d)} for d in docs]}, raw, timeout=step.timeout)
+            Rerank(model_ref="sim-a", query_n_tokens=len(q), candidates=[{"n_tokens": len(d)} for d in docs],
+                   raw=raw), timeout=step.timeout)
         scores = np.frombuffer(reply.raw or b"", dtype="<f4")
         if not np.array_equal(scores, np.array([d.sum() for d in docs], dtype=np.float32)):
             self.found.append(f"{step}: scores are not its own: {scores.tolist()}")
@@ -115,11 +116,11 @@ class World:
         assert self.sup is not None
         lane = self.sup.pick_lane("sim-a")
         ids = self._ids(1 + step.arg % 9)
-        reply = await lane.call("GENERATE", {"model_ref": "sim-a", "max_tokens": step.arg}, ids.tobytes(),
+        reply = await lane.call(Generate(model_ref="sim-a", max_tokens=step.arg, raw=ids.tobytes()),
                                 timeout=step.timeout)
-        text, gen = reply["text"].rsplit(" g", 1)
+        text, gen = reply.text.rsplit(" g", 1)
         if text != f"sim {int(ids.sum())}":
-            self.found.append(f"{step}: text {reply['text']!r} is not its own")
+            self.found.append(f"{step}: text {reply.text!r} is not its own")
         if int(gen) not in self._gens_of(lane):
             self.found.append(f"{step}: answered by generation {gen}, which lane {lane.id} never ran")
         return None
@@ -141,6 +142,11 @@ class World:
     async def _reload(self, step: Step) -> str | None:
         assert self.sup is not None
         await self.sup.reload_lane(self._lane(step).id, timeout=step.timeout)
+        return None
+
+    async def _roll(self, step: Step) -> str | None:
+        """A roll-over (a tuner's kernels taking over), with a deadline inside BOUND when the caller gives none."""
+        await self._lane(step).roll_over(timeout=step.timeout if step.timeout is not None else ROLL_TIMEOUT_S)
         return None
 
     async def _drain(self, step: Step) -> str | None:

@@ -67,8 +67,8 @@ def _ordered_end_drops_the_open_request(original: Any) -> Any:
 def _quiesce_without_waking(original: Any) -> Any:
     """Item 3: RING_QUIESCED released the ring without faulting it, so its waiters stayed parked."""
     def on_lane_event(self: Any, lane: Any, generation: int, msg: Any) -> None:
-        end = self.ends.get(msg.get("ring_id", -1)) if msg is not None else None
-        if msg is not None and msg.t == "RING_QUIESCED" and end is not None and end.lane is lane:
+        end = self.ends.get(getattr(msg, "ring_id", -1)) if msg is not None else None
+        if msg is not None and msg.T == "RING_QUIESCED" and end is not None and end.lane is lane:
             end.ring.release()
             self.arena.release(end.lease, _dataplane.Quiesced(end.ring_id, pump_stopped=True))
             end.released = True

@@ -11,7 +11,7 @@ from tests.sim.worker import MISBEHAVIOURS, Fate
 ACTIONS = {  # action -> weight
     "embed": 10, "rerank": 4, "generate": 4, "ring": 4, "stale": 2, "park": 1,
     "load": 1, "unload": 1, "reload": 2, "drain": 1, "resume": 1,
-    "kill": 3, "hang": 2, "abort": 2,
+    "kill": 3, "hang": 2, "abort": 2, "roll": 1,
 }
 
 
@@ -62,7 +62,7 @@ def make_schedule(seed: int, max_steps: int = 14) -> Schedule:
         at += r.choice((0.0, 0.001, 0.05, 0.3, 1.0, 4.0))
         action = r.choices(names, weights)[0]
         arg = r.randint(0, 1) if action in ("kill", "hang") else r.randint(1, 24)
-        timeout = r.choice((0.01, 0.5, 3.0)) if action in ("embed", "rerank", "generate", "reload", "ring") \
+        timeout = r.choice((0.01, 0.5, 3.0)) if action in ("embed", "rerank", "generate", "reload", "ring", "roll") \
             and r.random() < 0.3 else None
         steps.append(Step(round(at, 3), action, r.randint(0, 1), arg, timeout))
     return Schedule(seed, lanes=r.choice((1, 2)), standby=r.random() < 0.5, strikes=r.choice((1, 2, 3)),

@@ -54,7 +54,9 @@ class LaneLifecycle:
         self.gens: dict[int, Generation] = {}
         self.closing = False
         self.generation = 0  # the active generation's number (the last one's while none is active)
-        self.restarts = self.promotions = self.standby_faults = 0
+        self.restarts = self.promotions = self.standby_faults = self.rollovers = 0
+        # roll_over asked for a successor that has not taken over yet (it loads as the standby does)
+        self.rolling = False
         self.after_stop: Stop | None = None  # why the active is STOPPING: what comes once it has ended
         self.quarantine_pending = False  # quarantined while the active generation had work open
 
@@ -127,7 +129,7 @@ class LaneLifecycle:
     def close(self, now: float) -> list[Effect]:
         """Stop admitting. An active generation serves what is queued, then every generation stops in order."""
         if not self.closing:
-            self.closing = True
+            self.closing, self.rolling = True, False
             if self.state in (L.RESTARTING, L.QUARANTINED, L.STOPPING):  # no generation will serve them
                 self.tickets.fail_queued(Outcome.SHUTTING_DOWN)
             self.step_lane(E.CLOSE)
@@ -166,6 +168,26 @@ class LaneLifecycle:
         if s is None or s.state not in (G.LOADING, G.READY):
             return None, []
         return self._own(s, kind, model, now)
+
+    def roll_over(self, now: float) -> list[Effect]:
+        """Replace the active generation by a fresh one that loads the lane's models as they are now (new settings,
+        tuned kernels), failing and delaying no request: the successor starts beside it as the standby does, loads,
+        and takes over at the first request boundary after that; the old one then stops in order. A standby with
+        the old settings is retired first. Closing or quarantined, there is nothing to roll over."""
+        if self.closing or self.policy.quarantined_until is not None or self.active is None:
+            return self._settled(now)
+        rules.retire_standby(self)
+        self.rolling = True
+        self.timing.standby_at = now
+        return self._settled(now)
+
+    def stop_rolling(self, now: float) -> list[Effect]:
+        """The roll-over's caller gave up: a successor that is not a configured standby stops."""
+        if self.rolling:
+            self.rolling = False
+            if not self.standby_enabled:
+                rules.retire_standby(self)
+        return self._settled(now)
 
     def replace_standby(self, now: float) -> list[Effect]:
         """The standby could not apply what the active generation did: stop it; a fresh one loads the models."""
@@ -300,6 +322,7 @@ class LaneLifecycle:
         self.gens[g.number] = g
         if role is Role.ACTIVE:
             self.active, self.generation = g, g.number
+            self.rolling = False  # a fresh active loads the models as they are now: nothing is left to roll over
             self.step_lane(E.SPAWNED)
         else:
             self.standby = g

@@ -34,7 +34,7 @@ class Stop(StrEnum):
     ABORT = "abort"
     CLOSE = "close"
     QUARANTINE = "quarantine"
-    RETIRE = "retire"  # a standby stopped in order (reload, quarantine, close, replaced)
+    RETIRE = "retire"  # a standby stopped in order (reload, quarantine, close, replaced), or a rolled-over active
 
 
 @dataclass(eq=False)

@@ -31,6 +31,8 @@ class LaneLifecycle(Protocol):
     generation: int
     restarts: int
     promotions: int
+    rollovers: int
+    rolling: bool
 
     def live(self) -> Iterator[Generation]: ...
 
@@ -79,6 +81,7 @@ def quarantine(m: LaneLifecycle) -> None:
     """Quarantine wins over everything: queued requests fail fast, the standby stops, and the active generation
     stops at its next request boundary."""
     m.tickets.fail_queued(Outcome.QUARANTINED)
+    m.rolling = False  # its successor stops with the standby; the generation after the quarantine loads anew
     retire_standby(m)
     if m.active is not None:
         m.quarantine_pending = True
@@ -110,7 +113,8 @@ def can_respawn(m: LaneLifecycle) -> bool:
 
 
 def wants_standby(m: LaneLifecycle) -> bool:
-    return m.standby_enabled and m.standby is None and not m.closing \
+    """A standby to start: the configured one, or a roll-over's successor (which loads as a standby does)."""
+    return (m.standby_enabled or m.rolling) and m.standby is None and not m.closing \
         and m.policy.quarantined_until is None and m.state in (L.READY, L.BUSY)
 
 
@@ -132,7 +136,7 @@ def _step(m: LaneLifecycle, now: float) -> bool:
             g.shutdown_sent = True
             m.send(g, m.tickets.new("SHUTDOWN", internal=True))
             return True
-    return _serve_next(m) or _promote(m, now) or _respawn(m, now)
+    return _roll_over(m, now) or _serve_next(m) or _promote(m, now) or _respawn(m, now)
 
 
 def _loaded(m: LaneLifecycle, g: Generation) -> None:
@@ -183,6 +187,25 @@ def _stop_active(m: LaneLifecycle, a: Generation, why: Stop, event: Event) -> No
     m.timing.standby_at = 0.0  # the successor's standby starts as soon as it serves
 
 
+def _roll_over(m: LaneLifecycle, now: float) -> bool:
+    """The successor is loaded and the active generation is between requests: it takes over, before the next
+    queued request is sent, so no request waits for a load and none sees two workers of the lane at once."""
+    a, s = m.active, m.standby
+    if not m.rolling or m.state is not L.READY or a is None or a.state is not G.READY or a.open is not None \
+            or a.pending or s is None or s.state is not G.READY or s.open is not None or s.pending:
+        return False
+    m.rolling = False
+    m.retiring.append(a)
+    stop(m, a, Stop.RETIRE)  # SHUTDOWN graceful on its idle connection: it has nothing open
+    s.step(E.PROMOTE)
+    s.role = Role.ACTIVE
+    m.active, m.standby, m.generation = s, None, s.number
+    m.step_lane(E.ROLL_OVER)
+    m.rollovers += 1
+    m.timing.standby_at = now  # a configured standby comes back at once, with the new settings
+    return True
+
+
 def _promote(m: LaneLifecycle, now: float) -> bool:
     s = m.standby
     if m.state is not L.RESTARTING or m.active is not None or s is None or s.state is not G.READY \
@@ -191,6 +214,7 @@ def _promote(m: LaneLifecycle, now: float) -> bool:
     s.step(E.PROMOTE)
     s.role = Role.ACTIVE
     m.active, m.standby, m.generation = s, None, s.number
+    m.rolling = False  # a roll-over's successor promoted after a fault: it has the new settings already
     m.step_lane(E.PROMOTE)
     m.promotions += 1
     m.timing.standby_promoted(now)

@@ -57,6 +57,7 @@ class Event(StrEnum):
     RELOAD = "reload"  # a reload reached the head of the queue: stop in order, then a fresh generation
     ABORT = "abort"  # abort_in_flight: SHUTDOWN now, past the open request, then a fresh generation
     PROMOTE = "promote"  # the ready standby takes over as the active generation
+    ROLL_OVER = "roll_over"  # a loaded successor takes over from the idle active generation, which stops in order
     QUARANTINE = "quarantine"  # the strike policy quarantined the lane
     COOLDOWN_OVER = "cooldown_over"  # the quarantine's cool-down ended (or a reload lifted it)
     CLOSE = "close"  # stop admitting; what is queued is still served
@@ -74,7 +75,7 @@ LANE_TRANSITIONS: dict[LaneState, dict[Event, LaneState]] = {
     L.LOADING: {E.LOADED: L.READY, E.PROGRESS: L.LOADING, E.FAULT: L.RESTARTING, E.ABORT: L.STOPPING,
                 E.ORDERED_STOP: L.STOPPING, E.RELOAD: L.STOPPING, E.CLOSE: L.DRAINING},
     L.READY: {E.REQUEST: L.BUSY, E.FAULT: L.RESTARTING, E.ABORT: L.STOPPING, E.ORDERED_STOP: L.STOPPING,
-              E.RELOAD: L.STOPPING, E.CLOSE: L.DRAINING},
+              E.RELOAD: L.STOPPING, E.CLOSE: L.DRAINING, E.ROLL_OVER: L.READY},
     L.BUSY: {E.REPLY: L.READY, E.PROGRESS: L.BUSY, E.FAULT: L.RESTARTING, E.ABORT: L.STOPPING,
              E.CLOSE: L.DRAINING},
     L.DRAINING: {E.HELLO: L.DRAINING, E.LOADED: L.DRAINING, E.REQUEST: L.DRAINING, E.REPLY: L.DRAINING,

@@ -23,7 +23,7 @@ from ._fields import (
     u32,
     uint,
 )
-from ._wire import WireMessage, collect, message, need, opt, raw_frame
+from ._wire import WireMessage, collect, message, need, numbered, opt, raw_frame
 
 ENGINE = exact_record(engine=text, version=text, build_flags=list_of(text))
 ITEM = record(id=uint, n_tokens=uint)
@@ -66,7 +66,7 @@ class HelloAck(WireMessage):
 
 @message("LOAD", DAEMON)
 class Load(WireMessage):
-    req_id: int = need(uint)
+    req_id: int = numbered()
     artifact_path: str = need(text)
     artifact_digest: str = need(text)
     format: str = need(text)
@@ -76,7 +76,7 @@ class Load(WireMessage):
 
 @message("EMBED_BATCH", DAEMON, serves=True)
 class EmbedBatch(WireMessage):
-    req_id: int = need(uint)
+    req_id: int = numbered()
     model_ref: str = need(text)
     pooling: str = need(one_of(*POOLINGS))
     normalize: bool = need(flag)
@@ -86,7 +86,7 @@ class EmbedBatch(WireMessage):
 
 @message("RERANK", DAEMON, serves=True)
 class Rerank(WireMessage):
-    req_id: int = need(uint)
+    req_id: int = numbered()
     model_ref: str = need(text)
     query_n_tokens: int = need(uint)
     candidates: list[dict[str, Any]] = need(list_of(CANDIDATE))
@@ -94,10 +94,10 @@ class Rerank(WireMessage):
 
 
 # the optional fields past `grammar` are negotiated extensions (_extensions.py): sent only to a worker that
-# advertised them
-@message("GENERATE", DAEMON, serves=True)
+# advertised them. The daemon has always written grammar and stream after them: `last` keeps those bytes.
+@message("GENERATE", DAEMON, serves=True, last=("grammar", "stream"))
 class Generate(WireMessage):
-    req_id: int = need(uint)
+    req_id: int = numbered()
     model_ref: str = need(text)
     max_tokens: int = need(uint)
     grammar: str | None = opt(optional(text))
@@ -117,7 +117,7 @@ class Generate(WireMessage):
 # ERR ends every sequence of the model's batch on both sides.
 @message("GENERATE_PACKED", DAEMON, serves=True)
 class GeneratePacked(WireMessage):
-    req_id: int = need(uint)
+    req_id: int = numbered()
     model_ref: str = need(text)
     steps: int = need(uint)
     join: list[dict[str, Any]] = need(list_of(JOINING))
@@ -128,13 +128,13 @@ class GeneratePacked(WireMessage):
 
 @message("UNLOAD", DAEMON)
 class Unload(WireMessage):
-    req_id: int = need(uint)
+    req_id: int = numbered()
     model_ref: str = need(text)
 
 
 @message("PING", DAEMON)
 class Ping(WireMessage):
-    req_id: int = need(uint)
+    req_id: int = numbered()
 
 
 # without req_id: out of band, past a request in flight (abort_in_flight); WORKER_STOPPED then has none
@@ -225,7 +225,7 @@ class WorkerStopped(WireMessage):
 
 
 # ends any request; _requests.py knows it by name, so it is listed under no request
-@message("ERR", WORKER)
+@message("ERR", WORKER, fails=True)
 class Err(WireMessage):
     req_id: int = need(uint)
     code: str = need(text)

@@ -4,15 +4,17 @@ h11's `_events.py` is the model. A message class is written once, with the `mess
 
     @message("UNLOAD", DAEMON)
     class Unload(WireMessage):
-        req_id: int = need(uint)
+        req_id: int = numbered()
         model_ref: str = need(text)
 
-`need(check)` is a required field, `opt(check)` an optional one (None: absent from the map), `raw_frame()` the
-raw frame that follows the control map. `ends=` names the requests a reply is terminal for, `precedes=` those it
-is an intermediate reply of, `serves=True` marks a request that serves a caller (its success clears the lane's
-strikes), `hint=True` a wake-up hint that is never a reply. Everything else, the schemas, TERMINAL,
-INTERMEDIATE, SERVING, WAKE_HINTS and the sender direction, is derived from the classes (_schema.py); nothing
-registers itself anywhere at import.
+`need(check)` is a required field, `opt(check)` an optional one (None: absent from the map), `numbered()` a
+request's req_id (required on the wire, filled in by the lane that sends it, so a request is built without
+one), `raw_frame()` the raw frame that follows the control map. `ends=` names the requests a reply is terminal
+for, `precedes=` those it is an intermediate reply of, `serves=True` marks a request that serves a caller (its
+success clears the lane's strikes), `hint=True` a wake-up hint that is never a reply, `fails=True` a reply saying
+its request failed (it clears no strike), `last=` fields a sender has always written after the others.
+Everything else, the schemas, TERMINAL, INTERMEDIATE, SERVING, WAKE_HINTS, FAILED_REPLIES and the sender
+direction, is derived from the classes (_schema.py); nothing registers itself anywhere at import.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from ._fields import BOTH, DAEMON, WORKER, Check, Spec
+from ._fields import BOTH, DAEMON, WORKER, Check, Spec, uint
 
 _CHECK, _OPTIONAL, _RAW = "check", "optional", "raw"
 W = TypeVar("W", bound="WireMessage")
@@ -36,6 +38,13 @@ def opt(check: Check) -> Any:
     """An optional field. None stands for absent: such a field is left out of the map when encoding. (GENERATE's
     `grammar` alone accepts an explicit null; the worker reads a null grammar as none, so that is the same.)"""
     return dataclasses.field(default=None, metadata={_CHECK: check, _OPTIONAL: True})
+
+
+def numbered() -> Any:
+    """A request's req_id: required on the wire, numbered by the connection that sends it (the daemon's
+    RequestTracker, in supervisor/_exchange.py), so a request is built without one. None until then; a None
+    req_id never passes the schema, so a request sent unnumbered fails before a byte is written."""
+    return dataclasses.field(default=None, metadata={_CHECK: uint})
 
 
 def raw_frame() -> Any:
@@ -54,6 +63,7 @@ class WireMessage:
     PRECEDES: ClassVar[tuple[type[WireMessage], ...]]  # the requests this reply is an intermediate reply of
     SERVES: ClassVar[bool]  # a request that serves a caller: only its success clears strikes
     HINT: ClassVar[bool]  # a wake-up hint (RING_READABLE, RING_WRITABLE): a notification, never a reply
+    FAILS: ClassVar[bool]  # a reply saying its request failed (ERR, STEP_FAILED, ...): it clears no strike
     SPEC: ClassVar[Spec]
     _REQUIRED: ClassVar[tuple[str, ...]]
     _OPTIONALS: ClassVar[tuple[str, ...]]
@@ -79,9 +89,11 @@ class WireMessage:
 
 
 def message(t: str, sender: str, *, exact: bool = False, ends: tuple[type[WireMessage], ...] = (),
-            precedes: tuple[type[WireMessage], ...] = (), serves: bool = False,
-            hint: bool = False) -> Callable[[type[W]], type[W]]:
-    """Make `cls` a frozen, keyword-only dataclass for wire message `t` and derive its schema from its fields."""
+            precedes: tuple[type[WireMessage], ...] = (), serves: bool = False, hint: bool = False,
+            fails: bool = False, last: tuple[str, ...] = ()) -> Callable[[type[W]], type[W]]:
+    """Make `cls` a frozen, keyword-only dataclass for wire message `t` and derive its schema from its fields.
+    `last`: fields written after the others (the order a sender has always used), whatever their declaration
+    order; the schema is the same."""
     assert sender in (DAEMON, WORKER, BOTH)
 
     def wrap(cls: type[W]) -> type[W]:
@@ -97,11 +109,12 @@ def message(t: str, sender: str, *, exact: bool = False, ends: tuple[type[WireMe
             else:
                 required[f.name] = f.metadata[_CHECK]
         dc.T, dc.SENDER, dc.EXACT, dc.RAW, dc.ENDS, dc.PRECEDES = t, sender, exact, raw, ends, precedes
-        dc.SERVES, dc.HINT = serves, hint
+        dc.SERVES, dc.HINT, dc.FAILS = serves, hint, fails
         dc.SPEC = Spec(sender, required, optional, raw=raw, exact=exact)
         dc._REQUIRED, dc._OPTIONALS = tuple(required), tuple(optional)
-        dc._NAMES = tuple((f.name, f.name in optional) for f in dataclasses.fields(dc) if f.name in required
-                          or f.name in optional)
+        names = [f.name for f in dataclasses.fields(dc) if f.name in required or f.name in optional]
+        names = [n for n in names if n not in last] + [n for n in last if n in names]
+        dc._NAMES = tuple((name, name in optional) for name in names)
         return dc
 
     return wrap

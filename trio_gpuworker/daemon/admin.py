@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from .._errors import LaneNotFound
-from .._proto import Message
+from .._proto import Progress
 from ..supervisor import DigestCache, Lane, LaneState, Supervisor, load_spec
 
 DRAIN_POLL_S = 0.05  # how often drain(wait=True) looks at the lane's queue
@@ -41,13 +41,13 @@ class LaneAdmin:
         lane = self.lane(lane_id)
         spec = await load_spec(self.sup.config.model(model), self.digests)
 
-        def progress(msg: Message) -> None:
+        def progress(msg: Progress) -> None:
             if on_progress is not None:
-                on_progress({"completed": msg.get("completed"), "phase": msg.get("phase")})
+                on_progress({"completed": msg.completed, "phase": msg.phase})
 
         reply = await lane.load_model(spec, timeout=timeout_s, on_progress=progress)
-        return {"lane_id": lane.id, "model": model, "generation": lane.generation, "model_ref": reply["model_ref"],
-                "dims": reply.get("dims"), "cold_load_ms": reply.get("cold_load_ms")}
+        return {"lane_id": lane.id, "model": model, "generation": lane.generation, "model_ref": reply.model_ref,
+                "dims": reply.dims, "cold_load_ms": reply.cold_load_ms}
 
     async def unload_model(self, lane_id: str, model: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         """UNLOAD `model`; later generations no longer load it. Lifts the lane's quarantine (§5)."""

@@ -139,13 +139,14 @@ def status_rows(lanes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             state += f" {ln['cooldown_remaining_s']:.0f}s"
         sb = ln.get("standby")
         standby = f"{sb['state']} g{sb['generation']} pid {sb['pid']}" if sb else None
-        out.append({**ln, "state": state, "standby": standby})
+        kernels = ", ".join(sorted(set((ln.get("kernels") or {}).values()))) or None  # tuned, untuned, fused...
+        out.append({**ln, "state": state, "standby": standby, "kernels": kernels})
     return out
 
 
 LANE_COLUMNS = [("LANE", "lane_id"), ("STATE", "state"), ("GEN", "generation"), ("PID", "pid"),
                 ("STRIKES", "strikes"), ("RSS_MB", "rss_mb"), ("QUEUED", "queued"), ("RESTARTS", "restarts"),
-                ("STANDBY", "standby"), ("MODELS", "models")]
+                ("STANDBY", "standby"), ("KERNELS", "kernels"), ("MODELS", "models")]
 
 
 class Progress:

@@ -100,7 +100,7 @@ class GenerationRoutes(ServingRoutes):
                 "total_tokens": out["n_prompt"] + out["n_gen"]}
 
     async def completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | EventStream:
-        model = self._model(body, "completions")
+        model = self._model(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
@@ -124,7 +124,7 @@ class GenerationRoutes(ServingRoutes):
                      "usage": self._usage(out)}
 
     async def chat_completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | EventStream:
-        model = self._model(body, "chat completions")
+        model = self._model(body)
         messages = self._messages(body.get("messages"))
         args, (stream, usage) = self._generation_args(body, chat=True), self._stream_flags(body)
         head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),

@@ -40,7 +40,7 @@ class RerankRoutes(ServingRoutes):
 
     async def rerank(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
         """Cohere's and Jina's shape; scores as the model gives them (a cross-encoder's logit, or a cosine)."""
-        model = self._model(body, "rerank")
+        model = self._model(body)
         docs = body.get("documents")
         if isinstance(docs, list) and docs and all(isinstance(d, dict) for d in docs):
             for i, d in enumerate(docs):  # [{"text": ...}] as Jina and Cohere's v1 send
@@ -60,7 +60,7 @@ class RerankRoutes(ServingRoutes):
         """TEI serves one model and its clients name none: without `model`, the one rerank model, else the one
         embedding model configured."""
         if body.get("model") is not None:
-            return self._model(body, "rerank")
+            return self._model(body)
         models = self.sup.config.models
         for kind in (RERANK, EMBEDDING):  # a cross-encoder before a bi-encoder
             of_kind = [m.id for m in models if m.kind == kind]

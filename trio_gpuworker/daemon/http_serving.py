@@ -15,7 +15,6 @@ import numpy as np
 import trio
 
 from .._errors import InvalidRequest
-from .._kinds import check_serves
 from .http_common import Raw
 
 if TYPE_CHECKING:
@@ -36,12 +35,13 @@ class ServingRoutes:
     http: HttpConfig
     _json_cpu: trio.CapacityLimiter
 
-    def _model(self, body: dict[str, Any], what: str) -> str:
-        """The body's model, if it serves `what` (an API request named as _kinds.API_REQUESTS does)."""
+    def _model(self, body: dict[str, Any]) -> str:
+        """The body's model, if one is configured (ModelNotFound, 404, before any other check of the body). Whether
+        its kind serves the route is the Supervisor's one check (supervisor/_route.py), as for the Python API."""
         model = body.get("model")
         if not isinstance(model, str):
             raise InvalidRequest("'model' must be a string")
-        check_serves(model, self.sup.model_config(model).kind, what)
+        self.sup.model_config(model)
         return model
 
     @staticmethod
@@ -55,10 +55,10 @@ class ServingRoutes:
         return value
 
     def _inputs(self, value: Any, key: str, *, ids: bool = False) -> list[Any]:
-        """A non-empty list of strings (or, with `ids`, of token-id lists, checked by the Supervisor), capped at
-        http.max_inputs."""
-        if not isinstance(value, list) or not value or not (
-                all(isinstance(x, str) for x in value) or (ids and all(isinstance(x, list) for x in value))):
+        """A non-empty list, capped at http.max_inputs: the HTTP API's own rules. What each item must be (a
+        string, or with `ids` a list of token ids) is the Supervisor's one check of the texts, as for the
+        Python API."""
+        if not isinstance(value, list) or not value:
             raise InvalidRequest(f"'{key}' must be a string or a non-empty list of strings"
                                  + (", a list of token ids or a non-empty list of them" if ids else ""))
         if len(value) > self.http.max_inputs:
@@ -67,7 +67,7 @@ class ServingRoutes:
         return value
 
     async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | Raw:
-        model = self._model(body, "embeddings")
+        model = self._model(body)
         inputs = body.get("input")
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(_is_id(x) for x in inputs)):
             inputs = [inputs]  # one text, or one input of token ids

@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator, Collection, MutableMapping
 from functools import partial
 from pathlib import Path
 
@@ -37,6 +37,8 @@ from .metrics import Metrics
 from .notify import Notifier
 from .reload import ReloadPlan, ReloadReport, Running, plan_reload
 from .startup import StartupReport
+from .tuned import TunedRecord
+from .tuner import BackgroundTuner, to_tune
 
 log = logging.getLogger("trio_gpuworker.daemon")
 
@@ -65,6 +67,13 @@ class Daemon:
         self.nursery: trio.Nursery | None = None
         self._reload_lock = trio.Lock()
         self._socket_ino: int | None = None
+        self.tuner: BackgroundTuner | None = None  # models tuned in the background, if any
+
+    def tuned(self, model: str) -> None:
+        """The tuner rolled `model`'s lanes over: what they run now is what a reload compares against."""
+        for lane in self.sup.lanes.values():
+            if model in lane.loads:
+                self.specs[model] = lane.loads[model]
 
     # --- listeners -----------------------------------------------------------------------------
 
@@ -129,6 +138,8 @@ class Daemon:
         if starting and not self.stopping:
             return f"{head}: {ready}/{len(lanes)} lanes ready; {'; '.join(starting)}"
         text = f"{head}: {ready}/{len(lanes)} lanes ready, {self.api.inflight} in flight, {self.api.served} served"
+        if self.tuner is not None and (tuning := self.tuner.describe()):
+            notes.append(tuning)
         return text + (f"; {'; '.join(notes)}" if notes else "")
 
     async def notify_loop(self) -> None:
@@ -179,7 +190,8 @@ class Daemon:
             log.info("reloading configuration from %s", self.config_path or "the embedded default")
             try:
                 new = load_config(self.config_path, dict(self.env))
-                specs = await resolve_specs(new.supervisor)  # a ConfigError here leaves everything as it was
+                # a ConfigError here leaves everything as it was
+                specs = await resolve_specs(new.supervisor, self.sup.untuned)
                 plan = plan_reload(self.cfg, new, Running(frozenset(self.sup.lanes), self.specs), specs=specs)
                 report = await self.carry_out(plan)
             except Exception as exc:
@@ -272,10 +284,12 @@ class Daemon:
         self.notifier.status("stopping workers")
 
 
-async def resolve_specs(sup_cfg: SupervisorConfig) -> dict[str, LoadSpec]:
-    """Each configured model's LoadSpec, its digest read from the cache or computed."""
+async def resolve_specs(sup_cfg: SupervisorConfig, untuned: Collection[str] = ()) -> dict[str, LoadSpec]:
+    """Each configured model's LoadSpec, its digest read from the cache or computed; those `untuned` (a
+    background tuner has not brought their kernels in yet) with beam 0, as their lanes run them."""
     cache = DigestCache(sup_cfg.state_dir / "digests.json")
-    return {m.id: await load_spec(m, cache) for m in sup_cfg.models}
+    return {m.id: await load_spec(dataclasses.replace(m, beam=0) if m.id in untuned else m, cache)
+            for m in sup_cfg.models}
 
 
 async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
@@ -293,9 +307,13 @@ async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
                 windows = cfg.supervisor.windows
                 with trio.CancelScope() as workers_stop:  # bounds the workers' shutdown after the drain
                     # the listeners come up while the lanes start: a first start is never minutes of silence
+                    record = TunedRecord(cfg.supervisor.state_dir)
+                    untuned = to_tune(cfg, record)  # serve first on untuned kernels; tune them in the background
                     async with Supervisor(cfg.supervisor, admission=cfg.admission, batching=cfg.batching,
-                                          wait_for_lanes=False) as sup:
+                                          wait_for_lanes=False, untuned=frozenset(untuned)) as sup:
                         daemon = Daemon(cfg, sup, config_path=config_path, env=env, notifier=notifier)
+                        if untuned:
+                            daemon.tuner = BackgroundTuner(cfg, untuned, record, on_tuned=daemon.tuned)
                         async with trio.open_nursery() as inner:
                             daemon.nursery = inner
                             await inner.start(daemon.metrics.watch_events)
@@ -307,6 +325,8 @@ async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
                             if await report.run(until=daemon.stop_requested):  # READY=1 once every lane settled
                                 notifier.ready(daemon.status_line())
                                 log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
+                            if daemon.tuner is not None:
+                                inner.start_soon(daemon.tuner.run, sup)
                             task_status.started(daemon)
                             await daemon.stop_requested.wait()
                             await daemon.drain()

@@ -9,25 +9,25 @@ lane drains only the micro-batch in flight.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import trio
 
 from .._config import ModelConfig, SupervisorConfig
-from .._errors import DeadlineExceeded, InvalidRequest, ModelNotFound, RemoteProtocolError
+from .._errors import InvalidRequest, ModelNotFound
 from .._kinds import GENERATE, RERANK
+from .._proto import EmbedBatch, Rerank, Vectors
 from . import _generate
 from . import _requests as rq
 from ._generate import OnDelta
+from ._route import EMBEDDINGS, RERANKING, Flight, Q, R, Route, serving_model
 
 if TYPE_CHECKING:
     from ..tokenization import EmbeddingTokenizer
-    from ._admission import Scheduler, Ticket
+    from ._admission import Scheduler
     from ._batching import Batcher
     from ._dispatch import EmbedDispatch
     from ._lane import Lane
@@ -52,24 +52,9 @@ class ServingApi:
         3-word encode_batch on the loop waits there for a large one that a thread is running."""
         return await trio.to_thread.run_sync(fn, limiter=self._cpu)
 
-    def _admit(self, model: str, nbytes: int) -> AbstractContextManager[Ticket | None]:
-        return self.scheduler.admit(model, nbytes) if self.scheduler is not None else nullcontext()
-
-    @staticmethod
-    def _deadline(timeout: float | None) -> float:
-        if timeout is not None and (not isinstance(timeout, int | float) or isinstance(timeout, bool)
-                                    or math.isnan(timeout) or timeout < 0):
-            raise InvalidRequest(f"timeout must be a number of seconds >= 0, got {timeout!r}")
-        return math.inf if timeout is None else trio.current_time() + timeout
-
-    @staticmethod
-    def _left(deadline: float, what: str, timeout: float | None) -> float | None:
-        if math.isinf(deadline):
-            return None
-        left = deadline - trio.current_time()
-        if left <= 0:
-            raise DeadlineExceeded(f"{what} did not finish within {timeout:g} s")
-        return left
+    def _flight(self, route: Route[Q, R], model: str) -> Flight[Q, R]:
+        """One request of `route`'s kind on `model`: the model is looked up and its kind checked here."""
+        return Flight(route, self.config, self.scheduler, self.pick_lane, model)
 
     # --- tokenization --------------------------------------------------------------------------
 
@@ -185,12 +170,13 @@ class ServingApi:
         (`tokenize` returns them with). Inputs longer than the model's max_tokens are cut there, or refused with
         RequestTooLarge naming the input when `truncate` is false. `dimensions` (one of the model's
         matryoshka_dims) keeps the leading dimensions of each vector, renormalized when `normalize` is on."""
-        mc = rq.serving_model(self.config.model(model), "embeddings")
+        flight = self._flight(EMBEDDINGS, model)
+        mc = flight.mc
         is_ids, items = rq.check_inputs(texts, "input")
         pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
         truncate = rq.check_flag(truncate, "truncate", True)
         dims = rq.check_dimensions(dimensions, mc)
-        deadline = self._deadline(timeout)
+        flight.start(timeout)
         if not items:
             return np.zeros((0, dims or self.dispatch.dims.get(model, 0)), dtype=np.float32), 0
         if is_ids:
@@ -200,11 +186,11 @@ class ServingApi:
                 rq.refuse_long_texts(items, [f"input[{i}]" for i in range(len(items))], rq.char_cap(mc), model)
             items = rq.cap_texts(items, rq.char_cap(mc))
             nbytes = rq.id_bytes_bound(items, mc.max_tokens)
-        with self._admit(model, nbytes) as ticket:
+        with flight.admit(nbytes) as ticket:
             await self._tokenizer_loaded(model)
             encode = self._id_rows if is_ids else self._text_rows
             rows = await self._off_loop(lambda: encode(items, model, mc.max_tokens, truncate))
-            vecs = await self._embed_admitted(rows, model, pooling, normalize, deadline, timeout, ticket)
+            vecs = await self._embed_admitted(rows, flight, pooling, normalize)
             n_tokens = sum(len(r) for r in rows)
             if ticket is not None:
                 ticket.count_tokens(n_tokens)
@@ -228,39 +214,40 @@ class ServingApi:
                          timeout: float | None = None) -> np.ndarray:
         """Token-id rows -> embeddings, admitted against the model's queue budget (with the daemon's
         `scheduler`), batched with concurrent requests (with its `batcher`), in frames that fit."""
-        mc = rq.serving_model(self.config.model(model), "embeddings")
+        flight = self._flight(EMBEDDINGS, model)
         rows = rq.check_rows(rows)
-        pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
-        deadline = self._deadline(timeout)
+        pooling, normalize = rq.check_pooling(pooling, flight.mc), rq.check_normalize(normalize, flight.mc)
+        flight.start(timeout)
         if not rows:
             return np.zeros((0, self.dispatch.dims.get(model, 0)), dtype=np.float32)
-        with self._admit(model, rq.ID_BYTES * sum(len(r) for r in rows)) as ticket:
-            return await self._embed_admitted(rows, model, pooling, normalize, deadline, timeout, ticket)
+        with flight.admit(rq.ID_BYTES * sum(len(r) for r in rows)):
+            return await self._embed_admitted(rows, flight, pooling, normalize)
 
-    async def _embed_admitted(self, rows: list[np.ndarray], model: str, pooling: str, normalize: bool,
-                              deadline: float, timeout: float | None, ticket: Ticket | None) -> np.ndarray:
+    async def _embed_admitted(self, rows: list[np.ndarray], flight: Flight[EmbedBatch, Vectors], pooling: str,
+                              normalize: bool) -> np.ndarray:
+        model, ticket = flight.model, flight.ticket
         chunks = rq.plan_chunks([len(r) for r in rows], max_items=self.config.max_batch_items,
                                 max_bytes=self.config.max_frame)
-        batcher, started = self.batcher, ticket.timing().started if ticket else None
+        batcher, timing = self.batcher, flight.timing()
+        started = timing.started if timing is not None else None
         if batcher.enabled and len(chunks) == 1:
             # batches hold at most max_batch_items rows, which config validation guarantees fit a frame
             return await batcher.embed(rows, model=model, pooling=pooling, normalize=normalize,
-                                       timeout=self._left(deadline, "embedding request", timeout),
+                                       timeout=flight.left("embedding request"),
                                        on_settled=ticket.job if ticket else None, on_started=started)
         parts = []
         for a, b in chunks:  # one micro-batch at a time: a caller that leaves stops the rest
-            left = self._left(deadline, f"embedding request on {model!r}", timeout)
+            left = flight.left(f"embedding request on {model!r}")
             # rows were checked above and each chunk was planned to fit a frame: straight to the lane
             parts.append(await self.dispatch(rows[a:b], model=model, pooling=pooling, normalize=normalize,
-                                             timeout=left, on_settled=ticket.job() if ticket else None,
-                                             on_started=started))
+                                             timeout=left, on_settled=flight.settled(), on_started=started))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     async def embed_ids(self, rows: list[np.ndarray], *, model: str, pooling: str, normalize: bool,
                         timeout: float | None = None, on_settled: Callable[[], None] | None = None) -> np.ndarray:
         """One EMBED_BATCH: at most max_batch_items rows whose ids fit one frame (else RequestTooLarge)."""
         try:
-            mc = rq.serving_model(self.config.model(model), "embeddings")
+            mc = serving_model(self.config, model, EMBEDDINGS)
             rows = rq.check_rows(rows)
             pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
             if len(rq.plan_chunks([len(r) for r in rows], max_items=max(len(rows), 1),
@@ -291,13 +278,14 @@ class ServingApi:
         `max_tokens_per_doc` tokens when given. What does not fit the model (the pair [CLS] query [SEP] doc [SEP]
         for a cross-encoder, each text with [CLS]/[SEP] for a bi-encoder) is cut by the worker, or refused with
         RequestTooLarge naming it when `truncate` is false."""
-        mc = rq.serving_model(self.config.model(model), "rerank")
+        flight = self._flight(RERANKING, model)
+        mc = flight.mc
         if not isinstance(query, str):
             raise InvalidRequest("query must be a string")
         docs = rq.check_texts(documents, "documents")
         truncate = rq.check_flag(truncate, "truncate", True)
         per_doc = rq.check_count(max_tokens_per_doc, "max_tokens_per_doc")
-        deadline = self._deadline(timeout)
+        flight.start(timeout)
         if not docs:
             return np.zeros(0, dtype=np.float32), "none", 0
         texts = [query, *docs]
@@ -305,16 +293,19 @@ class ServingApi:
             rq.refuse_long_texts(texts, ["query", *(f"documents[{i}]" for i in range(len(docs)))], rq.char_cap(mc),
                                  model)
         texts = rq.cap_texts(texts, rq.char_cap(mc))
-        with self._admit(model, rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
+        with flight.admit(rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
             await self._tokenizer_loaded(model)
             q, *ids = await self._off_loop(lambda: self._encode_rerank(model, mc, texts, truncate, per_doc))
             chunks = rq.plan_chunks([len(d) for d in ids], max_items=self.config.max_batch_items,
                                     max_bytes=self.config.max_frame, fixed=len(q), what="documents")
             scores, method = [], "cross_encoder"
             for a, b in chunks:
-                left = self._left(deadline, f"rerank on {model!r}", timeout)
-                part, method = await self._rerank_ids(q, ids[a:b], model, left, ticket)
-                scores.append(part)
+                docs_ids = ids[a:b]
+                reply = await flight.call(
+                    Rerank(model_ref=model, query_n_tokens=len(q), candidates=[{"n_tokens": len(d)} for d in docs_ids],
+                           raw=np.concatenate([q, *docs_ids]).astype("<i4").tobytes()), f"rerank on {model!r}")
+                scores.append(np.frombuffer(reply.raw, dtype="<f4").copy())
+                method = reply.method or "cross_encoder"
             n_tokens = len(q) + sum(len(d) for d in ids)
             if ticket is not None:
                 ticket.count_tokens(n_tokens)
@@ -335,19 +326,6 @@ class ServingApi:
             specials = tok.pair_specials if mc.kind == RERANK else tok.single_specials
             rq.check_rerank_fit(lengths, pair=mc.kind == RERANK, specials=specials, cap=mc.max_tokens, model=model)
         return ids
-
-    async def _rerank_ids(self, q: np.ndarray, docs: list[np.ndarray], model: str, timeout: float | None,
-                          ticket: Ticket | None) -> tuple[np.ndarray, str]:
-        lane = self.pick_lane(model)
-        raw = np.concatenate([q, *docs]).astype("<i4").tobytes()
-        reply = await lane.call("RERANK", {"model_ref": model, "query_n_tokens": len(q),
-                                           "candidates": [{"n_tokens": len(d)} for d in docs]}, raw,
-                                timeout=timeout, on_settled=ticket.job() if ticket else None,
-                                on_started=ticket.timing().started if ticket else None)
-        if reply["n"] != len(docs) or len(reply.raw or b"") != 4 * len(docs):
-            raise RemoteProtocolError(
-                f"SCORES: n={reply['n']} raw_len={len(reply.raw or b'')} for {len(docs)} documents")
-        return np.frombuffer(reply.raw, dtype="<f4").copy(), reply.get("method", "cross_encoder")
 
     # --- generation ----------------------------------------------------------------------------
 

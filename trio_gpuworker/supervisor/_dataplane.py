@@ -14,6 +14,7 @@ import trio
 
 from cython_ring import EgressState, IngressState, ObjectSpec
 
+from .. import _proto as wire  # its RingFault and ObjectFailed are the messages; _errors' the exceptions
 from .._errors import (
     ArenaError,
     BrokenWorkerError,
@@ -23,7 +24,19 @@ from .._errors import (
     RingFault,
     WorkerError,
 )
-from .._proto import Message
+from .._proto import (
+    HANDLE_ID,
+    InstallRing,
+    LoadedRow,
+    ObjectLoaded,
+    ObjectsLoaded,
+    RingInstalled,
+    RingQuiesced,
+    RingReadable,
+    RingWritable,
+    UninstallRing,
+    WireMessage,
+)
 from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
 from ._ringend import RingEnd
@@ -91,17 +104,16 @@ class DataPlane(RingIO):
         layout = {"offset": lease.offset, "header_len": 128, "capacity": lease.capacity}
         waiting, early = [True], []
 
-        def answered(reply: Message | None, error: BaseException | None) -> None:
+        def answered(reply: WireMessage | None, error: BaseException | None) -> None:
             if waiting[0]:  # its caller may be leaving right now (see DeadlineExceeded below)
                 return early.append((reply, error))
             self._orphan_answered(end, reply, error)
 
         try:
             # if the worker dies meanwhile, the reaped-worker hook releases the lease
-            reply = await lane.call("INSTALL_RING", {"ring_id": lease.ring_id, "edge_id": edge_id,
-                                                     "port_id": port_id, "direction": direction, "layout": layout,
-                                                     "object_spec": spec.to_wire()}, timeout=timeout,
-                                    on_result=answered, generation=generation)
+            reply = await lane.call(InstallRing(ring_id=lease.ring_id, edge_id=edge_id, port_id=port_id,
+                                                direction=direction, layout=layout, object_spec=spec.to_wire()),
+                                    timeout=timeout, on_result=answered, generation=generation)
         except DeadlineExceeded:
             waiting[0] = False
             for answer in early:  # settled as its caller left (dropped from the queue): undo it now
@@ -112,18 +124,18 @@ class DataPlane(RingIO):
         except WorkerError as exc:  # ERR: the worker refused it, nothing was installed
             self._release(end, Quiesced(lease.ring_id, pump_stopped=True), RingFault(exc.code, exc.message))
             raise
-        if reply.t == "RING_FAULT":
-            fault = RingFault(reply["reason"], reply.get("msg", "the worker refused the ring"))
+        if isinstance(reply, wire.RingFault):
+            fault = RingFault(reply.reason, reply.msg or "the worker refused the ring")
             self._release(end, Quiesced(lease.ring_id, pump_stopped=True), fault)
             raise fault
         return end
 
-    def _orphan_answered(self, end: RingEnd, reply: Message | None, error: BaseException | None) -> None:
+    def _orphan_answered(self, end: RingEnd, reply: WireMessage | None, error: BaseException | None) -> None:
         """Its installer gave up waiting: an installed ring is uninstalled, a refused one released at once (if its
         worker died instead, the reaped-worker hook releases it)."""
         if end.released:
             return
-        if reply is not None and reply.t == "RING_INSTALLED":
+        if isinstance(reply, RingInstalled):
             if self._nursery is not None:
                 self._nursery.start_soon(self._uninstall_quietly, end)
         elif reply is not None or error is None or isinstance(error, WorkerError):  # refused, or never sent
@@ -139,18 +151,18 @@ class DataPlane(RingIO):
         end.fail(RingFault("worker_shutting_down", "ring uninstalled"))
         if end.released:
             return
-        fields = {"ring_id": end.ring_id, "reason": reason}
+        uninstall = UninstallRing(ring_id=end.ring_id, reason=reason)
         if end.steps:
             # a step blocked on this ring's space holds the lane: the notification form reaches the worker
             # past it, the step fails invalid_output_ring, and RING_QUIESCED comes back without req_id
-            await self._notify_fields(end, "UNINSTALL_RING", fields)
+            await self._notify_message(end, uninstall)
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 await end.quiesced.wait()
             if not end.released:
                 raise DeadlineExceeded(f"ring {end.ring_id} was not quiesced within {timeout:g} s")
             return
-        reply = await end.lane.call("UNINSTALL_RING", fields, timeout=timeout, generation=end.generation)
-        if reply.t == "RING_QUIESCED" and not end.released:
+        reply = await end.lane.call(uninstall, timeout=timeout, generation=end.generation)
+        if isinstance(reply, RingQuiesced) and not end.released:
             self._release(end, Quiesced(end.ring_id, pump_stopped=True), end.fault)
 
     def _release(self, end: RingEnd, proof: Any, fault: RingFault) -> None:
@@ -184,47 +196,45 @@ class DataPlane(RingIO):
 
     # --- events from lanes -----------------------------------------------------------------------
 
-    def on_lane_event(self, lane: Lane, generation: int, msg: Message | None) -> None:
+    def on_lane_event(self, lane: Lane, generation: int, msg: WireMessage | None) -> None:
         if msg is None:
             self._generation_gone(lane, generation)
             return
-        end = self.ends.get(msg.get("ring_id", -1))
+        end = self.ends.get(getattr(msg, "ring_id", -1))
         if end is None or end.lane is not lane or end.generation != generation:
             return
-        if msg.t in ("RING_READABLE", "RING_WRITABLE"):
-            end.hint.set()
-            return
-        if msg.t == "OBJECTS_LOADED":
-            if rows := msg["objects"]:
-                end.events.append(rows)
-                self.steps.handles.minted(lane, generation, map(itemgetter(3), rows))
-            end.event_ready.set()
-            return
-        if msg.t == "OBJECT_LOADED":  # the per-object form: a batch of one
-            handle_id = msg["device_handle"]["id"]
-            end.events.append([[msg["object_id"], msg["sequence"], msg["extent"], handle_id]])
-            self.steps.handles.minted(lane, generation, (handle_id,))
-            end.event_ready.set()
-            return
-        if msg.t == "RING_QUIESCED":  # an out-of-band UNINSTALL_RING's answer, or its worker stopping in order
-            with contextlib.suppress(ArenaError):  # a refused proof keeps the lease until the worker is reaped
-                self._release(end, Quiesced(end.ring_id, pump_stopped=True),
-                              RingFault("worker_shutting_down", f"ring {end.ring_id} was quiesced"))
-            return
-        if msg.t == "RING_FAULT":
-            end.fail(RingFault(msg["reason"], msg.get("msg", "")))
-        end.events.append(msg)
-        end.event_ready.set()
+        match msg:
+            case RingReadable() | RingWritable():
+                end.hint.set()
+            case ObjectsLoaded(objects=rows):
+                if rows:
+                    end.events.append(rows)
+                    self.steps.handles.minted(lane, generation, map(itemgetter(HANDLE_ID), rows))
+                end.event_ready.set()
+            case ObjectLoaded():  # the per-object form: a batch of one
+                handle_id = msg.device_handle["id"]
+                end.events.append([list(LoadedRow(msg.object_id, msg.sequence, msg.extent, handle_id))])
+                self.steps.handles.minted(lane, generation, (handle_id,))
+                end.event_ready.set()
+            case RingQuiesced():  # an out-of-band UNINSTALL_RING's answer, or its worker stopping in order
+                with contextlib.suppress(ArenaError):  # a refused proof keeps the lease until the worker is reaped
+                    self._release(end, Quiesced(end.ring_id, pump_stopped=True),
+                                  RingFault("worker_shutting_down", f"ring {end.ring_id} was quiesced"))
+            case wire.RingFault() | wire.ObjectFailed():
+                if isinstance(msg, wire.RingFault):
+                    end.fail(RingFault(msg.reason, msg.msg or ""))
+                end.events.append(msg)
+                end.event_ready.set()
 
     def _generation_gone(self, lane: Lane, generation: int) -> None:
         """The worker is reaped: its handles are void; fault every ring it had, tell subscribers, release leases."""
         self.steps.handles.generation_gone(lane, generation)
         pid, rc, gone = *lane.last_reaped, f"worker of lane {lane.id} generation {generation} exited"
         for end in [e for e in self.ends.values() if e.lane is lane and e.generation == generation]:
-            fault = {"ring_id": end.ring_id, "edge_id": end.edge_id, "port_id": end.port_id,
-                     "reason": "worker_process_exited"}
-            end.events.append(Message("RING_FAULT", fault))
-            self.bus.publish({"t": "RING_FAULT", **fault, "lane_id": lane.id, "generation": generation,
+            fault = wire.RingFault(ring_id=end.ring_id, edge_id=end.edge_id, port_id=end.port_id,
+                                   reason="worker_process_exited")
+            end.events.append(fault)
+            self.bus.publish({"t": fault.T, **fault.to_fields(), "lane_id": lane.id, "generation": generation,
                               "synthetic": True})
             self._release(end, Reaped(pid, rc, pump_stopped=True), RingFault("worker_process_exited", gone))
 

@@ -1,5 +1,6 @@
 """One embedding job on the lanes the router picks: what the Supervisor's API and its Batcher both send through,
-so neither calls back into the other. A job large enough to share is spread over the model's idle replicas."""
+so neither calls back into the other. A job large enough to share is spread over the model's idle replicas; each
+part reaches its lane, and has its VECTORS checked, through _route.send like every other request kind."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from .._errors import RemoteProtocolError
+from .._proto import EmbedBatch
 from ._admission import Router
+from ._route import EMBEDDINGS, send
 
 if TYPE_CHECKING:
     from ._lane import Lane
@@ -28,8 +30,7 @@ def split_rows(lengths: list[int], parts: int) -> list[np.ndarray]:
 
 
 class EmbedDispatch:
-    """Sends checked token-id rows as EMBED_BATCH requests and checks the VECTORS replies; remembers each
-    model's dims."""
+    """Sends checked token-id rows as EMBED_BATCH requests; remembers each model's dims."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -87,14 +88,9 @@ class EmbedDispatch:
     async def _one(self, lane: Lane, rows: list[np.ndarray], model: str, pooling: str, normalize: bool,
                    timeout: float | None, on_settled: Callable[[], None] | None,
                    on_started: Callable[[], None] | None = None) -> np.ndarray:
-        items = [{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)]
-        raw = (np.concatenate(rows) if rows else np.zeros(0)).astype("<i4").tobytes()
-        reply = await lane.call("EMBED_BATCH", {"model_ref": model, "pooling": pooling, "normalize": normalize,
-                                                "items": items}, raw, timeout=timeout, on_settled=on_settled,
-                                on_started=on_started)
-        n, dims = reply["n"], reply["dims"]
-        if n != len(rows) or len(reply.raw or b"") != n * dims * 4:
-            raise RemoteProtocolError(f"VECTORS: n={n} dims={dims} raw_len={len(reply.raw or b'')} "
-                                      f"for {len(rows)} rows")
-        self.dims[model] = dims
-        return np.frombuffer(reply.raw, dtype="<f4").reshape(n, dims).copy()
+        request = EmbedBatch(model_ref=model, pooling=pooling, normalize=normalize,
+                             items=[{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)],
+                             raw=(np.concatenate(rows) if rows else np.zeros(0)).astype("<i4").tobytes())
+        reply = await send(lane, request, EMBEDDINGS, timeout=timeout, on_settled=on_settled, on_started=on_started)
+        self.dims[model] = reply.dims
+        return np.frombuffer(reply.raw, dtype="<f4").reshape(reply.n, reply.dims).copy()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -13,6 +14,9 @@ from .._errors import InvalidRequest, LocalProtocolError, OutgoingFrameTooLarge,
 from .._proto import (
     EXT_CANCEL,
     SERVING,
+    Cancel,
+    Generate,
+    Load,
     Message,
     ReplyKind,
     RequestTracker,
@@ -30,7 +34,15 @@ def silence_window(windows: Windows, t: str) -> float:
     does not buy itself 600 s); LOAD (and the compilation it does) has the load window."""
     if t in SERVING:
         return windows.inference_s
-    return windows.load_s if t == "LOAD" else windows.control_s
+    return windows.load_s if t == Load.T else windows.control_s
+
+
+def numbered(fields: dict[str, Any], req_id: int) -> dict[str, Any]:
+    """The request's control map with the lane's req_id, which goes last: the bytes every worker has always
+    been sent (a request's class declares req_id first, but builds without it)."""
+    fields.pop("req_id", None)
+    fields["req_id"] = req_id
+    return fields
 
 
 def rejected(t: str, exc: LocalProtocolError) -> InvalidRequest:
@@ -51,18 +63,20 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
     the worker is waiting on us rather than hung (an EXECUTE_STEP blocked on an egress ring nobody pulls): then
     the window starts again instead of striking it.
     """
+    assert job.request is not None  # RELOAD never reaches a worker as itself
+    fields = job.request.to_fields()
     has = advertised(wp.hello)
-    if missing := required_extensions(job.t, job.fields) - has:
+    if missing := required_extensions(job.t, fields) - has:
         raise InvalidRequest(f"{job.t}: this worker does not support {describe_extensions(missing)} (its HELLO "
                              "did not advertise it)")
     try:
         req_id = tracker.begin(job.t)
-        chunks = wp.encode(job.t, {**job.fields, "req_id": req_id}, job.raw)
+        chunks = wp.encode(job.t, numbered(fields, req_id), job.request.payload())
     except LocalProtocolError as exc:
         tracker.abort()
         raise rejected(job.t, exc) from exc
     # a caller that leaves a GENERATE stops it (CANCEL, out of band) where the worker can; else it drains
-    cancellable = job.t == "GENERATE" and EXT_CANCEL in has
+    cancellable = isinstance(job.request, Generate) and EXT_CANCEL in has
     interrupt: trio.CancelScope | None = None
     if cancellable:
         job.on_abandon = lambda: interrupt.cancel() if interrupt is not None else None
@@ -82,7 +96,7 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
             while True:
                 if cancellable and job.abandoned:
                     cancellable = False
-                    await wp.send("CANCEL", {"req_id": req_id})  # a broken socket: recorded, cancels us
+                    await wp.send_message(Cancel(req_id=req_id))  # a broken socket: recorded, cancels us
                 with trio.CancelScope() as interrupt:
                     msg = await wp.replies.receive()
                 if interrupt.cancelled_caught:
@@ -98,7 +112,7 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
                     if on_progress is not None:
                         on_progress()
                     if job.on_progress is not None and not job.abandoned:
-                        job.on_progress(msg)
+                        job.on_progress(msg.typed())
                     continue
                 if verdict.kind is ReplyKind.INTERMEDIATE:
                     extras.append(msg)

@@ -23,7 +23,7 @@ import numpy as np
 import trio
 
 from .._errors import BrokenWorkerError, DeadlineExceeded, InvalidRequest, WorkerError
-from .._proto import EXT_PACKED, PACKED_SLOTS, Message, advertised
+from .._proto import EXT_PACKED, PACKED_SLOTS, GeneratePacked, Texts, WireMessage, advertised
 
 if TYPE_CHECKING:
     from ._admission import Timing
@@ -117,11 +117,11 @@ class Packer:
             self.live[w.seq] = w
         self.peak = max(self.peak, len(self.live))
         streams = any(w.on_delta is not None for w in self.live.values())
-        fields = {"model_ref": self.model, "steps": STREAM_STEPS if streams else CHUNK_STEPS, "leave": leave,
-                  "live": live,
-                  "join": [{"seq": w.seq, "n_tokens": len(w.ids), **{k: w.fields[k] for k in JOIN_FIELDS
-                                                                      if k in w.fields}} for w in joining]}
-        raw = b"".join(w.ids.tobytes() for w in joining)
+        request = GeneratePacked(
+            model_ref=self.model, steps=STREAM_STEPS if streams else CHUNK_STEPS, leave=leave, live=live,
+            join=[{"seq": w.seq, "n_tokens": len(w.ids), **{k: w.fields[k] for k in JOIN_FIELDS if k in w.fields}}
+                  for w in joining],
+            raw=b"".join(w.ids.tobytes() for w in joining))
         self.busy, settled = True, False
 
         def started() -> None:
@@ -130,7 +130,7 @@ class Packer:
                 if w.timing is not None:
                     w.timing.started()
 
-        def on_result(reply: Message | None, error: BaseException | None) -> None:
+        def on_result(reply: WireMessage | None, error: BaseException | None) -> None:
             nonlocal settled
             if not settled:
                 settled = True
@@ -141,16 +141,16 @@ class Packer:
             # leaving (it waits at most one chunk more) must not abandon it. Live sequences exist only in the
             # generation that holds them: another one fails them (BrokenWorkerError).
             with trio.CancelScope(shield=True):
-                await self.lane.call("GENERATE_PACKED", fields, raw, on_result=on_result, on_started=started,
+                await self.lane.call(request, on_result=on_result, on_started=started,
                                      generation=self.generation if live else None)
         except Exception as exc:  # every sequence of the chunk gets it, through on_result
             on_result(None, exc)
 
-    def _apply(self, reply: Message | None, error: BaseException | None) -> None:
+    def _apply(self, reply: WireMessage | None, error: BaseException | None) -> None:
         """A chunk's answer: each sequence's text and end, or the error that ends the whole batch."""
         self.busy = False
         try:
-            if error is not None or reply is None:
+            if error is not None or not isinstance(reply, Texts):
                 fallback = isinstance(error, WorkerError) and error.code == "unsupported_request"
                 self.unsupported = self.unsupported or fallback
                 for w in list(self.live.values()):
@@ -163,10 +163,10 @@ class Packer:
                 self.leaving.clear()
                 self.generation = None
                 return
-            for f in reply.get("failed") or []:
+            for f in reply.failed or []:
                 if (w := self.live.pop(f["seq"], None)) is not None:
                     w.end(InvalidRequest(f"{f['code']}: {f['msg']}"))
-            for r in reply["seqs"]:
+            for r in reply.seqs:
                 if (w := self.live.get(r["seq"])) is None:
                     continue  # its caller left during the chunk: it is in `leaving`, or the worker dropped it
                 w.parts.append(r["text"])

@@ -9,23 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import trio
 
 from .._errors import InvalidRequest
-from .._proto import MAX_TOP_LOGPROBS
+from .._proto import MAX_TOP_LOGPROBS, Generate, Progress, TextDelta, WireMessage
 from . import _requests as rq
 from ._genbatch import packer_for
-
-if TYPE_CHECKING:
-    from .._config import SupervisorConfig
-    from .._proto import Message
-    from ._admission import Ticket
-    from ._lane import Lane
+from ._route import GENERATION, Flight, Q, R, Route
 
 MAX_STOPS = 4  # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 256
@@ -35,18 +29,14 @@ T = TypeVar("T")
 
 
 class GenerateHost(Protocol):
-    """What generate() needs of the ServingApi that calls it: the config, admission, the chat tokenizer, the CPU
-    threads tokenization runs on, deadlines and the lane choice."""
+    """What generate() needs of the ServingApi that calls it: its request path (_route.Flight: the model's kind
+    check, deadline, admission, lane choice), the chat tokenizer and the CPU threads tokenization runs on."""
 
-    config: SupervisorConfig
     _cpu: trio.CapacityLimiter
 
     def _off_loop(self, fn: Callable[[], T]) -> Awaitable[T]: ...
-    def _admit(self, model: str, nbytes: int) -> AbstractContextManager[Ticket | None]: ...
-    def _deadline(self, timeout: float | None) -> float: ...
-    def _left(self, deadline: float, what: str, timeout: float | None) -> float | None: ...
+    def _flight(self, route: Route[Q, R], model: str) -> Flight[Q, R]: ...
     def chat_tokenizer(self, model: str) -> Any: ...
-    def pick_lane(self, model: str) -> Lane: ...
 
 
 @dataclass(frozen=True)
@@ -116,7 +106,8 @@ async def generate(api: GenerateHost, prompt: str | None, *, model: str, message
                    max_tokens: int, grammar: str | None, timeout: float | None, sampling: Sampling,
                    on_delta: OnDelta | None) -> dict[str, Any]:
     """ServingApi.generate (`api`, which calls this): see there."""
-    mc = rq.serving_model(api.config.model(model), "generation")
+    flight = api._flight(GENERATION, model)
+    mc = flight.mc
     context = rq.gen_context(mc)
     max_tokens = rq.check_max_tokens(max_tokens, context - 1)
     if grammar is not None and not isinstance(grammar, str):
@@ -136,8 +127,8 @@ async def generate(api: GenerateHost, prompt: str | None, *, model: str, message
     if n_chars > cap:
         raise rq.RequestTooLarge(f"the prompt has {n_chars} characters; model {model!r} takes at most {cap}")
     rq.check_unicode(texts, "messages" if messages is not None else "prompt")
-    deadline = api._deadline(timeout)
-    with api._admit(model, rq.id_bytes_bound(texts) + rq.ID_BYTES * extra) as ticket:
+    flight.start(timeout)
+    with flight.admit(rq.id_bytes_bound(texts) + rq.ID_BYTES * extra) as ticket:
         tok = await trio.to_thread.run_sync(api.chat_tokenizer, model, limiter=api._cpu)
 
         def encode() -> np.ndarray:
@@ -149,35 +140,35 @@ async def generate(api: GenerateHost, prompt: str | None, *, model: str, message
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; with max_tokens {max_tokens} that exceeds "
                                  f"model {model!r}'s {context}-token context (at most {max(context - len(ids), 0)} "
                                  "new tokens)")
-        fields: dict[str, Any] = {"model_ref": model, "max_tokens": max_tokens, **wire}
-        if grammar:
-            fields["grammar"] = grammar
-        if on_delta is not None:
-            fields["stream"] = True
-        lane, left = api.pick_lane(model), api._left(deadline, f"generate on {model!r}", timeout)
-        timing = ticket.timing() if ticket is not None else None
+        request = Generate(model_ref=model, max_tokens=max_tokens, grammar=grammar or None,
+                           stream=True if on_delta is not None else None, **wire, raw=ids.tobytes())
+        timing = flight.timing()
 
-        def progress(msg: Message) -> None:
+        def progress(msg: WireMessage) -> None:
             """PROGRESS and TEXT_DELTA both count generated tokens (a token streamed in a delta has no PROGRESS)."""
-            if timing is not None:
-                timing.token(msg["completed"] if msg.t == "PROGRESS" else msg["n_gen"])
-            if msg.t == "TEXT_DELTA" and on_delta is not None:
-                on_delta({k: msg[k] for k in ("text", "n_gen", "logprobs") if k in msg.fields})
+            match msg:
+                case Progress(completed=n) if timing is not None:
+                    timing.token(n)
+                case TextDelta(n_gen=n):
+                    if timing is not None:
+                        timing.token(n)
+                    if on_delta is not None:
+                        on_delta({k: v for k, v in msg.to_fields().items() if k in ("text", "n_gen", "logprobs")})
 
+        what = f"generate on {model!r}"
         # concurrent requests for this model decode together where the worker can (supervisor/_genbatch.py)
-        packer = packer_for(lane, model, fields)
-        reply = None if packer is None else await packer.generate(fields, ids, timeout=left, on_delta=on_delta,
-                                                                   timing=timing)
-        if reply is None:
-            reply = await lane.call("GENERATE", fields, ids.tobytes(), timeout=left, on_progress=progress,
-                                    on_started=timing.started if timing is not None else None,
-                                    on_settled=ticket.job() if ticket else None)
+        fields = request.to_fields()
+        packer = packer_for(api.pick_lane(model), model, fields)
+        out = None if packer is None else await packer.generate(fields, ids, timeout=flight.left(what),
+                                                                 on_delta=on_delta, timing=timing)
+        if out is None:
+            reply = await flight.call(request, what, timing=timing, on_progress=progress)
+            out = {"text": reply.text, "n_prompt": reply.n_prompt, "n_gen": reply.n_gen,
+                   "finish_reason": reply.finish_reason}
+            if "logprobs" in wire:
+                out["logprobs"] = list(reply.logprobs or [])
         if ticket is not None:
-            ticket.count_tokens(reply["n_prompt"], reply["n_gen"])
-    out = {"text": reply["text"], "n_prompt": reply["n_prompt"], "n_gen": reply["n_gen"],
-           "finish_reason": reply["finish_reason"]}
-    if "logprobs" in wire:
-        out["logprobs"] = list(reply.get("logprobs") or [])
+            ticket.count_tokens(out["n_prompt"], out["n_gen"])
     return out
 
 

@@ -6,14 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import trio
 
 from .._config import Windows
 from .._errors import EngineCrashed
-from .._proto import Message, ReplyKind, RequestTracker
+from .._proto import (
+    MESSAGES,
+    Err,
+    Load,
+    Loaded,
+    Message,
+    Ping,
+    ReplyKind,
+    RequestTracker,
+    Shutdown,
+    Unload,
+    WireMessage,
+)
 from ._jobs import LoadSpec
 from ._worker import WorkerProcess
 
@@ -32,6 +44,7 @@ class Generation:
         self.wp = wp
         self.tracker = RequestTracker()  # req_ids and the open request of this connection
         self.models: list[str] = []
+        self.beams: dict[str, int] = {}  # the BEAM width each of its models loads with (its settings at spawn)
         self.load_errors: dict[str, str] = {}
         self.nursery: trio.Nursery | None = None
         self.rc: int | None = None
@@ -41,23 +54,29 @@ class Generation:
     def describe(self, state: str) -> dict[str, object]:
         return {"generation": self.number, "pid": self.wp.pid, "state": state, "models": list(self.models)}
 
-    def loaded(self, model: str, reply: Message) -> None:
+    def loaded(self, model: str, reply: WireMessage) -> None:
         """A LOAD's answer: what it loaded, or why it could not (recorded, not fatal: the others still load)."""
-        if reply.t == "ERR":
-            self.load_errors[model] = f"{reply['code']}: {reply['msg']}"
-        else:
-            self.load_errors.pop(model, None)
-            if reply["model_ref"] not in self.models:
-                self.models.append(reply["model_ref"])
+        match reply:
+            case Err(code=code, msg=msg):
+                self.load_errors[model] = f"{code}: {msg}"
+            case Loaded(model_ref=ref):
+                self.load_errors.pop(model, None)
+                if ref not in self.models:
+                    self.models.append(ref)
 
 
-def own_fields(kind: str, model: str | None, loads: Mapping[str, LoadSpec]) -> dict[str, Any]:
-    """The fields of a request the lane makes itself: its models' LOADs, standby applies, PING, SHUTDOWN."""
-    if kind == "LOAD" and model in loads:
-        return loads[model].load_fields()
-    if kind in ("LOAD", "UNLOAD"):
-        return {"model_ref": model}
-    return {"mode": "graceful"} if kind == "SHUTDOWN" else {}
+def own_request(kind: str, model: str | None, loads: Mapping[str, LoadSpec]) -> WireMessage:
+    """A request the lane makes itself: its models' LOADs, standby applies, PING, SHUTDOWN (the lifecycle names
+    its kind)."""
+    if kind == Load.T and model in loads:
+        return loads[model].request()
+    own: dict[str, Callable[[], WireMessage]] = {
+        Unload.T: lambda: Unload(model_ref=model), Ping.T: Ping, Shutdown.T: lambda: Shutdown(mode="graceful")}
+    if (make := own.get(kind)) is not None:
+        return make()
+    # a LOAD of a model the lane no longer has, or a kind the lane never makes: its fields are all missing, so
+    # it is refused (InvalidRequest) before a byte is written, and the lane goes on
+    return MESSAGES[kind].from_fields(defaultdict(type(None)))
 
 
 async def host(gen: Generation, windows: Windows, on_hello: Callable[[], None],

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from .._proto import Message
+from .._proto import Load, WireMessage
 
 
 @dataclass(frozen=True)
@@ -23,25 +23,28 @@ class LoadSpec:
     format: str
     runtime_config: dict[str, Any]
 
-    def load_fields(self) -> dict[str, Any]:
-        """The LOAD request's fields (without req_id)."""
-        return {"artifact_path": os.fspath(self.artifact_path), "artifact_digest": self.digest,
-                "format": self.format, "runtime_config": self.runtime_config, "model_ref": self.model_ref}
+    def request(self) -> Load:
+        """The LOAD request (its req_id is the lane's to number)."""
+        return Load(artifact_path=os.fspath(self.artifact_path), artifact_digest=self.digest, format=self.format,
+                    runtime_config=self.runtime_config, model_ref=self.model_ref)
+
+
+Reply = WireMessage  # a request's terminal reply, as its class (never ERR: that is raised as WorkerError)
 
 
 @dataclass(eq=False)
 class Job:
-    t: str
-    fields: dict[str, Any]
-    raw: bytes | None
-    on_progress: Callable[[Message], None] | None = None
+    t: str  # the request's wire name, or RELOAD (the lane's own, which sends nothing by itself)
+    request: WireMessage | None  # None for RELOAD
+    on_progress: Callable[[WireMessage], None] | None = None  # PROGRESS, TEXT_DELTA
     done: trio.Event = field(default_factory=trio.Event)
-    result: Message | None = None
+    result: Reply | None = None
+    extras: tuple[WireMessage, ...] = ()  # the intermediate replies before `result` (OBJECT_PRODUCED)
     error: BaseException | None = None
     abandoned: bool = False
     on_settled: Callable[[], None] | None = None  # the lane is done with it: answered, failed or skipped
     # its answer, even once its caller has left (an install whose caller gave up must still be undone)
-    on_result: Callable[[Message | None, BaseException | None], None] | None = None
+    on_result: Callable[[Reply | None, BaseException | None], None] | None = None
     on_abandon: Callable[[], None] | None = None  # set while it runs where a caller's leaving can stop it
     on_started: Callable[[], None] | None = None  # written to a worker: its queue wait is over
 
@@ -51,9 +54,10 @@ class Job:
         if self.on_abandon is not None:
             self.on_abandon()
 
-    def finish(self, result: Message | None = None, error: BaseException | None = None) -> None:
+    def finish(self, result: Reply | None = None, error: BaseException | None = None,
+               extras: tuple[WireMessage, ...] = ()) -> None:
         if not self.done.is_set():
-            self.result, self.error = result, error
+            self.result, self.error, self.extras = result, error, extras
             self.done.set()
             if self.on_settled is not None:
                 self.on_settled()

@@ -18,9 +18,24 @@ import trio
 
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import BrokenWorkerError, DeadlineExceeded, EngineCrashed, WorkerError
-from .._proto import RELOAD, Backoff, LaneLifecycle, LaneState, LaneTicket, Message, StrikePolicy
+from .._proto import (
+    RELOAD,
+    SERVING_STATES,
+    Backoff,
+    LaneLifecycle,
+    LaneState,
+    LaneTicket,
+    Load,
+    Loaded,
+    Ping,
+    Pong,
+    Progress,
+    StrikePolicy,
+    Unload,
+    WireMessage,
+)
 from ._generation import Generation, numbering
-from ._jobs import Job, LoadSpec
+from ._jobs import Job, LoadSpec, Reply
 from ._lane_report import LaneReport, StandbyView
 from ._lane_runner import Hook, LaneRunner
 from ._launcher import Launcher, ProcessLauncher
@@ -183,41 +198,59 @@ class Lane:
             ticket, effects = self.machine.ping(trio.current_time())
             if ticket is None:
                 continue
-            job = self.runner.register(ticket, Job("PING", {}, None))
+            job = self.runner.register(ticket, Job(Ping.T, Ping()))
             self.runner.feed(effects)
             await job.done.wait()
-            if job.result is not None and job.result.t == "PONG":
-                self.report.rss_mb = job.result["rss_mb"]
+            if isinstance(pong := job.result, Pong):
+                self.report.rss_mb = pong.rss_mb
                 if (gen := self.gens.get(ticket.gen or -1)) is not None:
-                    gen.models = list(job.result["models_loaded"])
+                    gen.models = list(pong.models_loaded)
 
     # --- callers -------------------------------------------------------------------------------
 
-    async def call(self, t: str, fields: dict[str, Any], raw: bytes | None = None, *, timeout: float | None = None,
-                   on_progress: Callable[[Message], None] | None = None,
+    async def call(self, request: WireMessage, *, timeout: float | None = None,
+                   on_progress: Callable[[WireMessage], None] | None = None,
                    on_settled: Callable[[], None] | None = None,
-                   on_result: Callable[[Message | None, BaseException | None], None] | None = None,
+                   on_result: Callable[[Reply | None, BaseException | None], None] | None = None,
                    on_started: Callable[[], None] | None = None,
-                   generation: int | None = None) -> Message:
-        """Run one request on this lane's worker. The lane, not the caller, owns the stream: a caller that gives
-        up (deadline or cancellation) leaves the reply to be drained by the lane. `on_settled()` runs once the
-        lane is done with the request (or at once if it is refused here); `on_result(reply, error)` then too, with
-        its answer, whether or not the caller still waits. With `generation`, only that worker generation may get
-        it (it names that generation's rings or device handles): BrokenWorkerError once that one has ended.
-        `on_started()` runs when the request is written to a worker (the end of its queue wait)."""
-        job = Job(t, fields, raw, on_progress, on_settled=on_settled, on_result=on_result, on_started=on_started)
+                   generation: int | None = None) -> Reply:
+        """Run one request (its class, built without req_id: the lane numbers it) on this lane's worker and return
+        its terminal reply as its class; ERR is raised as WorkerError. The lane, not the caller, owns the stream:
+        a caller that gives up (deadline or cancellation) leaves the reply to be drained by the lane.
+        `on_progress(msg)` gets each PROGRESS (and TEXT_DELTA). `on_settled()` runs once the lane is done with the
+        request (or at once if it is refused here); `on_result(reply, error)` then too, with its answer, whether
+        or not the caller still waits. With `generation`, only that worker generation may get it (it names that
+        generation's rings or device handles): BrokenWorkerError once that one has ended. `on_started()` runs when
+        the request is written to a worker (the end of its queue wait)."""
+        job = await self._run(request, timeout, on_progress, on_settled, on_result, on_started, generation)
+        assert job.result is not None
+        return job.result
+
+    async def call_gathering(self, request: WireMessage, *, timeout: float | None = None,
+                             generation: int | None = None) -> tuple[Reply, tuple[WireMessage, ...]]:
+        """`call`, and the intermediate replies that came before the terminal one (EXECUTE_STEP's
+        OBJECT_PRODUCED), in order."""
+        job = await self._run(request, timeout, None, None, None, None, generation)
+        assert job.result is not None
+        return job.result, job.extras
+
+    async def _run(self, request: WireMessage, timeout: float | None,
+                   on_progress: Callable[[WireMessage], None] | None, on_settled: Callable[[], None] | None,
+                   on_result: Callable[[Reply | None, BaseException | None], None] | None,
+                   on_started: Callable[[], None] | None, generation: int | None) -> Job:
+        t = request.T
+        job = Job(t, request, on_progress, on_settled=on_settled, on_result=on_result, on_started=on_started)
         ticket, effects = self.machine.submit(t, trio.current_time(), generation)
         self.runner.register(ticket, job)
         self.runner.feed(effects)
         await self._wait(job, ticket, timeout, f"{t} on lane {self.id}")
-        assert job.result is not None
-        return job.result
+        return job
 
     async def reload(self, timeout: float | None = None) -> None:
         """Restart both workers in order (no strike) after the requests queued before this one; lifts a
         quarantine. Returns once the new generation has loaded its models."""
         ticket, effects = self.machine.reload(trio.current_time())
-        job = self.runner.register(ticket, Job(RELOAD, {}, None))
+        job = self.runner.register(ticket, Job(RELOAD, None))
         self.runner.feed(effects)
         await self._wait(job, ticket, timeout, f"reload of lane {self.id}")
 
@@ -236,6 +269,23 @@ class Lane:
         if job.error is not None:
             raise job.error
 
+    async def roll_over(self, timeout: float | None = None) -> int:
+        """Replace the active worker by a fresh one that loads `loads` as they are now (tuned kernels), failing and
+        delaying no request: it loads beside the active one, takes over between two requests, and the old one
+        stops in order. Returns the new generation's number; BrokenWorkerError when the lane is closing or
+        quarantined, or the roll-over did not complete within `timeout` (its successor is then stopped)."""
+        before = self.generation
+        self.runner.feed(self.machine.roll_over(trio.current_time()))
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            while self.machine.rolling:
+                await self.runner.changed.wait()
+        if self.machine.rolling:
+            self.runner.feed(self.machine.stop_rolling(trio.current_time()))
+            raise BrokenWorkerError(f"lane {self.id}: the roll-over did not complete within {timeout:g} s")
+        if self.generation == before or self.state not in SERVING_STATES:
+            raise BrokenWorkerError(f"lane {self.id} is {self.state.value}: nothing was rolled over")
+        return self.generation
+
     def lift_quarantine(self) -> None:
         """Lift a quarantine at once (an unload does, a reload does): a fresh worker with zero strikes starts."""
         self.runner.feed(self.machine.lift_quarantine(trio.current_time()))
@@ -245,33 +295,35 @@ class Lane:
         worker_shutting_down, queued ones go to the fresh worker started next."""
         self.runner.feed(self.machine.abort(trio.current_time()))
 
-    async def notify(self, generation: int, t: str, fields: dict[str, Any]) -> None:
+    async def notify(self, generation: int, msg: WireMessage) -> None:
         """Send a notification (a wake hint) to generation `generation`, alongside any running request."""
         gen = self.gens.get(generation)
         wp = gen.wp if gen is not None else None
         if wp is None or wp.fault is not None or wp.stream is None:
             raise BrokenWorkerError(f"lane {self.id} generation {generation} is not running")
         try:
-            await wp.send(t, fields)
+            await wp.send_message(msg)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise BrokenWorkerError(f"lane {self.id} generation {generation}: {exc}") from exc
 
     # --- models --------------------------------------------------------------------------------
 
     async def load_model(self, spec: LoadSpec, *, timeout: float | None = None,
-                         on_progress: Callable[[Message], None] | None = None) -> Message:
+                         on_progress: Callable[[Progress], None] | None = None) -> Loaded:
         """LOAD on the active worker, then on the standby, before it is acknowledged; later generations load it
         too. A failed LOAD is recorded and raised (WorkerError)."""
         try:
-            reply = await self.call("LOAD", spec.load_fields(), timeout=timeout, on_progress=on_progress)
+            reply = await self.call(spec.request(), timeout=timeout, on_progress=on_progress)  # type: ignore[arg-type]
         except WorkerError as exc:
             if (gen := self.report.active()) is not None:
                 gen.load_errors[spec.model_ref] = f"{exc.code}: {exc.message}"
             raise
+        assert isinstance(reply, Loaded)  # the RequestTracker lets no other reply end a LOAD
         self.loads = {**self._loads, spec.model_ref: spec}
         if (gen := self.report.active()) is not None:
             gen.loaded(spec.model_ref, reply)
-        await self._apply_to_standby("LOAD", spec.model_ref)
+            gen.beams[spec.model_ref] = int(spec.runtime_config.get("beam", 0))
+        await self._apply_to_standby(Load.T, spec.model_ref)
         return reply
 
     async def unload_model(self, model_ref: str, *, timeout: float | None = None) -> None:
@@ -279,15 +331,15 @@ class Lane:
         self.loads = {m: s for m, s in self._loads.items() if m != model_ref}
         self.lift_quarantine()
         try:
-            await self.call("UNLOAD", {"model_ref": model_ref}, timeout=timeout)
+            await self.call(Unload(model_ref=model_ref), timeout=timeout)
         except WorkerError as exc:
             if exc.code != "model_not_loaded":
                 raise
         if (gen := self.report.active()) is not None and model_ref in gen.models:
             gen.models.remove(model_ref)
-        await self._apply_to_standby("UNLOAD", model_ref)
+        await self._apply_to_standby(Unload.T, model_ref)
 
-    async def standby_call(self, kind: str, model: str | None = None) -> Message | None:
+    async def standby_call(self, kind: str, model: str | None = None) -> Reply | None:
         """LOAD / UNLOAD / PING on the warm standby, through the lifecycle like any request (so never beside
         another on its connection). None without a standby that could answer."""
         ticket, effects = self.machine.apply_to_standby(kind, model, trio.current_time())
@@ -301,6 +353,5 @@ class Lane:
     async def _apply_to_standby(self, kind: str, model: str) -> None:
         if self.machine.standby is None:
             return
-        reply = await self.standby_call(kind, model)
-        if reply is None or (reply.t == "ERR" and reply["code"] != "model_not_loaded"):
+        if await self.standby_call(kind, model) is None:  # it failed (an ERR included) or could not answer
             self.runner.feed(self.machine.replace_standby(trio.current_time()))  # its successor loads them as they are

@@ -13,7 +13,7 @@ import trio
 
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import BrokenWorkerError, ClosedSupervisorError, EngineCrashed, WorkerError
-from .._proto import Finish, GenState, LaneLifecycle, Message, Outcome
+from .._proto import Err, Finish, GenState, LaneLifecycle, Message, Outcome, WireMessage
 from ._events import EventBus
 from ._generation import Generation
 from ._logring import LogRing
@@ -79,15 +79,17 @@ class LaneReport:
 
     # --- what a ticket's end reads as ------------------------------------------------------------
 
-    def outcome(self, e: Finish) -> tuple[Message | None, BaseException | None]:
+    def outcome(self, e: Finish) -> tuple[WireMessage | None, BaseException | None]:
+        """The reply as its class (ERR raised as WorkerError), or the error the ticket ended with."""
         lane, o, payload = self, e.outcome, e.payload
         if o is Outcome.REPLY:
             assert isinstance(payload, Message)
-            if payload.t == "ERR":
-                return None, WorkerError(payload["code"], payload["msg"])
-            return payload, None
+            reply = payload.typed()
+            if isinstance(reply, Err):
+                return None, WorkerError(reply.code, reply.msg)
+            return reply, None
         if o is Outcome.RELOADED:
-            return Message("RELOADED", {"generation": payload}), None
+            return None, None  # a reload answers nothing: its caller only waits for the new generation
         if o is Outcome.REFUSED:
             assert isinstance(payload, BaseException)
             return None, payload
@@ -163,6 +165,8 @@ class LaneReport:
             "rss_mb": self.rss_mb,
             "queued": len(m.tickets.queue),
             "restarts": m.restarts,
+            "rollovers": m.rollovers,
+            "beams": dict(gen.beams) if gen is not None else {},
             "last_exit": self.last_exit,
             "last_error": self.last_error,
             "device": self.cfg.device,

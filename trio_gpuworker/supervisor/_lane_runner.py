@@ -18,21 +18,27 @@ import trio
 from .._config import LaneConfig, SupervisorConfig
 from .._errors import InvalidRequest
 from .._proto import (
+    FAILED_REPLIES,
     Abort,
     Crashed,
     Effect,
+    ExecuteStep,
     Finish,
     Kill,
     LaneLifecycle,
     LaneState,
     LaneTicket,
+    Load,
     Message,
     Outcome,
     Send,
+    Shutdown,
     Spawn,
+    WireMessage,
+    WorkerStopped,
 )
 from ._exchange import exchange
-from ._generation import Generation, host, own_fields
+from ._generation import Generation, host, own_request
 from ._jobs import Job, LoadSpec
 from ._lane_report import LaneReport
 from ._launcher import Launcher
@@ -40,8 +46,7 @@ from ._logring import LogRing
 from ._spawn import worker_argv, worker_env
 from ._worker import WorkerProcess
 
-FAILED_REPLIES = frozenset({"ERR", "STEP_FAILED", "ROLE_FAILED", "RELEASE_FAILED"})  # replies that clear no strike
-Hook = Callable[[Any, int, Message | None], None]
+Hook = Callable[[Any, int, WireMessage | None], None]
 
 
 class LaneRunner:
@@ -74,16 +79,16 @@ class LaneRunner:
     def own_job(self, t: LaneTicket) -> Job:
         """The lane's own requests: its models' LOADs, standby applies, PING, SHUTDOWN."""
         gen = self.gens.get(t.gen or -1)
-        if t.kind == "SHUTDOWN" and gen is not None:
+        if t.kind == Shutdown.T and gen is not None:
             gen.wp.ordered_stop = True
-        if t.kind == "LOAD":
+        if t.kind == Load.T:
             self._own[t.id] = self._record_load
-        return self._jobs.setdefault(t.id, Job(t.kind, own_fields(t.kind, t.model, self._loads()), None))
+        return self._jobs.setdefault(t.id, Job(t.kind, own_request(t.kind, t.model, self._loads())))
 
     def _record_load(self, e: Finish) -> None:
         gen = self.gens.get(e.ticket.gen or -1)
         if gen is not None and e.ticket.model and e.outcome is Outcome.REPLY and isinstance(e.payload, Message):
-            gen.loaded(e.ticket.model, e.payload)
+            gen.loaded(e.ticket.model, e.payload.typed())
 
     def feed(self, effects: list[Effect]) -> None:
         self._effects.extend(effects)
@@ -108,7 +113,8 @@ class LaneRunner:
             job = self._jobs.pop(e.ticket.id, None)
             if job is not None:
                 result, error = self.report.outcome(e)
-                job.finish(result=result, error=error)
+                extras = tuple(m.typed() for m in e.payload.extras) if isinstance(e.payload, Message) else ()
+                job.finish(result=result, error=error, extras=extras)
             if (own := self._own.pop(e.ticket.id, None)) is not None:
                 own(e)
         elif isinstance(e, Send):
@@ -130,17 +136,17 @@ class LaneRunner:
 
     async def _exchange(self, gen: Generation, t: LaneTicket, job: Job) -> None:
         n, machine, first = gen.number, self.machine, self.report.first
-        if t.kind == "LOAD":
+        if t.kind == Load.T:
             first.loading(t.model)
 
         def progressed() -> None:
-            if t.kind == "LOAD":
+            if t.kind == Load.T:
                 first.progressed()
             machine.progress(n, t)
 
         try:
             reply = await exchange(gen.wp, job, gen.tracker, self.windows, on_progress=progressed,
-                                   extend=self.report.step_waits_on_us if t.kind == "EXECUTE_STEP" else None)
+                                   extend=self.report.step_waits_on_us if t.kind == ExecuteStep.T else None)
         except InvalidRequest as exc:  # failed local validation: this request alone, nothing was written
             self.feed(machine.replied(n, t, exc, success=False, refused=True, now=trio.current_time()))
             return
@@ -149,7 +155,7 @@ class LaneRunner:
     async def _abort(self, gen: Generation) -> None:
         """SHUTDOWN abort_in_flight, out of band; a worker that has not stopped within shutdown_s is killed."""
         try:
-            await gen.wp.send("SHUTDOWN", {"mode": "abort_in_flight"})
+            await gen.wp.send_message(Shutdown(mode="abort_in_flight"))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             return  # it is gone already: the fault path ends it
         await trio.sleep(self.windows.shutdown_s)
@@ -166,6 +172,7 @@ class LaneRunner:
                            on_fault=lambda fault: self.feed(self.machine.fault(number, fault.cause,
                                                                                trio.current_time())))
         gen = self.gens[number] = Generation(number, role, wp)
+        gen.beams = {m: int(spec.runtime_config.get("beam", 0)) for m, spec in self._loads().items()}
         # if the lane task is being torn down this spawns nothing: the lane's cancel answers everything
         _start(self.nursery, host, gen, self.windows,
                lambda: self.feed(self.machine.hello(number, trio.current_time())),
@@ -182,13 +189,13 @@ class LaneRunner:
                 hook(self.owner, gen.number, None)  # reaped: everything of this generation is gone
             self.gens.pop(gen.number, None)
 
-    def _on_event(self, wp: WorkerProcess, msg: Message) -> None:
+    def _on_event(self, wp: WorkerProcess, msg: WireMessage) -> None:
         for hook in list(self.hooks):
             hook(self.owner, wp.generation, msg)
-        if msg.t == "WORKER_STOPPED":
+        if isinstance(msg, WorkerStopped):
             self.feed(self.machine.said_stopped(wp.generation, trio.current_time()))
-        if msg.t not in ("RING_READABLE", "RING_WRITABLE"):
-            self.bus.publish({**msg.fields, "lane_id": self.cfg.id, "generation": wp.generation})
+        if not msg.HINT:
+            self.bus.publish({"t": msg.T, **msg.to_fields(), "lane_id": self.cfg.id, "generation": wp.generation})
 
 
 def _start(nursery: trio.Nursery | None, fn: Callable[..., Any], *args: Any) -> bool:

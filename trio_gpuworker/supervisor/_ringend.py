@@ -11,6 +11,7 @@ import trio
 
 from cython_ring import Completions, DestPool, ObjectSpec, Ring
 
+from .. import _proto as wire  # its ObjectFailed and RingFault are the messages; _errors' the exceptions
 from .._errors import ObjectFailed, RingFault
 from ._arena import Lease
 from ._lane import Lane
@@ -32,8 +33,8 @@ class RingEnd:
     hint: trio.Event = field(default_factory=trio.Event)
     fault: RingFault | None = None
     # ingress completions in stream order: whole OBJECTS_LOADED batches (lists of [object_id, sequence, extent,
-    # handle id] rows, the first `taken` rows of the oldest already handed out), or a Message (OBJECT_FAILED /
-    # RING_FAULT). A batch lands, and is handed on, without a Python step per row.
+    # handle id] rows, the first `taken` rows of the oldest already handed out), or a message (OBJECT_FAILED /
+    # RING_FAULT, their classes). A batch lands, and is handed on, without a Python step per row.
     events: collections.deque[Any] = field(default_factory=collections.deque)
     taken: int = 0
     event_ready: trio.Event = field(default_factory=trio.Event)
@@ -68,11 +69,10 @@ class RingEnd:
         if not self.events:
             return []
         batch = self.events[0]
-        if not isinstance(batch, list):
+        if not isinstance(batch, list):  # an OBJECT_FAILED or RING_FAULT message
             self.events.popleft()
-            if batch.t == "OBJECT_FAILED":
-                raise ObjectFailed(batch["reason"], batch.get("msg", ""))
-            raise RingFault(batch["reason"], batch.get("msg", ""))
+            error = ObjectFailed if isinstance(batch, wire.ObjectFailed) else RingFault
+            raise error(batch.reason, batch.msg or "")
         start, stop = self.taken, min(len(batch), self.taken + limit)
         if stop == len(batch):
             self.events.popleft()

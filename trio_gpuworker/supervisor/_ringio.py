@@ -16,7 +16,7 @@ import trio
 from cython_ring import buffer_records, drain_batch, write_egress, write_egress_batch
 
 from .._errors import GpuWorkerError, ObjectFailed, RingFault
-from .._proto import Message
+from .._proto import HANDLE_ID, OBJECT_ID, LoadedRow, ObjectLoaded, RingReadable, RingWritable, WireMessage
 from ._ringend import RingEnd
 
 POOL_OBJECTS = 64  # egress destinations made at once for one extent (fewer when fewer fit the ring)
@@ -57,7 +57,7 @@ class RingIO:
             n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
             self._moved(end, "ingress", n)
             if notify:
-                await self._notify(end, "RING_READABLE")
+                await self._notify(end, RingReadable)
             if not end.state.busy:
                 return
             await end.hint.wait()  # RING_WRITABLE from the worker, or a fault
@@ -76,7 +76,7 @@ class RingIO:
             i, n, notify = write_egress_batch(end.ring, end.state, records, i)
             self._moved(end, "ingress", n)
             if notify:
-                await self._notify(end, "RING_READABLE")
+                await self._notify(end, RingReadable)
             if i < len(objects) and not n:
                 await end.hint.wait()
 
@@ -84,12 +84,12 @@ class RingIO:
         end.bytes_moved += n
         self.bytes_moved[direction] += n
 
-    async def next_event(self, end: RingEnd) -> Message:
+    async def next_event(self, end: RingEnd) -> ObjectLoaded:
         """The next OBJECT_LOADED (or OBJECT_FAILED / RING_FAULT, raised) for an ingress ring."""
-        row = (await self._rows(end, 1))[0]
-        return Message("OBJECT_LOADED", {"ring_id": end.ring_id, "edge_id": end.edge_id, "port_id": end.port_id,
-                                         "object_id": row[0], "sequence": row[1], "extent": row[2],
-                                         "device_handle": {"worker_generation": end.generation, "id": row[3]}})
+        row = LoadedRow(*(await self._rows(end, 1))[0])
+        return ObjectLoaded(ring_id=end.ring_id, edge_id=end.edge_id, port_id=end.port_id, object_id=row.object_id,
+                            sequence=row.sequence, extent=row.extent,
+                            device_handle={"worker_generation": end.generation, "id": row.handle_id})
 
     async def _rows(self, end: RingEnd, limit: int) -> list[list[int]]:
         """Up to `limit` completed rows [object_id, sequence, extent, handle id], waiting for at least one."""
@@ -105,9 +105,9 @@ class RingIO:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: self.push(end, data, object_id=object_id, sequence=sequence, flags=flags))
             msg = await self.next_event(end)
-        if msg["object_id"] != object_id:
-            raise ObjectFailed("sequence_violation", f"loaded object {msg['object_id']}, expected {object_id}")
-        return msg["device_handle"]
+        if msg.object_id != object_id:
+            raise ObjectFailed("sequence_violation", f"loaded object {msg.object_id}, expected {object_id}")
+        return msg.device_handle
 
     async def load_many(self, end: RingEnd, objects: list[Any], *, first_object_id: int, first_sequence: int,
                         flags: int = 0) -> list[dict[str, int]]:
@@ -122,10 +122,10 @@ class RingIO:
             while len(handles) < len(objects):
                 rows = await self._rows(end, len(objects) - len(handles))  # a whole batch at a time
                 want = first_object_id + len(handles)
-                if (ids := list(map(itemgetter(0), rows))) != list(range(want, want + len(rows))):
+                if (ids := list(map(itemgetter(OBJECT_ID), rows))) != list(range(want, want + len(rows))):
                     got, expected = next((i, want + k) for k, i in enumerate(ids) if i != want + k)
                     raise ObjectFailed("sequence_violation", f"loaded object {got}, expected {expected}")
-                handles += [{"worker_generation": gen, "id": row[3]} for row in rows]
+                handles += [{"worker_generation": gen, "id": row[HANDLE_ID]} for row in rows]
         return handles
 
     async def pump_file(self, end: RingEnd, path: Path, *, object_id: int, sequence: int, flags: int = 0) -> None:
@@ -180,17 +180,17 @@ class RingIO:
             # the daemon found the fault itself: no wake hint will follow, so raise rather than wait
             end.fault = end.fault or RingFault(batch.end.code, batch.end.message)
         elif writable:
-            await self._notify(end, "RING_WRITABLE")
+            await self._notify(end, RingWritable)
         if len(end.received) == got:
             end.raise_if_faulted()
             await end.hint.wait()
 
-    async def _notify(self, end: RingEnd, t: str) -> None:
-        await self._notify_fields(end, t, {"ring_id": end.ring_id})
+    async def _notify(self, end: RingEnd, hint: type[RingReadable | RingWritable]) -> None:
+        await self._notify_message(end, hint(ring_id=end.ring_id))
 
-    async def _notify_fields(self, end: RingEnd, t: str, fields: dict[str, Any]) -> None:
+    async def _notify_message(self, end: RingEnd, msg: WireMessage) -> None:
         try:
-            await end.lane.notify(end.generation, t, fields)
+            await end.lane.notify(end.generation, msg)
         except GpuWorkerError as exc:
             end.fault = end.fault or RingFault("worker_process_exited", str(exc))
             raise end.fault from exc

@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from .. import _proto as wire  # its StepFailed is the reply; _errors' the exception
 from .._errors import StaleHandle, StepFailed
+from .._proto import ConfigureRole, ExecuteStep, ReleaseDeviceObject, ReleaseFailed, RoleFailed
 
 if TYPE_CHECKING:
     from ._lane import Lane
@@ -50,9 +52,9 @@ class Steps:
         self.handles = HandleRegistry()
 
     async def configure_role(self, lane: Lane, role_id: str, config: dict[str, Any]) -> None:
-        reply = await lane.call("CONFIGURE_ROLE", {"role_id": role_id, "config": config}, generation=lane.generation)
-        if reply.t == "ROLE_FAILED":
-            raise StepFailed(reply["reason"], reply.get("msg", "role refused"))
+        reply = await lane.call(ConfigureRole(role_id=role_id, config=config), generation=lane.generation)
+        if isinstance(reply, RoleFailed):
+            raise StepFailed(reply.reason, reply.msg or "role refused")
 
     async def execute(self, lane: Lane, role_id: str, step_id: int, inputs: list[dict[str, Any]],
                       outputs: list[dict[str, Any]], ends: list[RingEnd], *, runtime: dict[str, Any] | None,
@@ -63,25 +65,23 @@ class Steps:
         for end in ends:
             end.steps += 1
         try:
-            reply = await lane.call("EXECUTE_STEP", {"role_id": role_id, "step_id": step_id, "inputs": inputs,
-                                                     "outputs": [{"flags": 0, **o} for o in outputs],
-                                                     "runtime": runtime or {},
-                                                     "release_inputs_after": release_inputs_after}, timeout=timeout,
-                                    generation=generation)
+            reply, produced = await lane.call_gathering(
+                ExecuteStep(role_id=role_id, step_id=step_id, inputs=inputs,
+                            outputs=[{"flags": 0, **o} for o in outputs], runtime=runtime or {},
+                            release_inputs_after=release_inputs_after), timeout=timeout, generation=generation)
         finally:
             for end in ends:
                 end.steps -= 1
         if release_inputs_after:  # consumed whether the step succeeded or not
             for binding in inputs:
                 self.handles.consumed(lane, binding["device_handle"])
-        if reply.t == "STEP_FAILED":
-            raise StepFailed(reply["reason"], reply.get("msg", "step failed"))
-        return [dict(m.fields) for m in reply.extras]
+        if isinstance(reply, wire.StepFailed):
+            raise StepFailed(reply.reason, reply.msg or "step failed")
+        return [{"t": m.T, **m.to_fields()} for m in produced]
 
     async def release(self, lane: Lane, handle: dict[str, int]) -> None:
         self.handles.check(lane, handle, "invalid_device_handle")
-        reply = await lane.call("RELEASE_DEVICE_OBJECT", {"device_handle": handle},
-                                generation=handle["worker_generation"])
+        reply = await lane.call(ReleaseDeviceObject(device_handle=handle), generation=handle["worker_generation"])
         self.handles.consumed(lane, handle)
-        if reply.t == "RELEASE_FAILED":
-            raise StepFailed(reply["reason"], reply.get("msg", "release failed"))
+        if isinstance(reply, ReleaseFailed):
+            raise StepFailed(reply.reason, reply.msg or "release failed")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from .._errors import (
     ClosedSupervisorError,
     InvalidRequest,
     LaneNotFound,
+    ModelNotFound,
 )
 from .._proto import LaneState
 from ._admission import Router, Scheduler
@@ -43,8 +45,11 @@ class Supervisor(ServingApi):
 
     def __init__(self, config: SupervisorConfig, *, admission: AdmissionPolicy | None = None,
                  batching: BatchPolicy | None = None, launcher: Launcher | None = None,
-                 wait_for_lanes: bool = True) -> None:
+                 wait_for_lanes: bool = True, untuned: frozenset[str] = frozenset()) -> None:
         self.config = config
+        # models whose lanes start on tinygrad's hand-coded kernels (beam 0) while a tuner searches in the
+        # background; roll_over brings their configured beam in
+        self.untuned = set(untuned)
         # True: `async with` returns once every lane's first start has settled. False: at once, while the lanes
         # start (the daemon listens meanwhile; a model none of its lanes serves yet gets ModelLoading)
         self._wait_for_lanes = wait_for_lanes
@@ -74,8 +79,9 @@ class Supervisor(ServingApi):
     async def __aenter__(self) -> Supervisor:
         cfg = self.config
         workers_dir(self.runtime_dir)
-        cache = DigestCache(cfg.state_dir / "digests.json")
-        specs = {m.id: await load_spec(m, cache) for m in cfg.models}
+        self._digests = DigestCache(cfg.state_dir / "digests.json")
+        specs = {m.id: await load_spec(replace(m, beam=0) if m.id in self.untuned else m, self._digests)
+                 for m in cfg.models}
         self._stack = AsyncExitStack()
         if cfg.arena_bytes:
             self.arena = self._stack.enter_context(ArenaManager(cfg.arena_bytes))
@@ -190,13 +196,47 @@ class Supervisor(ServingApi):
             raise LaneNotFound(f"no lane {lane_id!r}")
         await lane.reload(timeout)
 
+    async def roll_over(self, model: str, *, timeout: float | None = None) -> list[str]:
+        """Bring `model`'s configured settings (its tuned kernels, once a tuner has stored them) to every lane that
+        serves it, one lane after the other so the others keep serving: each lane's worker is replaced by a fresh
+        one without failing a request (Lane.roll_over). Returns the lanes rolled over."""
+        mc = self.config.model(model)
+        spec = await load_spec(mc, self._digests)
+        done = []
+        for lane in list(self.lanes.values()):
+            if model not in lane.loads or lane.closing:
+                continue
+            lane.loads = {**lane.loads, model: spec}
+            await lane.roll_over(timeout)
+            done.append(lane.id)
+        self.untuned.discard(model)
+        return done
+
     def status(self) -> list[dict[str, Any]]:
         """Cached lane state; never touches a worker."""
         return [self.lane_status(lane) for lane in self.lanes.values()]
 
     def lane_status(self, lane: Lane) -> dict[str, Any]:
-        """One lane's cached state, with whether the router has it drained."""
-        return {**lane.status(), "drained": lane.id in self.router.drained}
+        """One lane's cached state, with whether the router has it drained and which kernels its models run."""
+        status = lane.status()
+        return {**status, "drained": lane.id in self.router.drained, "kernels": self._kernels(lane, status["beams"])}
+
+    def _kernels(self, lane: Lane, beams: dict[str, int]) -> dict[str, str]:
+        """Per model of the lane's active worker: "fused" (C kernels), "hand-coded" (tinygrad's, no beam set),
+        "tuned" (BEAM-searched at the configured width) or "untuned" (a tuner has not brought them in yet)."""
+        out = {}
+        for model, beam in beams.items():
+            try:
+                mc = self.config.model(model)
+            except ModelNotFound:
+                continue  # removed by a reload; its lane is being reconfigured
+            if mc.runtime_config.backend(lane.cfg.device) == "fused":
+                out[model] = "fused"
+            elif not mc.beam:
+                out[model] = "hand-coded"
+            else:
+                out[model] = "tuned" if beam >= mc.beam else "untuned"
+        return out
 
     def subscribe(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
         return self.events.subscribe()

@@ -13,7 +13,7 @@ import trio
 
 from .._channel import receive_message
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
-from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message
+from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message, WireMessage
 from ._launcher import Launched, Launcher, WorkerSpec
 from ._logring import LogRing
 
@@ -32,7 +32,7 @@ class Fault:
 class WorkerProcess:
     def __init__(self, *, lane_id: str, generation: int, argv: list[str], env: dict[str, str], launcher: Launcher,
                  max_frame: int, kill_grace_s: float, drain_s: float, log: LogRing,
-                 on_event: Callable[[WorkerProcess, Message], None] | None = None,
+                 on_event: Callable[[WorkerProcess, WireMessage], None] | None = None,
                  on_fault: Callable[[Fault], None] | None = None) -> None:
         self.lane_id = lane_id
         self.generation = generation
@@ -133,8 +133,8 @@ class WorkerProcess:
             while (msg := await self._receive()) is not None:
                 if msg.t in WAKE_HINTS or "req_id" not in msg.fields:  # a notification, not a reply
                     if self.on_event is not None:
-                        self.on_event(self, msg)
-                    continue
+                        self.on_event(self, msg.typed())
+                    continue  # a reply stays a Message: the RequestTracker files it by its fields
                 try:
                     self._reply_send.send_nowait(msg)
                 except trio.WouldBlock:
@@ -162,6 +162,9 @@ class WorkerProcess:
 
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
         await self.write(t, self.encode(t, fields, raw))
+
+    async def send_message(self, msg: WireMessage) -> None:
+        await self.write(msg.T, self.conn.send_message(msg))
 
     async def write(self, t: str, chunks: list[bytes | memoryview]) -> None:
         assert self.stream is not None

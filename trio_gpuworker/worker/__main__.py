@@ -25,6 +25,18 @@ def prewarm() -> None:
     from ..models import bert, llama  # noqa: F401
 
 
+def lower_priority() -> None:
+    """GPUWORKER_NICE and GPUWORKER_CPUS, before any thread or compiler process starts: they inherit both."""
+    import os
+
+    from .._worker_env import CPUS, NICE
+
+    if nice := os.environ.get(NICE):
+        os.nice(int(nice))
+    if cpus := os.environ.get(CPUS):
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="trio_gpuworker.worker", description=__doc__)
     p.add_argument("--socket", required=True, help="the daemon's listening Unix socket for this worker")
@@ -33,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from .._lifeline import watch_lifeline
 
     watched = watch_lifeline()  # first: from here on this worker cannot outlive its daemon
+    lower_priority()
     from ._compute import ComputeThread
 
     compute = ComputeThread()  # tinygrad work stays on this one thread (see _compute), the prewarm included

@@ -18,10 +18,23 @@ import trio
 
 from cython_ring import EgressState, IngressState, ObjectSpec, Ring, write_egress
 
+from .. import _proto as wire  # its RingFault and StepFailed are the replies; _errors' are the exceptions
 from .._errors import ArenaMapFailed, GpuWorkerError, ObjectHeaderError, RingError, StepFailed
-from .._proto import Message
+from .._proto import (
+    ConfigureRole,
+    DeviceObjectReleased,
+    ExecuteStep,
+    InstallRing,
+    ReleaseDeviceObject,
+    ReleaseFailed,
+    RingInstalled,
+    RingQuiesced,
+    RoleConfigured,
+    RoleFailed,
+    StepCompleted,
+    UninstallRing,
+)
 from .._worker_env import ARENA_BYTES, ARENA_FD
-from ._engine import Reply
 from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
 
 Emit = Callable[[str, dict[str, Any]], None]
@@ -87,10 +100,10 @@ class WorkerDataPlane(IngressPlane):
 
     # --- requests (run off the event loop) ------------------------------------------------------
 
-    def install_ring(self, msg: Message) -> Reply:
-        ring_id, layout = msg["ring_id"], msg["layout"]
-        ids = {"ring_id": ring_id, "edge_id": msg["edge_id"], "port_id": msg["port_id"]}
-        fail = lambda reason, text: Reply("RING_FAULT", {**ids, "reason": reason, "msg": text})  # noqa: E731
+    def install_ring(self, msg: InstallRing) -> RingInstalled | wire.RingFault:
+        ring_id, layout = msg.ring_id, msg.layout
+        ids = {"req_id": msg.req_id, "ring_id": ring_id, "edge_id": msg.edge_id, "port_id": msg.port_id}
+        fail = lambda reason, text: wire.RingFault(**ids, reason=reason, msg=text)  # noqa: E731
         if self.arena is None:
             return fail("ring_layout_invalid", "this worker was started without an arena")
         if ring_id in self.rings:
@@ -98,14 +111,14 @@ class WorkerDataPlane(IngressPlane):
         if layout["header_len"] != 128 or layout["offset"] % 64:
             return fail("ring_layout_invalid", f"bad layout {layout}")
         try:
-            spec = ObjectSpec.from_wire(msg["object_spec"])
+            spec = ObjectSpec.from_wire(msg.object_spec)
             ring = Ring.attach(self.arena, layout["offset"], expected_ring_id=ring_id,
                                expected_capacity=layout["capacity"])
         except ValueError as exc:  # cython_ring's errors are ValueErrors with a wire code; a bare one is a bad argument
             return fail(getattr(exc, "code", "ring_layout_invalid"), str(exc))
-        state = IngressState() if msg["direction"] == "ingress" else EgressState(spec)
-        self.rings[ring_id] = RingSlot(ring_id, msg["edge_id"], msg["port_id"], msg["direction"], spec, ring, state)
-        return Reply("RING_INSTALLED", ids)
+        state = IngressState() if msg.direction == "ingress" else EgressState(spec)
+        self.rings[ring_id] = RingSlot(ring_id, msg.edge_id, msg.port_id, msg.direction, spec, ring, state)
+        return RingInstalled(**ids)
 
     def abort_ring(self, ring_id: int, reason: str = "invalid_output_ring") -> None:
         """Event loop, ahead of the queued uninstall: a step blocked on this ring's space gives up now."""
@@ -121,9 +134,9 @@ class WorkerDataPlane(IngressPlane):
         for ring_id in list(self.rings):
             self.abort_ring(ring_id, "worker_shutting_down")
 
-    def uninstall_ring(self, msg: Message) -> Reply:
-        self.quiesce(msg["ring_id"])
-        return Reply("RING_QUIESCED", {"ring_id": msg["ring_id"]})
+    def uninstall_ring(self, msg: UninstallRing) -> RingQuiesced:
+        self.quiesce(msg.ring_id)
+        return RingQuiesced(ring_id=msg.ring_id, req_id=msg.req_id)
 
     def quiesce(self, ring_id: int) -> None:
         """Compute thread. A step blocked on this ring's space was woken on the event loop first (abort_ring)."""
@@ -143,28 +156,28 @@ class WorkerDataPlane(IngressPlane):
             _quietly(self.bridge.free_device, obj.alloc)
         return ring_ids
 
-    def configure_role(self, msg: Message) -> Reply:
+    def configure_role(self, msg: ConfigureRole) -> RoleConfigured | RoleFailed:
         from ._roles import make_role
 
-        if msg["role_id"] in self.roles:
-            return Reply("ROLE_FAILED", {"role_id": msg["role_id"], "reason": "worker_rejected_role",
-                                         "msg": f"role {msg['role_id']!r} is already configured; role ids are "
-                                                "immutable"})
+        ids = {"req_id": msg.req_id, "role_id": msg.role_id}
+        if msg.role_id in self.roles:
+            return RoleFailed(**ids, reason="worker_rejected_role",
+                              msg=f"role {msg.role_id!r} is already configured; role ids are immutable")
         try:
-            self.roles[msg["role_id"]] = make_role(msg["config"], self.models)
+            self.roles[msg.role_id] = make_role(msg.config, self.models)
         except StepFailed as exc:
-            return Reply("ROLE_FAILED", {"role_id": msg["role_id"], "reason": exc.code, "msg": str(exc)})
-        return Reply("ROLE_CONFIGURED", {"role_id": msg["role_id"]})
+            return RoleFailed(**ids, reason=exc.code, msg=str(exc))
+        return RoleConfigured(**ids)
 
-    def release(self, msg: Message) -> Reply:
-        handle = msg["device_handle"]
+    def release(self, msg: ReleaseDeviceObject) -> DeviceObjectReleased | ReleaseFailed:
+        handle = msg.device_handle
         obj = self._lookup(handle)
         if obj is None:
-            return Reply("RELEASE_FAILED", {"device_handle": handle, "reason": "invalid_device_handle",
-                                            "msg": f"no live device object {handle}"})
+            return ReleaseFailed(req_id=msg.req_id, device_handle=handle, reason="invalid_device_handle",
+                                 msg=f"no live device object {handle}")
         del self.objects[handle["id"]]
         self.bridge.free_device(obj.alloc)
-        return Reply("DEVICE_OBJECT_RELEASED", {"device_handle": handle})
+        return DeviceObjectReleased(req_id=msg.req_id, device_handle=handle)
 
     def _lookup(self, handle: dict[str, int]) -> DeviceObject | None:
         """Handles of another worker generation never resolve, even if the id exists now."""
@@ -172,48 +185,48 @@ class WorkerDataPlane(IngressPlane):
             return None
         return self.objects.get(handle["id"])
 
-    async def execute_step(self, msg: Message, progress: Callable[[int, str], None], compute: Any) -> Reply:
+    async def execute_step(self, msg: ExecuteStep, progress: Callable[[int, str], None],
+                           compute: Any) -> StepCompleted | wire.StepFailed:
         """The role runs on the compute thread; its outputs are then written into their egress rings from the event
         loop, so a step waiting for ring space never holds the compute thread (ingress drains go on meanwhile)."""
-        step_id, role_id = msg["step_id"], msg["role_id"]
+        ids = {"req_id": msg.req_id, "role_id": msg.role_id, "step_id": msg.step_id}
         plan: list[_Output] = []
         try:
             plan = await compute.run(self._prepare, msg)
             for out in plan:
                 await self._write_object(out.slot, out.binding, out.src, progress)
-                self.emit("OBJECT_PRODUCED", {"req_id": msg["req_id"], "ring_id": out.slot.ring_id,
+                self.emit("OBJECT_PRODUCED", {"req_id": msg.req_id, "ring_id": out.slot.ring_id,
                                               "port_id": out.binding["port_id"], "object_id": out.binding["object_id"],
                                               "sequence": out.binding["sequence"], "extent": out.binding["extent"]})
         except DataPlaneError as exc:
-            return Reply("STEP_FAILED", {"role_id": role_id, "step_id": step_id, "reason": exc.code, "msg": str(exc)})
+            return wire.StepFailed(**ids, reason=exc.code, msg=str(exc))
         finally:
-            await compute.run(self._after_step, msg, plan)
-        return Reply("STEP_COMPLETED", {"role_id": role_id, "step_id": step_id})
+            await compute.run(self._after_step, plan, msg.inputs if msg.release_inputs_after else ())
+        return StepCompleted(**ids)
 
-    def _after_step(self, msg: Message, plan: list[_Output]) -> None:
+    def _after_step(self, plan: list[_Output], consumed: list[dict[str, Any]] | tuple[()]) -> None:
         """Compute thread: free the outputs the step allocated; a failed step frees its inputs too when asked to
-        (they are consumed either way)."""
+        (`consumed`: they are consumed either way)."""
         for out in plan:
             if out.owned is not None:
                 self.bridge.free_device(out.owned)
-        if msg["release_inputs_after"]:
-            for binding in msg["inputs"]:
-                obj = self._lookup(binding["device_handle"])
-                if obj is not None:
-                    del self.objects[binding["device_handle"]["id"]]
-                    self.bridge.free_device(obj.alloc)
+        for binding in consumed:
+            obj = self._lookup(binding["device_handle"])
+            if obj is not None:
+                del self.objects[binding["device_handle"]["id"]]
+                self.bridge.free_device(obj.alloc)
 
-    def _prepare(self, msg: Message) -> list[_Output]:
+    def _prepare(self, msg: ExecuteStep) -> list[_Output]:
         """Compute thread: run the role and make every output readable from host memory."""
         from ._bridge import DeviceError
 
         if self.aborted:
             raise DataPlaneError("worker_shutting_down", "the worker is shutting down (abort_in_flight)")
-        role = self.roles.get(msg["role_id"])
+        role = self.roles.get(msg.role_id)
         if role is None:
-            raise DataPlaneError("role_unavailable", f"role {msg['role_id']!r} is not configured")
+            raise DataPlaneError("role_unavailable", f"role {msg.role_id!r} is not configured")
         inputs, allocs = {}, {}
-        for binding in msg["inputs"]:
+        for binding in msg.inputs:
             obj = self._lookup(binding["device_handle"])
             if obj is None:
                 raise DataPlaneError("invalid_input_handle", f"no live device object {binding['device_handle']} "
@@ -224,14 +237,14 @@ class WorkerDataPlane(IngressPlane):
                 raise DataPlaneError(exc.code, str(exc)) from exc
             allocs[id(tensor)] = obj.alloc
         slots = []
-        for binding in msg["outputs"]:
+        for binding in msg.outputs:
             slot = self.rings.get(binding["ring_id"])
             if slot is None or slot.direction != "egress":
                 raise DataPlaneError("invalid_output_ring",
                                      f"ring {binding['ring_id']} is not an installed egress ring")
             slots.append((binding, slot))
         try:
-            produced = role.execute(inputs, msg["runtime"])
+            produced = role.execute(inputs, msg.runtime)
         except StepFailed as exc:
             raise DataPlaneError(exc.code, str(exc)) from exc
         except MemoryError as exc:
@@ -241,7 +254,7 @@ class WorkerDataPlane(IngressPlane):
             for binding, slot in slots:
                 plan.append(self._readable(binding, slot, produced.get(binding["port_id"]), allocs))
         except BaseException:
-            self._after_step({**msg.fields, "release_inputs_after": False}, plan)  # type: ignore[arg-type]
+            self._after_step(plan, ())  # the inputs stay: _after_step in execute_step consumes them
             raise
         return plan
 

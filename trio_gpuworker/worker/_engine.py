@@ -10,7 +10,6 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from .._proto import (
     InstallRing,
     Load,
     Loaded,
-    Message,
     Ping,
     Pong,
     ReleaseDeviceObject,
@@ -40,7 +38,6 @@ from .._proto import (
     Unloaded,
     Vectors,
     WireMessage,
-    decode,
 )
 from ._genbatch import PackedGeneration
 from ._generate import generate
@@ -48,18 +45,6 @@ from ._loaders import load_config
 
 Progress = Callable[..., None]  # (completed, phase[, post=False: check for an abort only, send nothing])
 Handler = Callable[[Any, Progress], WireMessage]  # a request's class -> its reply (a class too)
-
-
-@dataclass
-class Reply:
-    """worker/_dataplane.py's answer, without req_id; `typed` makes it the reply's class."""
-
-    t: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    raw: bytes | None = None
-
-    def typed(self, req_id: int) -> WireMessage:
-        return decode(self.t, {"req_id": req_id, **self.fields}, self.raw)
 
 
 def split_rows(raw: bytes, lengths: list[int], allow_empty: bool = False) -> list[np.ndarray]:
@@ -120,17 +105,11 @@ class Engine:
             GeneratePacked: self.do_generate_packed,
             Unload: self.do_unload,
             Ping: self.do_ping,
-            InstallRing: self._on_dataplane(lambda m: self.dataplane.install_ring(m)),
-            UninstallRing: self._on_dataplane(lambda m: self.dataplane.uninstall_ring(m)),
-            ConfigureRole: self._on_dataplane(lambda m: self.dataplane.configure_role(m)),
-            ReleaseDeviceObject: self._on_dataplane(lambda m: self.dataplane.release(m)),
+            InstallRing: lambda msg, progress: self.dataplane.install_ring(msg),
+            UninstallRing: lambda msg, progress: self.dataplane.uninstall_ring(msg),
+            ConfigureRole: lambda msg, progress: self.dataplane.configure_role(msg),
+            ReleaseDeviceObject: lambda msg, progress: self.dataplane.release(msg),
         }
-
-    @staticmethod
-    def _on_dataplane(fn: Callable[[Message], Reply]) -> Handler:
-        """worker/_dataplane.py still reads Message and answers Reply (its data path is being rewritten
-        elsewhere); this adapter goes once it takes and returns the classes."""
-        return lambda msg, progress: fn(Message.of(msg)).typed(msg.req_id)
 
     def handle(self, msg: WireMessage, progress: Progress) -> WireMessage:
         handler = self.handlers.get(type(msg))
@@ -139,7 +118,9 @@ class Engine:
         return handler(msg, progress)
 
     def model(self, msg: EmbedBatch | Generate | GeneratePacked) -> Any:
-        """The model `msg` names, if its kind serves that request (the registry's `requests`)."""
+        """The model `msg` names, if its kind serves that request (the registry's `requests`). The daemon checked
+        the kind already (supervisor/_route.py, its one check); this is the worker's own, kept because a worker is
+        a separate process that takes whatever arrives on its socket, and answers a wrong kind with a typed ERR."""
         m = self.models.get(msg.model_ref)
         if m is None:
             raise WorkerError("model_not_loaded", f"model {msg.model_ref!r} is not loaded in this worker")

@@ -16,6 +16,7 @@ import trio
 from cython_ring import Completions, DestPool, ObjectSpec, Ring, drain_batch, drain_ingress
 
 from .._errors import CodedError
+from .._proto import EXTENT, HANDLE_ID, OBJECT_ID, SEQUENCE  # the columns of a LoadedRow kept as a list
 
 # ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
 # objects per native drain call: a long burst goes back in parts, so the daemon resolves (and refills the
@@ -177,8 +178,8 @@ class IngressPlane:
         first, self._next_handle = self._next_handle, self._next_handle + n
         rows = batch.rows(first)
         dtype, ring_id, shape_of = slot.spec.dtype, slot.ring_id, self._shape
-        self.objects.update((row[3], DeviceObject(pending.popleft()[0], dtype, shape_of(slot, row[2]), ring_id,
-                                                  row[0])) for row in rows)
+        self.objects.update((row[HANDLE_ID], DeviceObject(pending.popleft()[0], dtype, shape_of(slot, row[EXTENT]),
+                                                          ring_id, row[OBJECT_ID])) for row in rows)
         return rows
 
     def _drain_staged(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
@@ -195,11 +196,15 @@ class IngressPlane:
         slot.more = sum(1 for ev in events if ev[0] == "loaded") == DRAIN_CHUNK
         copying: tuple[int, int] | None = None  # the object whose device copy is running
         try:
+            # drain_ingress's events, by their first item (cython_ring/_stream.pyx): ("loaded", object_id,
+            # sequence, extent, flags), ("failed", code, text, object_id, sequence), ("ring_fault", code, text),
+            # ("writable",); the others ("header", "closed") need nothing here
             for ev in events:
                 kind = ev[0]
                 if kind == "loaded":
-                    copying = (ev[1], ev[2])
-                    loaded.append(self._loaded(slot, ev[1], ev[2], ev[3]))
+                    _, object_id, sequence, extent, _flags = ev
+                    copying = (object_id, sequence)
+                    loaded.append(self._loaded(slot, object_id, sequence, extent))
                     copying = None
                 elif kind == "failed":
                     _, code, text, object_id, sequence = ev
@@ -215,7 +220,8 @@ class IngressPlane:
                 elif kind == "ring_fault":
                     self._drop_pending(slot)
                     self._flush(slot, loaded, out)
-                    out.append(("RING_FAULT", {**ids, "reason": ev[1], "msg": ev[2]}))
+                    _, code, text = ev
+                    out.append(("RING_FAULT", {**ids, "reason": code, "msg": text}))
                 elif kind == "writable":
                     self._flush(slot, loaded, out)
                     out.append(("RING_WRITABLE", {"ring_id": rid}))
@@ -226,9 +232,9 @@ class IngressPlane:
             if copying is not None:  # its own copy failed; the objects before it were copied synchronously
                 failed = {"object_id": copying[0], "sequence": copying[1]}
             else:  # the synchronize before reporting failed: none of these objects is known to be complete
-                failed = {"object_id": loaded[0][0], "sequence": loaded[0][1]} if loaded else {}
+                failed = {"object_id": loaded[0][OBJECT_ID], "sequence": loaded[0][SEQUENCE]} if loaded else {}
                 for row in loaded:
-                    self.bridge.free_device(self.objects.pop(row[3]).alloc)
+                    self.bridge.free_device(self.objects.pop(row[HANDLE_ID]).alloc)
                 loaded.clear()
             slot.ring.fault()
             slot.faulted = True
@@ -266,7 +272,7 @@ class IngressPlane:
         self.bridge.host_to_device(slot.pending[-1][0], offset, memoryview(slot.window)[:n], n)
 
     def _loaded(self, slot: RingSlot, object_id: int, sequence: int, extent: int) -> list[int]:
-        """[object_id, sequence, extent, handle id] of an object whose every byte is on the device."""
+        """The LoadedRow, as a list, of an object whose every byte is on the device."""
         alloc, staging = slot.pending[0]
         if staging is not None:
             self.bridge.host_to_device(alloc, 0, memoryview(staging), extent)

@@ -67,7 +67,7 @@ def encoder_for(rc: EncoderRuntime | Mapping[str, Any], device: str) -> tuple[st
     rt = rc if isinstance(rc, EncoderRuntime) else load_config(EMBEDDING, rc).runtime
     assert isinstance(rt, EncoderRuntime)
     cpu = device.split(":")[0] == "CPU"
-    choice = rt.encoder or ("fused" if cpu else "graph")
+    choice = rt.backend(device)
     if choice == "fused" and not cpu:
         raise WorkerError("config_invalid", f"encoder 'fused' runs on CPU only, not on {device}: use 'graph'")
     if rt.threads is not None and choice != "fused":
@@ -184,7 +184,7 @@ def decoder_for(rc: DecoderRuntime | Mapping[str, Any], device: str) -> str:
     kernels, any device). Default: fused on CPU, graph elsewhere."""
     rt = rc if isinstance(rc, DecoderRuntime) else load_config(GENERATE, rc).runtime
     assert isinstance(rt, DecoderRuntime)
-    choice = rt.decoder or ("fused" if device.split(":")[0] == "CPU" else "graph")
+    choice = rt.backend(device)
     if choice == "fused" and device.split(":")[0] != "CPU":
         raise WorkerError("config_invalid", f"decoder 'fused' runs on CPU only, not on {device}: use 'graph'")
     return choice

@@ -43,7 +43,7 @@ from .._proto import (
 )
 from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
-from ._engine import Engine, Reply
+from ._engine import Engine
 
 # build_flags: the protocol extensions this worker implements (_proto/_extensions.py)
 ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": list(EXTENSIONS)}
@@ -253,8 +253,7 @@ class WorkerServer:
         try:
             # a step's egress writes wait for ring space on the loop, not on the compute thread
             if isinstance(msg, ExecuteStep):
-                step: Reply = await self.engine.dataplane.execute_step(Message.of(msg), progress, self.compute)
-                reply = step.typed(req_id)
+                reply = await self.engine.dataplane.execute_step(msg, progress, self.compute)
             else:
                 reply = await self.compute.run(self.engine.handle, msg, progress)
         except WorkerError as exc:
