@@ -18,7 +18,7 @@ from tests.helpers import wait_until
 from tests.reference_llama import gguf_path
 from tests.state import SESSION_STATE
 from trio_gpuworker import DeadlineExceeded, EngineCrashed, LaneConfig, ModelConfig, Supervisor, SupervisorConfig
-from trio_gpuworker._proto import PACKED_SLOTS
+from trio_gpuworker._proto import PACKED_SLOTS, Generate, GeneratePacked, Texts
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 from trio_gpuworker.supervisor._genbatch import packer_for
 
@@ -46,8 +46,8 @@ async def sup() -> AsyncIterator[Supervisor]:
 async def alone(sup: Supervisor, prompt: str, fields: dict[str, Any]) -> dict[str, Any]:
     """GENERATE as one request on its own, the way a worker without batching answers it."""
     ids = np.asarray(ChatTokenizer.from_gguf(gguf_path()).encode(prompt), dtype="<i4")
-    reply = await sup.lanes["gen"].call("GENERATE", {"model_ref": LM, **fields}, ids.tobytes())
-    return {k: reply[k] for k in ("text", "n_gen", "finish_reason")}
+    reply = await sup.lanes["gen"].call(Generate(model_ref=LM, **fields, raw=ids.tobytes()))
+    return {"text": reply.text, "n_gen": reply.n_gen, "finish_reason": reply.finish_reason}
 
 
 async def together(sup: Supervisor, asks: list[tuple[str, dict[str, Any]]], stagger_s: float = 0.05,
@@ -144,15 +144,16 @@ async def test_the_worker_refuses_chunks_that_do_not_fit_its_batch(sup: Supervis
     from trio_gpuworker import WorkerError
 
     lane = sup.lanes["gen"]
-    base = {"model_ref": LM, "steps": 2, "leave": []}
+    base: dict[str, Any] = {"model_ref": LM, "steps": 2, "leave": []}
     with pytest.raises(WorkerError) as info:
-        await lane.call("GENERATE_PACKED", {**base, "join": [], "live": [7]}, b"")
+        await lane.call(GeneratePacked(**base, join=[], live=[7], raw=b""))
     assert info.value.code == "invalid_request"
     ids = np.array([1, 2, 3], dtype="<i4")
     joins = [{"seq": 1, "n_tokens": 3, "max_tokens": 4}, {"seq": 2, "n_tokens": 3, "max_tokens": 4000}]
-    reply = await lane.call("GENERATE_PACKED", {**base, "join": joins, "live": []}, ids.tobytes() * 2)
-    assert [f["seq"] for f in reply["failed"]] == [2] and reply["failed"][0]["code"] == "invalid_request"
-    assert [(r["seq"], r["n_gen"]) for r in reply["seqs"]] == [(1, 3)]  # its first token and two steps
+    reply = await lane.call(GeneratePacked(**base, join=joins, live=[], raw=ids.tobytes() * 2))
+    assert isinstance(reply, Texts) and reply.failed is not None
+    assert [f["seq"] for f in reply.failed] == [2] and reply.failed[0]["code"] == "invalid_request"
+    assert [(r["seq"], r["n_gen"]) for r in reply.seqs] == [(1, 3)]  # its first token and two steps
     too_many = [{"seq": 10 + i, "n_tokens": 3, "max_tokens": 4} for i in range(PACKED_SLOTS)]
     with pytest.raises(WorkerError):
-        await lane.call("GENERATE_PACKED", {**base, "join": too_many, "live": [1]}, ids.tobytes() * PACKED_SLOTS)
+        await lane.call(GeneratePacked(**base, join=too_many, live=[1], raw=ids.tobytes() * PACKED_SLOTS))
