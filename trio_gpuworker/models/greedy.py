@@ -62,8 +62,10 @@ class GreedyDecoder(abc.ABC):
         until the next step."""
 
     def _batched_step(self, tokens: list[int], positions: list[int], slots: list[int]) -> list[int]:
-        """One token of each sequence, at its position in its cache slot -> each one's greedy next id."""
-        raise NotImplementedError(f"{type(self).__name__} does not batch sequences")
+        """One token of each sequence, at its position in its cache slot -> each one's greedy next id. Only a
+        decoder with `batches` has it; callers check `batches` first (models/batched.py, worker/_genbatch.py), so
+        reaching this is a programming error, not a request the worker refuses."""
+        raise TypeError(f"{type(self).__name__} does not batch sequences (batches is False)")
 
     def prefill(self, ids: np.ndarray, slot: int = 0) -> int:
         """Run prompt `ids` (checked) through the chunked prefill into cache `slot`: the greedy next id."""

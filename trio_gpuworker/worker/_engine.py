@@ -218,8 +218,6 @@ class Engine:
         m = self.model(msg)
         try:
             return self.packed.run(m, msg, progress)
-        except NotImplementedError as exc:
-            raise WorkerError("unsupported_request", str(exc)) from exc
         except ValueError as exc:
             raise WorkerError("invalid_request", str(exc)) from exc
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import WorkerError
 from .._proto import PACKED_SLOTS, GeneratePacked, Texts
 from ..models.batched import Batch, Sequence
 from ..models.sampling import SamplingParams
@@ -66,9 +67,10 @@ class PackedGeneration:
 
     def run(self, m: Any, msg: GeneratePacked, progress: Progress) -> Texts:
         """One chunk on served model `m`. ValueError for a request that does not fit the batch (ERR
-        invalid_request); NotImplementedError when `m`'s decoder does not batch."""
+        invalid_request); WorkerError unsupported_request when `m`'s decoder does not batch (the graph decoder):
+        the daemon then sends that lane plain GENERATEs."""
         if not getattr(m.impl, "batches", False):
-            raise NotImplementedError(f"model {msg.model_ref!r}'s decoder does not batch sequences")
+            raise WorkerError("unsupported_request", f"model {msg.model_ref!r}'s decoder does not batch sequences")
         held = self.batches.get(msg.model_ref)
         if held is None or held[0] is not m:  # a model loaded again starts a new batch
             held = self.batches[msg.model_ref] = (m, Batch(m.impl), {})
