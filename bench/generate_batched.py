@@ -25,6 +25,7 @@ import numpy as np
 import trio
 
 from trio_gpuworker import Supervisor
+from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT, parse_config
 
 QUESTIONS = ["Write a short story about a lighthouse keeper.", "Explain how a bicycle works.",
@@ -52,10 +53,10 @@ class Client:
 
     async def ask_plain(self, sup: Supervisor, ids: np.ndarray, max_tokens: int) -> None:
         t0 = time.perf_counter()
-        reply = await sup.pick_lane(DEFAULT_LM).call("GENERATE", {"model_ref": DEFAULT_LM, "max_tokens": max_tokens},
-                                                     ids.tobytes())
-        self.tokens += reply["n_gen"]
-        self.latency_ms.append((time.perf_counter() - t0) / max(reply["n_gen"], 1) * 1000)
+        reply = await sup.pick_lane(DEFAULT_LM).call(Generate(model_ref=DEFAULT_LM, max_tokens=max_tokens,
+                                                              raw=ids.tobytes()))
+        self.tokens += reply.n_gen
+        self.latency_ms.append((time.perf_counter() - t0) / max(reply.n_gen, 1) * 1000)
 
 
 async def clients(sup: Supervisor, n: int, rounds: int, max_tokens: int, mode: str) -> tuple[float, list[float]]:
