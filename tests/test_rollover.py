@@ -42,9 +42,10 @@ def loads(path: Path) -> dict[int, int]:
 async def test_an_untuned_lane_rolls_over_under_steady_load_and_fails_no_request(tmp_path: Path,
                                                                                   standby: bool) -> None:
     record = tmp_path / "loads.jsonl"
-    cmd = fake_command(record_loads=record, delay=0.005, load_delay=0.3)
+    load_s = 1.2  # each LOAD; a request that waited for one would take at least this long
+    cmd = fake_command(record_loads=record, delay=0.005, load_delay=load_s)
     cfg = graph_model(fake_config(tmp_path, cmd, cmd), standby=standby)
-    served, failed = 0, []
+    served, failed, took = 0, [], []
     async with Supervisor(cfg, untuned=frozenset({MODEL})) as sup:
         old = {ln.id: (ln.generation, ln.pid) for ln in sup.lanes.values()}
         assert {s["lane_id"]: s["kernels"] for s in sup.status()} == {"lane0": {MODEL: "untuned"},
@@ -54,11 +55,13 @@ async def test_an_untuned_lane_rolls_over_under_steady_load_and_fails_no_request
             nonlocal served
             while True:
                 rs = rows(1 + k, 3)
+                t0 = trio.current_time()
                 try:
                     out = await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
                 except Exception as exc:  # every failure is the finding
                     failed.append(exc)
                     continue
+                took.append(trio.current_time() - t0)
                 np.testing.assert_array_equal(out[:, :3], expected_fake_rows(rs))
                 served += 1
 
@@ -73,6 +76,8 @@ async def test_an_untuned_lane_rolls_over_under_steady_load_and_fails_no_request
             nursery.cancel_scope.cancel()
         assert rolled == ["lane0", "lane1"]
         assert failed == [] and served > before  # served throughout, nothing failed
+        # and nothing waited for a successor's LOAD: the old worker served until the successor was ready
+        assert max(took) < load_s, f"a request took {max(took):.2f} s, as long as a LOAD ({load_s} s)"
         for ln in sup.lanes.values():
             gen, pid = old[ln.id]
             assert ln.generation > gen and ln.pid != pid and ln.status()["rollovers"] == 1

@@ -59,7 +59,6 @@ class BackgroundTuner:
                  on_tuned: Callable[[str], None] | None = None) -> None:
         self.cfg, self.models, self.record, self.on_tuned = cfg, list(models), record, on_tuned
         self.progress: dict[str, dict[str, Any]] = {m: {"phase": "waiting"} for m in models}
-        self._serving: Supervisor | None = None
         self.finished = trio.Event()  # every model tuned and rolled over, or failed (its lanes stay untuned)
 
     def describe(self) -> str | None:
@@ -72,7 +71,6 @@ class BackgroundTuner:
         return None
 
     async def run(self, sup: Supervisor) -> None:
-        self._serving = sup
         await sup.wait_started()
         for model in self.models:
             await self._one(sup, model)
@@ -98,7 +96,7 @@ class BackgroundTuner:
         pacer = Pacer()
         try:
             await tune(self.cfg, model, on_progress=progress, env={NICE: str(TUNER_NICE), CPUS: tuner_cpu()},
-                       load_window_s=TUNER_LOAD_WINDOW_S, alongside=lambda lane: self._pace(lane, pacer),
+                       load_window_s=TUNER_LOAD_WINDOW_S, alongside=lambda lane: self._pace(sup, lane, pacer),
                        record=self.record)
         except Exception as exc:  # a tuner is an optimisation: whatever ends it, the node keeps serving
             p.update(phase="failed", error=str(exc))
@@ -120,13 +118,12 @@ class BackgroundTuner:
         log.info("%s: tuned kernels took over on lane(s) %s (searched in %.0f s, %.0f s of it paused for "
                  "requests)", model, ", ".join(lanes) or "none", searched, pacer.paused_s)
 
-    async def _pace(self, tuner: Lane, pacer: Pacer) -> None:
-        """SIGSTOP / SIGCONT the tuner's worker as the pacer says, from the serving lanes' states."""
+    async def _pace(self, serving: Supervisor, tuner: Lane, pacer: Pacer) -> None:
+        """SIGSTOP / SIGCONT the tuner's worker as the pacer says, from the states of `serving`'s lanes."""
         stopped: int | None = None
         try:
             while True:
-                lanes = self._serving.lanes.values() if self._serving is not None else ()
-                busy = any(ln.state is LaneState.BUSY for ln in lanes)
+                busy = any(ln.state is LaneState.BUSY for ln in serving.lanes.values())
                 pause = pacer.paused(busy, trio.current_time())
                 pid = tuner.pid
                 if pause and stopped is None and pid is not None:
