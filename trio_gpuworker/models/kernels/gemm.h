@@ -1,6 +1,6 @@
 /* Single-precision matmul tiles over packed panels, with fused epilogues (the fused BERT encoder).
    A micro tile is up to MR rows x TW columns of accumulators, kept in registers for the whole k loop:
-   AVX2 6 x 16 (12 of 16 ymm registers), AVX-512 12 x 32 (24 of 32 zmm). Weights are packed in panels of
+   AVX2 6 x 16 (12 of 16 ymm registers), AVX-512 10 x 32 (20 of 32 zmm). Weights are packed in panels of
    PW columns, k rows of PW floats each (models/bert_fused.py panels), so a tile reads its weights as one
    (AVX2) or two (AVX-512) sequential streams, and an AVX2 tile's panel (k x 64 bytes) stays in L1 while
    the row tiles of a block pass over it (panels twice as wide ran 10-20% slower). Column counts are
@@ -54,7 +54,10 @@ INL void micro_any(int mr, const int epi, int kc, const float *restrict a, long 
   switch (mr) {
     MICRO_CASE(1) MICRO_CASE(2) MICRO_CASE(3) MICRO_CASE(4) MICRO_CASE(5) MICRO_CASE(6)
 #if MR > 6
-    MICRO_CASE(7) MICRO_CASE(8) MICRO_CASE(9) MICRO_CASE(10) MICRO_CASE(11) MICRO_CASE(12)
+    MICRO_CASE(7) MICRO_CASE(8) MICRO_CASE(9) MICRO_CASE(10)
+#endif
+#if MR > 10
+    MICRO_CASE(11) MICRO_CASE(12)
 #endif
   }
 }
