@@ -19,8 +19,8 @@ typedef float vf __attribute__((ext_vector_type(16), aligned(4)));
 typedef int vi __attribute__((ext_vector_type(16)));
 #define VW 16
 /* 10 rows x 32 columns: 20 accumulators. On an Intel Xeon (AVX-512, 2026-12-03) tiles of 11 or 12 rows ran at
-   20-25 GFLOP/s and tiles of 6-10 rows at 126-131, everything in L1; on the AMD EPYC it was tuned on, 12 rows
-   and 10 ran alike. Each row's sum over k is the same either way, so the output does not depend on MR. */
+   20-25 GFLOP/s and tiles of 6-10 rows at 126-131, everything in L1. 12 was chosen on an AMD EPYC, where 10 was
+   not measured. Each row's sum over k runs in the same order either way, so the output does not depend on MR. */
 #define MR 10
 #else
 typedef float vf __attribute__((ext_vector_type(8), aligned(4)));
