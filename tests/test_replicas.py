@@ -13,7 +13,12 @@ import trio
 from tests.fakes import fake_command
 from tests.supervision_helpers import MODEL, fake_config, rows
 from trio_gpuworker import BatchPolicy, EngineCrashed, LaneState, Supervisor
-from trio_gpuworker.supervisor._dispatch import MIN_ROWS_PER_REPLICA, split_rows
+from trio_gpuworker.supervisor._dispatch import (
+    MIN_ROWS_PER_REPLICA,
+    MIN_TOKENS_PER_REPLICA,
+    replicas_for,
+    split_rows,
+)
 
 
 def test_split_rows_deals_lengths_evenly() -> None:
@@ -24,6 +29,17 @@ def test_split_rows_deals_lengths_evenly() -> None:
     sums = [sum(lengths[i] for i in p) for p in parts]
     assert abs(sums[0] - sums[1]) <= max(lengths) - min(lengths)
     assert [len(p) for p in split_rows([1] * 7, 3)] == [3, 2, 2]
+
+
+def test_a_job_is_worth_a_replica_per_eight_rows_or_per_bucket_of_tokens() -> None:
+    assert replicas_for([]) == 1 and replicas_for([3]) == 1
+    assert replicas_for([10] * (2 * MIN_ROWS_PER_REPLICA - 1)) == 1  # few short rows: one worker
+    assert replicas_for([10] * (4 * MIN_ROWS_PER_REPLICA)) == 4
+    # long rows: the work, not the row count, decides (a batch of 8 rows of ~200 tokens is two parts or more)
+    assert replicas_for([200] * 8) == 6
+    assert replicas_for([MIN_TOKENS_PER_REPLICA]) == 1  # never more parts than rows
+    assert replicas_for([MIN_TOKENS_PER_REPLICA] * 2) == 2
+    assert replicas_for([MIN_TOKENS_PER_REPLICA - 1, 1]) == 1
 
 
 async def test_one_request_is_spread_over_idle_replicas(tmp_path: Path) -> None:
@@ -43,6 +59,11 @@ async def test_one_request_is_spread_over_idle_replicas(tmp_path: Path) -> None:
         small = rows(*[4] * (2 * MIN_ROWS_PER_REPLICA - 1))
         got = await sup.embed_rows(small, model=MODEL, pooling="mean", normalize=False)
         assert got[:, 2].astype(int).tolist() == list(range(len(small)))
+        # few rows, but long ones: worth both workers
+        long = rows(*[MIN_TOKENS_PER_REPLICA, MIN_TOKENS_PER_REPLICA + 7, MIN_TOKENS_PER_REPLICA - 3])
+        got = await sup.embed_rows(long, model=MODEL, pooling="mean", normalize=False)
+        assert np.array_equal(got[:, :2], np.array([[r.sum(), len(r)] for r in long], dtype=np.float32))
+        assert sorted(got[:, 2].astype(int).tolist()) == [0, 0, 1]
 
 
 async def test_a_failing_replica_fails_the_request_with_its_own_error(tmp_path: Path) -> None:
