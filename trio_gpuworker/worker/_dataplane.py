@@ -188,7 +188,7 @@ class WorkerDataPlane(IngressPlane):
             return None
         return self.objects.get(handle["id"])
 
-    async def execute_step(self, msg: ExecuteStep, progress: Callable[[int, str], None],
+    async def execute_step(self, msg: ExecuteStep, progress: Callable[[int, str, bool], None],
                            compute: Any) -> StepCompleted | wire.StepFailed:
         """The role runs on the compute thread; its outputs are then written into their egress rings from the event
         loop, so a step waiting for ring space never holds the compute thread (ingress drains go on meanwhile). An
@@ -331,7 +331,7 @@ class WorkerDataPlane(IngressPlane):
         return out
 
     async def _write_object(self, slot: RingSlot, binding: dict[str, Any], src: int,
-                            progress: Callable[[int, str], None]) -> None:
+                            progress: Callable[[int, str, bool], None]) -> None:
         """Event loop: header, then payload prefixes as space frees up; waits (never spins) for RING_WRITABLE."""
         extent, written = binding["extent"], 0
         state: EgressState = slot.state
@@ -352,7 +352,9 @@ class WorkerDataPlane(IngressPlane):
                 self.emit("RING_READABLE", {"ring_id": slot.ring_id})
             if n:
                 written += n
-                progress(written, "inference")  # bytes committed are completed work: renews the watchdog
+                # bytes committed are completed work: PROGRESS renews the watchdog while the step waits for space;
+                # an object finished by this call needs none, its OBJECT_PRODUCED goes in the same write
+                progress(written, "inference", state.busy)
             if not state.busy:
                 return
             self.flush()  # the consumer must see RING_READABLE (and PROGRESS) before this step can go on
