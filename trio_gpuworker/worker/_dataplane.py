@@ -120,7 +120,8 @@ class WorkerDataPlane(IngressPlane):
         except ValueError as exc:  # cython_ring's errors are ValueErrors with a wire code; a bare one is a bad argument
             return fail(getattr(exc, "code", "ring_layout_invalid"), str(exc))
         state = IngressState() if msg.direction == "ingress" else EgressState(spec)
-        self.rings[ring_id] = RingSlot(ring_id, msg.edge_id, msg.port_id, msg.direction, spec, ring, state)
+        self.rings[ring_id] = RingSlot(ring_id, msg.edge_id, msg.port_id, msg.direction, spec, ring, state,
+                                       block=bool(msg.loaded_block))
         return RingInstalled(**ids)
 
     def abort_ring(self, ring_id: int, reason: str = "invalid_output_ring") -> None:

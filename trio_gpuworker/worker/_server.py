@@ -117,7 +117,7 @@ class WorkerServer:
             queued.append(self._outbox.popleft())
         return encode_messages(self.conn, queued) if queued else b""
 
-    async def send_many(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
+    async def send_many(self, messages: list[tuple[Any, ...]]) -> None:
         """Several small messages in one write: a drain that finished many objects costs one syscall."""
         async with self._send_lock:
             data = self._take_outbox() + (encode_messages(self.conn, messages) if messages else b"")
