@@ -173,7 +173,7 @@ def thread_cpu(pid: int | None) -> np.ndarray:
     out = np.zeros(2)
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            out[int(tid) != pid] += int(f.read().split()[0]) / 1e9
+            out[0 if int(tid) == pid else 1] += int(f.read().split()[0]) / 1e9
     return out
 
 
