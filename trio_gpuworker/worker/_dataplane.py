@@ -65,11 +65,12 @@ def map_arena() -> mmap.mmap | None:
 
 
 def _quietly(release: Callable[[Any], None], what: Any) -> None:
-    """On shutdown one failed release must not keep the rest: log it and go on (the process exits next)."""
+    """A release nobody waits for: on shutdown one failure must not keep the rest (the process exits next), and a
+    host echo's consumed input is freed on the compute thread while its step answers. Log it and go on."""
     try:
         release(what)
     except GpuWorkerError as exc:
-        print(f"worker: releasing {what!r} on shutdown: {exc}", file=sys.stderr)
+        print(f"worker: releasing {what!r}: {exc}", file=sys.stderr)
 
 
 class WorkerDataPlane(IngressPlane):

@@ -46,8 +46,8 @@ from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
 from ._engine import Engine
 
-# build_flags: the protocol extensions this worker implements (_proto/_extensions.py)
 COALESCE_BYTES = 1 << 16  # a reply up to this size is joined with the queued notices into one write
+# build_flags: the protocol extensions this worker implements (_proto/_extensions.py)
 ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": list(EXTENSIONS)}
 
 
