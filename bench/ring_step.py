@@ -33,8 +33,12 @@ EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"  # trio's wait for even
 
 
 async def steps(n: int) -> dict[str, float]:
-    cfg = SupervisorConfig(lanes=(LaneConfig("bench", ()),), models=(), state_dir=ROOT / ".state",
-                           runtime_dir=Path(tempfile.mkdtemp(prefix="gw-step-")), arena_bytes=64 * MiB)
+    with tempfile.TemporaryDirectory(prefix="gw-step-") as run:
+        return await _steps(n, SupervisorConfig(lanes=(LaneConfig("bench", ()),), models=(), state_dir=ROOT / ".state",
+                                                runtime_dir=Path(run), arena_bytes=64 * MiB))
+
+
+async def _steps(n: int, cfg: SupervisorConfig) -> dict[str, float]:
     async with Supervisor(cfg) as sup:
         dp, pid = sup.dataplane, sup.lanes["bench"].pid
         await dp.configure_role("bench", "echo", {"kind": "echo"})
