@@ -8,6 +8,8 @@
   throughput, and the p50 / p99 latency of the step alone (EXECUTE_STEP with its output pulled
   concurrently, the input already loaded);
 - the native drain alone (bench/ring_native.py's 4 KiB case), for the end-to-end / native ratio;
+- where the CPU goes at 4 KiB: the daemon's CPU time and the worker's (its event loop thread and its other
+  threads apart, from /proc's schedstat) per ingress object and per echo round;
 - baselines measured in the same run: a single-process two-copy memcpy (source -> staging ->
   destination, buffers reused, page-aligned, so in cache up to a few MiB), the same two copies with
   the ingress path's footprint ("cold": staging walks a ring-sized region, each object gets its own
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import socket
@@ -29,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -162,9 +166,21 @@ def uds_round_trips(n: int) -> list[float]:
         child.wait()
 
 
-async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[int, tuple[float, float, float, float, list[float]]]:
+def thread_cpu(pid: int | None) -> np.ndarray:
+    """CPU seconds so far of the worker's event loop thread (its main thread) and of all its other threads."""
+    if pid is None:
+        return np.zeros(2)
+    out = np.zeros(2)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            out[0 if int(tid) == pid else 1] += int(f.read().split()[0]) / 1e9
+    return out
+
+
+async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[Any, Any]:
     """size -> (ingress bytes/s, ingress objects/s, echo round trip bytes/s, daemon CPU s per ingress object,
-    seconds of each echo step)."""
+    seconds of each echo step); "cpu" -> the 4 KiB CPU split (seconds: daemon, worker loop, worker other threads
+    per ingress object, then the same per echo round)."""
     cfg = SupervisorConfig(lanes=(LaneConfig("bench", ()),), models=(), state_dir=ROOT / ".state",
                            runtime_dir=Path(tempfile.mkdtemp(prefix="gw-ring-")), arena_bytes=256 * MiB)
     out = {}
@@ -180,14 +196,15 @@ async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[int, tuple[flo
             seq = 0
             await dp.release_handle("bench", await dp.load(ingress, data, object_id=0, sequence=seq))  # warm
             seq += 1
-            t_ingress, cpu = await steady_ingress(dp, ingress, data, n, seq)
+            pid = sup.lanes["bench"].pid
+            t_ingress, cpu, w_ingress = await steady_ingress(dp, ingress, data, n, seq, pid)
             seq += 2 * n
             rounds = max(2, n // 4)
-            t0 = time.perf_counter()
+            t0, c0, w0 = time.perf_counter(), time.process_time(), thread_cpu(pid)
             steps: list[float] = []
             for i in range(-1, rounds):  # round -1 warms the step path up (first step schedules kernels)
                 if i == 0:
-                    t0 = time.perf_counter()
+                    t0, c0, w0 = time.perf_counter(), time.process_time(), thread_cpu(pid)
                 handle = await dp.load(ingress, data, object_id=seq, sequence=seq)
                 got: list = []
                 t_step = time.perf_counter()
@@ -200,6 +217,9 @@ async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[int, tuple[flo
                 steps.append(time.perf_counter() - t_step)
                 seq += 1
             t_echo = time.perf_counter() - t0
+            if size == 4 * KiB:
+                out["cpu"] = (cpu / n, *(w_ingress / n), (time.process_time() - c0) / rounds,
+                              *((thread_cpu(pid) - w0) / rounds))
             assert np.array_equal(got[0][2], data), "echo returned different bytes"
             await dp.uninstall_ring(ingress)
             await dp.uninstall_ring(egress)
@@ -217,17 +237,19 @@ async def timed_lap(dp, ingress, data, n: int, first: int) -> tuple[float, float
     return time.perf_counter() - t0, time.process_time() - c0, handles
 
 
-async def steady_ingress(dp, ingress, data, n: int, first: int) -> tuple[float, float]:
+async def steady_ingress(dp, ingress, data, n: int, first: int, pid: int | None) -> tuple[float, float, np.ndarray]:
     """Ingress once device memory is recycled, as in a running pipeline: a first lap of n objects is loaded
     and released untimed (freed buffers go to the worker's pool), then a second lap is timed. Releases
     stay outside the timing: a pipeline frees inputs with EXECUTE_STEP's release_inputs_after."""
     _, _, handles = await timed_lap(dp, ingress, data, n, first)
     for h in handles:
         await dp.release_handle("bench", h)
+    w0 = thread_cpu(pid)
     elapsed, cpu, handles = await timed_lap(dp, ingress, data, n, first + n)
+    worker = thread_cpu(pid) - w0
     for h in handles:
         await dp.release_handle("bench", h)
-    return elapsed, cpu
+    return elapsed, cpu, worker
 
 
 async def ingress_in_l3(dp, data) -> float:
@@ -294,6 +316,10 @@ def main() -> None:
                           percentile(uds, 0.99))
     print(f"echo step, 4 KiB: p50 {p50 * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us; bare trio UDS round trip: p50 "
           f"{u50 * 1e6:.0f} us, p99 {u99 * 1e6:.0f} us; step p50 / UDS p50 = {p50 / u50:.2f}x")
+    c = [x * 1e6 for x in rings["cpu"]]
+    print(f"CPU at 4 KiB, us: per ingress object daemon {c[0]:.2f}, worker event loop {c[1]:.2f}, worker other threads "
+          f"{c[2]:.2f}; per echo round (load + step) daemon {c[3]:.0f}, worker event loop {c[4]:.0f}, worker other "
+          f"threads {c[5]:.0f}")
 
 
 if __name__ == "__main__":

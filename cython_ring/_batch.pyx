@@ -4,6 +4,7 @@
 from in order, and the completion batch it writes into. With both, one drain call moves every committed object
 without calling Python, and the caller's Python runs once per call, not once per object."""
 
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uint64_t
@@ -154,6 +155,25 @@ cdef class Completions:
             row = [r.object_id, r.sequence, r.extent, first_handle + <uint64_t>k]
             Py_INCREF(row)
             PyList_SET_ITEM(out, k, row)
+            k += 1
+        return out
+
+    def block(self, uint64_t first_handle) -> bytes:
+        """rows() as LOADED_BLOCK's raw frame: four little-endian u64s per object, in the same columns and order."""
+        cdef Py_ssize_t i, k = 0
+        cdef int j
+        cdef BatchRecord* r
+        cdef uint64_t v[4]
+        cdef bytes out = PyBytes_FromStringAndSize(NULL, self.loaded * 32)
+        cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(out)
+        for i in range(self._n):
+            r = &self._rec[i]
+            if r.kind != REC_LOADED:
+                continue
+            v[0], v[1], v[2], v[3] = r.object_id, r.sequence, r.extent, first_handle + <uint64_t>k
+            for j in range(32):  # byte by byte: little-endian whatever the host's order
+                p[j] = <unsigned char>((v[j >> 3] >> (8 * (j & 7))) & 0xff)
+            p += 32
             k += 1
         return out
 

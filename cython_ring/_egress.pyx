@@ -84,10 +84,13 @@ cdef class EgressState:
                 f"object_id={self.object_id} produced={self.produced}/{self.extent}>")
 
 
-cdef uint64_t _egress_space(Ring ring, EgressState state, uint64_t* commit) except? 0:
+cdef uint64_t _egress_space(Ring ring, EgressState state, uint64_t* commit, uint64_t need) except? 0:
     """The producer's look at the ring before it writes: a ring that is not active is refused (and faulted if
-    an object is half written), the writable wake bit is cleared before the cursors are read, and corrupt
-    cursors fault the ring. Returns the free bytes; `commit` gets the commit cursor to write at."""
+    an object is half written) and corrupt cursors fault the ring. Returns the free bytes; `commit` gets the
+    commit cursor to write at. The writable wake bit is cleared only when fewer than `need` bytes are free (the
+    producer is about to wait for RING_WRITABLE), and the consume cursor is read again after clearing it: a
+    consumer that advanced before the clear is seen here, one after it finds the bit clear and sends the hint.
+    A producer that never runs short leaves the bit set, so its consumer sends no RING_WRITABLE at all."""
     cdef uint8_t* hdr = ring._hdr
     cdef uint32_t st = cr_load_acquire_u32(hdr + OFF_STATE)
     if st != S_ACTIVE:
@@ -97,14 +100,22 @@ cdef uint64_t _egress_space(Ring ring, EgressState state, uint64_t* commit) exce
         else:
             state._phase = EG_IDLE
         raise _errors().RingError(f"ring {ring.ring_id} is {_STATE_NAMES.get(st, f'in state {st}')}")
-    cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_WRITABLE))
     cdef uint64_t consume = cr_load_acquire_u64(hdr + OFF_CONSUME)
     commit[0] = cr_load_relaxed_u64(hdr + OFF_COMMIT)
-    if commit[0] < consume or commit[0] - consume > ring.capacity:
-        _fault_shared(hdr)
-        state._phase = EG_FAULTED if state._phase == EG_PAYLOAD else EG_IDLE
-        ring._check(commit[0], consume)
+    _check_cursors(ring, state, commit[0], consume)
+    if ring.capacity - (commit[0] - consume) < need:
+        cr_fetch_and_u32(hdr + OFF_WAKE, ~(<uint32_t>W_WRITABLE))
+        consume = cr_load_acquire_u64(hdr + OFF_CONSUME)
+        _check_cursors(ring, state, commit[0], consume)
     return ring.capacity - (commit[0] - consume)
+
+
+cdef int _check_cursors(Ring ring, EgressState state, uint64_t commit, uint64_t consume) except -1:
+    if commit < consume or commit - consume > ring.capacity:
+        _fault_shared(ring._hdr)
+        state._phase = EG_FAULTED if state._phase == EG_PAYLOAD else EG_IDLE
+        ring._check(commit, consume)
+    return 0
 
 
 def write_egress(Ring ring not None, EgressState state not None, uint64_t object_id, uint64_t sequence,
@@ -144,7 +155,8 @@ def write_egress(Ring ring not None, EgressState state not None, uint64_t object
                          f"being written")
 
     cdef uint64_t commit
-    cdef uint64_t free = _egress_space(ring, state, &commit)
+    cdef uint64_t need = extent - state.produced + (MO01_HEADER_LEN if state._phase == EG_HEADER else 0)
+    cdef uint64_t free = _egress_space(ring, state, &commit, need)
     cdef uint64_t written = 0, n
     if state._phase == EG_HEADER:
         # The header goes in whole; capacity >= 64 guarantees it eventually fits.
@@ -176,6 +188,20 @@ def write_egress(Ring ring not None, EgressState state not None, uint64_t object
         return (0, False)
     cr_store_release_u64(hdr + OFF_COMMIT, commit)
     return (written, not (cr_fetch_or_u32(hdr + OFF_WAKE, W_READABLE) & W_READABLE))
+
+
+cdef uint64_t _burst_need(const uint64_t[:, ::1] records, Py_ssize_t i, EgressState state, uint64_t cap):
+    """Bytes records[i:] still need (each unstarted row its header and payload), counted only up to more than
+    the ring holds: past that the burst waits for space whatever the count."""
+    cdef uint64_t need = 0
+    cdef Py_ssize_t n = records.shape[0]
+    if i < n and state._phase != EG_IDLE:
+        need = records[i, 3] - state.produced + (MO01_HEADER_LEN if state._phase == EG_HEADER else 0)
+        i += 1
+    while i < n and need <= cap:
+        need += MO01_HEADER_LEN + (records[i, 3] if records[i, 3] <= cap else cap + 1)
+        i += 1
+    return need
 
 
 def write_egress_batch(Ring ring not None, EgressState state not None, const uint64_t[:, ::1] records not None,
@@ -220,7 +246,7 @@ def write_egress_batch(Ring ring not None, EgressState state not None, const uin
     cdef uint8_t* data = ring._data
     cdef uint64_t cap = ring.capacity
     cdef uint64_t commit
-    cdef uint64_t free = _egress_space(ring, state, &commit)
+    cdef uint64_t free = _egress_space(ring, state, &commit, _burst_need(records, i, state, ring.capacity))
     cdef uint64_t written = 0, k, extent, src
     cdef uint8_t raw[MO01_HEADER_LEN]
     ring._busy += 1

@@ -31,7 +31,9 @@ SCHEMAS = {
     'CONFIGURE_ROLE': ('daemon', 'req_id role_id config', '', False, False),
     'ROLE_CONFIGURED': ('worker', 'req_id role_id', '', False, False),
     'ROLE_FAILED': ('worker', 'req_id role_id reason', 'msg', False, False),
-    'INSTALL_RING': ('daemon', 'req_id ring_id edge_id port_id direction layout object_spec', '', False, False),
+    # loaded_block: the one field added since, by hand (issue 22 §3): the negotiated extension gpuworker.loaded_block
+    'INSTALL_RING': ('daemon', 'req_id ring_id edge_id port_id direction layout object_spec', 'loaded_block', False,
+                     False),
     'RING_INSTALLED': ('worker', 'req_id ring_id edge_id port_id', '', False, False),
     'RING_FAULT': ('worker', 'ring_id edge_id port_id reason', 'req_id msg', False, False),
     'UNINSTALL_RING': ('daemon', 'ring_id reason', 'req_id', False, False),

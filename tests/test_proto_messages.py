@@ -87,6 +87,7 @@ SAMPLES: list[WireMessage] = [
     p.ReleaseFailed(req_id=12, reason="invalid_device_handle", device_handle=HANDLE, msg="gone"),
     p.ObjectLoaded(ring_id=1, edge_id="e", port_id="in", object_id=1, sequence=0, extent=8, device_handle=HANDLE),
     p.ObjectsLoaded(ring_id=1, edge_id="e", port_id="in", worker_generation=1, objects=[[1, 0, 8, 2]]),
+    p.LoadedBlock(ring_id=1, edge_id="e", port_id="in", worker_generation=1, raw=bytes(range(32))),
     p.ObjectFailed(ring_id=1, edge_id="e", port_id="in", reason="bad", msg="why", object_id=1, sequence=0),
 ]
 

@@ -23,6 +23,6 @@ async def receive_message(conn: Connection, stream: trio.abc.ReceiveStream) -> M
         conn.receive_data(await stream.receive_some(RECV_CHUNK))
 
 
-def encode_messages(conn: Connection, messages: list[tuple[str, dict[str, Any]]]) -> bytes:
-    """Several small messages as one buffer, for one write."""
-    return b"".join(bytes(chunk) for t, fields in messages for chunk in conn.send(t, fields))
+def encode_messages(conn: Connection, messages: list[tuple[Any, ...]]) -> bytes:
+    """Several small messages as one buffer, for one write: each (t, fields), or (t, fields, raw frame)."""
+    return b"".join(bytes(chunk) for t, fields, *raw in messages for chunk in conn.send(t, fields, *raw))

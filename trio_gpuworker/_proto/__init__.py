@@ -6,6 +6,7 @@ Nothing here imports trio, socket, os or tinygrad; time is passed in, never read
 from ._connection import CLOSED, NEED_DATA, Connection, decode_control
 from ._extensions import ALL as EXTENSIONS
 from ._extensions import CANCEL as EXT_CANCEL
+from ._extensions import LOADED_BLOCK as EXT_LOADED_BLOCK
 from ._extensions import LONG as EXT_LONG
 from ._extensions import MAX_TOP_LOGPROBS, PACKED_SLOTS, V3_MAX_GEN_TOKENS, advertised
 from ._extensions import PACKED as EXT_PACKED
@@ -85,12 +86,14 @@ from ._requests import Kind as ReplyKind
 from ._ring_messages import (
     EXTENT,
     HANDLE_ID,
+    LOADED_ROW_BYTES,
     OBJECT_ID,
     SEQUENCE,
     ConfigureRole,
     DeviceObjectReleased,
     ExecuteStep,
     InstallRing,
+    LoadedBlock,
     LoadedRow,
     ObjectFailed,
     ObjectLoaded,
@@ -134,6 +137,7 @@ __all__ = [
     "EXTENSIONS",
     "EXTENT",
     "EXT_CANCEL",
+    "EXT_LOADED_BLOCK",
     "EXT_LONG",
     "EXT_PACKED",
     "EXT_SAMPLING",
@@ -143,6 +147,7 @@ __all__ = [
     "HANDLE_ID",
     "INTERMEDIATE",
     "LANE_TRANSITIONS",
+    "LOADED_ROW_BYTES",
     "MAX_TOP_LOGPROBS",
     "MESSAGES",
     "NEED_DATA",
@@ -197,6 +202,7 @@ __all__ = [
     "LifecycleError",
     "Load",
     "Loaded",
+    "LoadedBlock",
     "LoadedRow",
     "Message",
     "NeverInstalled",

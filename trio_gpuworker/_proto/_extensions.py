@@ -16,6 +16,9 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
   generations of one model decoded together in chunks of steps, the sequences kept in the worker between chunks
   (the reference HELLO's `packed` capability, still one request in flight). A worker whose model does not batch
   answers ERR `unsupported_request`; the daemon then generates that model's requests one at a time.
+- LOADED_BLOCK: INSTALL_RING `loaded_block: true`; the worker then reports that ingress ring's completions as
+  LOADED_BLOCK {ring_id, edge_id, port_id, worker_generation} + a raw frame of four little-endian u64s per object
+  (OBJECTS_LOADED's row columns), instead of OBJECTS_LOADED's CBOR rows: no encoding, check or decoding per row.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ SAMPLING = "gpuworker.sampling"
 LONG = "gpuworker.long_generation"
 CANCEL = "gpuworker.cancel"
 PACKED = "gpuworker.packed_generation"
-ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED)
+LOADED_BLOCK = "gpuworker.loaded_block"
+ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK)
 
 V3_MAX_GEN_TOKENS = 64  # the reference's GENERATE limit ("micro-LLM is <= 64 tokens")
 PACKED_SLOTS = 4  # GENERATE_PACKED: sequences one batch holds at once
@@ -48,6 +52,8 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
     """The extensions a request with these fields needs its worker to have."""
     if t == "GENERATE_PACKED":
         return frozenset({PACKED})
+    if t == "INSTALL_RING":
+        return frozenset({LOADED_BLOCK}) if fields.get("loaded_block") else frozenset()
     if t != "GENERATE":
         return frozenset()
     need = set()
@@ -63,9 +69,9 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
 def describe(missing: frozenset[str]) -> str:
     what = {STREAM: "streamed text", SAMPLING: "sampling, stop sequences or logprobs",
             LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation",
-            PACKED: "batched generation"}
+            PACKED: "batched generation", LOADED_BLOCK: "binary ingress completions"}
     return ", ".join(what[m] for m in sorted(missing))
 
 
-__all__ = ["ALL", "CANCEL", "LONG", "MAX_TOP_LOGPROBS", "PACKED", "PACKED_SLOTS", "SAMPLING", "SAMPLING_FIELDS",
-           "STREAM", "V3_MAX_GEN_TOKENS", "advertised", "describe", "required"]
+__all__ = ["ALL", "CANCEL", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "PACKED", "PACKED_SLOTS", "SAMPLING",
+           "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "advertised", "describe", "required"]

@@ -15,7 +15,7 @@ from itertools import chain
 from typing import Any, NamedTuple
 
 from ._fields import DAEMON, WORKER, flag, list_of, mapping, one_of, record, text, uint
-from ._wire import WireMessage, collect, message, need, numbered, opt
+from ._wire import WireMessage, collect, message, need, numbered, opt, raw_frame
 
 DIRECTIONS = ("ingress", "egress")
 UNINSTALL_REASONS = ("edge_stopped", "ring_faulted", "worker_shutdown")
@@ -82,6 +82,7 @@ class InstallRing(WireMessage):
     direction: str = need(one_of(*DIRECTIONS))
     layout: dict[str, Any] = need(LAYOUT)
     object_spec: dict[str, Any] = need(mapping)
+    loaded_block: bool | None = opt(flag)  # extension gpuworker.loaded_block: completions as LOADED_BLOCK
 
 
 # a ring's events name its edge and port (§8.3)
@@ -193,6 +194,21 @@ class ObjectsLoaded(WireMessage):
     port_id: str = need(text)
     worker_generation: int = need(uint)
     objects: list[list[int]] = need(_rows)  # a LoadedRow per object, as a list
+
+
+@message("LOADED_BLOCK", WORKER)
+class LoadedBlock(WireMessage):
+    """OBJECTS_LOADED of a ring installed with loaded_block: its rows as the raw frame, LOADED_ROW_BYTES per
+    object (four little-endian u64s, LoadedRow's columns), in stream order."""
+
+    ring_id: int = need(uint)
+    edge_id: str = need(text)
+    port_id: str = need(text)
+    worker_generation: int = need(uint)
+    raw: bytes = raw_frame()
+
+
+LOADED_ROW_BYTES = 32
 
 
 @message("OBJECT_FAILED", WORKER)

@@ -10,6 +10,7 @@ import math
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
 import trio
 
 from cython_ring import EgressState, IngressState, ObjectSpec
@@ -20,13 +21,17 @@ from .._errors import (
     BrokenWorkerError,
     DeadlineExceeded,
     GpuWorkerError,
+    MalformedMessage,
     ObjectFailed,
     RingFault,
     WorkerError,
 )
 from .._proto import (
+    EXT_LOADED_BLOCK,
     HANDLE_ID,
+    LOADED_ROW_BYTES,
     InstallRing,
+    LoadedBlock,
     LoadedRow,
     ObjectLoaded,
     ObjectsLoaded,
@@ -36,6 +41,7 @@ from .._proto import (
     RingWritable,
     UninstallRing,
     WireMessage,
+    advertised,
 )
 from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
@@ -102,6 +108,9 @@ class DataPlane(RingIO):
                       EgressState(spec) if direction == "ingress" else IngressState())
         self.ends[lease.ring_id] = end
         layout = {"offset": lease.offset, "header_len": 128, "capacity": lease.capacity}
+        # a worker that can report completions as a binary block is asked to (a plain v3 worker keeps CBOR rows)
+        gen = lane.gens.get(generation)
+        block = direction == "ingress" and gen is not None and EXT_LOADED_BLOCK in advertised(gen.wp.hello)
         waiting, early = [True], []
 
         def answered(reply: WireMessage | None, error: BaseException | None) -> None:
@@ -112,7 +121,8 @@ class DataPlane(RingIO):
         try:
             # if the worker dies meanwhile, the reaped-worker hook releases the lease
             reply = await lane.call(InstallRing(ring_id=lease.ring_id, edge_id=edge_id, port_id=port_id,
-                                                direction=direction, layout=layout, object_spec=spec.to_wire()),
+                                                direction=direction, layout=layout, object_spec=spec.to_wire(),
+                                                loaded_block=True if block else None),
                                     timeout=timeout, on_result=answered, generation=generation)
         except DeadlineExceeded:
             waiting[0] = False
@@ -210,6 +220,14 @@ class DataPlane(RingIO):
                 if rows:
                     end.events.append(rows)
                     self.steps.handles.minted(lane, generation, map(itemgetter(HANDLE_ID), rows))
+                end.event_ready.set()
+            case LoadedBlock(raw=raw):  # the same rows as one array: no Python step per row
+                if len(raw) % LOADED_ROW_BYTES:
+                    raise MalformedMessage(f"LOADED_BLOCK of {len(raw)} bytes is not whole rows")
+                block = np.frombuffer(raw, "<u8").reshape(-1, 4)
+                if len(block):
+                    end.events.append(block)
+                    self.steps.handles.minted(lane, generation, block[:, HANDLE_ID].tolist())
                 end.event_ready.set()
             case ObjectLoaded():  # the per-object form: a batch of one
                 handle_id = msg.device_handle["id"]

@@ -97,10 +97,16 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
                 if cancellable and job.abandoned:
                     cancellable = False
                     await wp.send_message(Cancel(req_id=req_id))  # a broken socket: recorded, cancels us
-                with trio.CancelScope() as interrupt:
-                    msg = await wp.replies.receive()
-                if interrupt.cancelled_caught:
-                    continue
+                try:  # replies that came in one read are taken without a scheduler pass each
+                    msg = wp.replies.receive_nowait()
+                except trio.WouldBlock:
+                    if not cancellable:
+                        msg = await wp.replies.receive()
+                    else:
+                        with trio.CancelScope() as interrupt:
+                            msg = await wp.replies.receive()
+                        if interrupt.cancelled_caught:
+                            continue
                 try:
                     verdict = tracker.classify(msg)
                 except RemoteProtocolError as exc:

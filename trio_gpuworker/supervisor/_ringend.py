@@ -33,8 +33,9 @@ class RingEnd:
     hint: trio.Event = field(default_factory=trio.Event)
     fault: RingFault | None = None
     # ingress completions in stream order: whole OBJECTS_LOADED batches (lists of [object_id, sequence, extent,
-    # handle id] rows, the first `taken` rows of the oldest already handed out), or a message (OBJECT_FAILED /
-    # RING_FAULT, their classes). A batch lands, and is handed on, without a Python step per row.
+    # handle id] rows, or a LOADED_BLOCK's (n, 4) uint64 array of them; the first `taken` rows of the oldest
+    # already handed out), or a message (OBJECT_FAILED / RING_FAULT, their classes). A batch lands, and is handed
+    # on, without a Python step per row.
     events: collections.deque[Any] = field(default_factory=collections.deque)
     taken: int = 0
     event_ready: trio.Event = field(default_factory=trio.Event)
@@ -63,13 +64,13 @@ class RingEnd:
         self.hint.set()
         self.event_ready.set()
 
-    def take_rows(self, limit: int) -> list[list[int]]:
-        """Up to `limit` (> 0) completed rows, in stream order, from the oldest batch; [] when none is there yet.
-        A failure next in the stream raises ObjectFailed or RingFault."""
+    def take_rows(self, limit: int) -> list[list[int]] | np.ndarray:
+        """Up to `limit` (> 0) completed rows, in stream order, from the oldest batch (a list, or an array for a
+        LOADED_BLOCK); [] when none is there yet. A failure next in the stream raises ObjectFailed or RingFault."""
         if not self.events:
             return []
         batch = self.events[0]
-        if not isinstance(batch, list):  # an OBJECT_FAILED or RING_FAULT message
+        if not isinstance(batch, list | np.ndarray):  # an OBJECT_FAILED or RING_FAULT message
             self.events.popleft()
             error = ObjectFailed if isinstance(batch, wire.ObjectFailed) else RingFault
             raise error(batch.reason, batch.msg or "")

@@ -37,6 +37,14 @@ def _refill(end: RingEnd, extent: int) -> None:
     landing.extend(slab)
 
 
+def _columns(rows: list[list[int]] | np.ndarray) -> tuple[list[int], list[int]]:
+    """The object ids and handle ids of a batch of rows (a LOADED_BLOCK's array, or OBJECTS_LOADED's lists), as
+    Python ints."""
+    if isinstance(rows, np.ndarray):
+        return rows[:, OBJECT_ID].tolist(), rows[:, HANDLE_ID].tolist()
+    return list(map(itemgetter(OBJECT_ID), rows)), list(map(itemgetter(HANDLE_ID), rows))
+
+
 class RingIO:
     """Pushes, loads and pulls; DataPlane supplies the lanes and the byte counters."""
 
@@ -86,14 +94,14 @@ class RingIO:
 
     async def next_event(self, end: RingEnd) -> ObjectLoaded:
         """The next OBJECT_LOADED (or OBJECT_FAILED / RING_FAULT, raised) for an ingress ring."""
-        row = LoadedRow(*(await self._rows(end, 1))[0])
+        row = LoadedRow(*map(int, (await self._rows(end, 1))[0]))
         return ObjectLoaded(ring_id=end.ring_id, edge_id=end.edge_id, port_id=end.port_id, object_id=row.object_id,
                             sequence=row.sequence, extent=row.extent,
                             device_handle={"worker_generation": end.generation, "id": row.handle_id})
 
-    async def _rows(self, end: RingEnd, limit: int) -> list[list[int]]:
+    async def _rows(self, end: RingEnd, limit: int) -> list[list[int]] | np.ndarray:
         """Up to `limit` completed rows [object_id, sequence, extent, handle id], waiting for at least one."""
-        while not (rows := end.take_rows(limit)):
+        while not len(rows := end.take_rows(limit)):
             end.raise_if_faulted()
             end.event_ready = trio.Event()
             await end.event_ready.wait()
@@ -122,10 +130,11 @@ class RingIO:
             while len(handles) < len(objects):
                 rows = await self._rows(end, len(objects) - len(handles))  # a whole batch at a time
                 want = first_object_id + len(handles)
-                if (ids := list(map(itemgetter(OBJECT_ID), rows))) != list(range(want, want + len(rows))):
+                ids, handle_ids = _columns(rows)
+                if ids != list(range(want, want + len(rows))):
                     got, expected = next((i, want + k) for k, i in enumerate(ids) if i != want + k)
                     raise ObjectFailed("sequence_violation", f"loaded object {got}, expected {expected}")
-                handles += [{"worker_generation": gen, "id": row[HANDLE_ID]} for row in rows]
+                handles += [{"worker_generation": gen, "id": h} for h in handle_ids]
         return handles
 
     async def pump_file(self, end: RingEnd, path: Path, *, object_id: int, sequence: int, flags: int = 0) -> None:

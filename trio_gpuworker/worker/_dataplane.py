@@ -5,6 +5,7 @@ reached only through the DeviceBridge and the roles.
 
 from __future__ import annotations
 
+import functools
 import gc
 import mmap
 import os
@@ -36,6 +37,7 @@ from .._proto import (
 )
 from .._worker_env import ARENA_BYTES, ARENA_FD
 from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
+from ._roles import EchoRole
 
 Emit = Callable[[str, dict[str, Any]], None]
 
@@ -63,18 +65,20 @@ def map_arena() -> mmap.mmap | None:
 
 
 def _quietly(release: Callable[[Any], None], what: Any) -> None:
-    """On shutdown one failed release must not keep the rest: log it and go on (the process exits next)."""
+    """A release nobody waits for: on shutdown one failure must not keep the rest (the process exits next), and a
+    host echo's consumed input is freed on the compute thread while its step answers. Log it and go on."""
     try:
         release(what)
     except GpuWorkerError as exc:
-        print(f"worker: releasing {what!r} on shutdown: {exc}", file=sys.stderr)
+        print(f"worker: releasing {what!r}: {exc}", file=sys.stderr)
 
 
 class WorkerDataPlane(IngressPlane):
     def __init__(self, generation: int, emit: Emit, models: dict[str, Any], arena: Any = None,
-                 bridge: Any = None) -> None:
+                 bridge: Any = None, flush: Callable[[], None] = lambda: None) -> None:
         self.generation = generation
-        self.emit = emit  # thread-safe: sends a message on the control socket
+        self.emit = emit  # thread-safe: queues a message for the control socket (on the loop: for its next write)
+        self.flush = flush  # has what `emit` queued written now
         self.models = models
         self.rings: dict[int, RingSlot] = {}
         self.roles: dict[str, Any] = {}
@@ -117,7 +121,8 @@ class WorkerDataPlane(IngressPlane):
         except ValueError as exc:  # cython_ring's errors are ValueErrors with a wire code; a bare one is a bad argument
             return fail(getattr(exc, "code", "ring_layout_invalid"), str(exc))
         state = IngressState() if msg.direction == "ingress" else EgressState(spec)
-        self.rings[ring_id] = RingSlot(ring_id, msg.edge_id, msg.port_id, msg.direction, spec, ring, state)
+        self.rings[ring_id] = RingSlot(ring_id, msg.edge_id, msg.port_id, msg.direction, spec, ring, state,
+                                       block=bool(msg.loaded_block))
         return RingInstalled(**ids)
 
     def abort_ring(self, ring_id: int, reason: str = "invalid_output_ring") -> None:
@@ -185,14 +190,16 @@ class WorkerDataPlane(IngressPlane):
             return None
         return self.objects.get(handle["id"])
 
-    async def execute_step(self, msg: ExecuteStep, progress: Callable[[int, str], None],
+    async def execute_step(self, msg: ExecuteStep, progress: Callable[[int, str, bool], None],
                            compute: Any) -> StepCompleted | wire.StepFailed:
         """The role runs on the compute thread; its outputs are then written into their egress rings from the event
-        loop, so a step waiting for ring space never holds the compute thread (ingress drains go on meanwhile)."""
+        loop, so a step waiting for ring space never holds the compute thread (ingress drains go on meanwhile). An
+        echo of host memory (CPU) touches no tinygrad state and runs on the event loop: no thread hand-off."""
         ids = {"req_id": msg.req_id, "role_id": msg.role_id, "step_id": msg.step_id}
         plan: list[_Output] = []
+        in_place = self._host_echo(msg)
         try:
-            plan = await compute.run(self._prepare, msg)
+            plan = self._echo_plan(msg) if in_place else await compute.run(self._prepare, msg)
             for out in plan:
                 await self._write_object(out.slot, out.binding, out.src, progress)
                 self.emit("OBJECT_PRODUCED", {"req_id": msg.req_id, "ring_id": out.slot.ring_id,
@@ -201,8 +208,34 @@ class WorkerDataPlane(IngressPlane):
         except DataPlaneError as exc:
             return wire.StepFailed(**ids, reason=exc.code, msg=str(exc))
         finally:
-            await compute.run(self._after_step, plan, msg.inputs if msg.release_inputs_after else ())
+            consumed = msg.inputs if msg.release_inputs_after else ()
+            if in_place:
+                self._consume_later(consumed, compute)
+            else:
+                await compute.run(self._after_step, plan, consumed)
         return StepCompleted(**ids)
+
+    def _host_echo(self, msg: ExecuteStep) -> bool:
+        """An echo step whose input is host memory (CPU) and whose ports are the role's own: its output is the
+        input's allocation, read at a stable host address, so it needs neither tinygrad nor the compute thread.
+        Anything else (another role, other ports, a device without host addresses) takes the general path, which
+        also types every failure."""
+        return (isinstance(self.roles.get(msg.role_id), EchoRole) and self._bridge is not None and self._bridge.direct
+                and not self.aborted and [b["port_id"] for b in msg.inputs] == ["in"]
+                and all(b["port_id"] == "out" for b in msg.outputs))
+
+    def _echo_plan(self, msg: ExecuteStep) -> list[_Output]:
+        """Event loop: _prepare for a host echo. Only reads: the input's record and its buffer's address."""
+        obj = self._input(msg.inputs[0])
+        return [self._output(binding, slot, obj.alloc, None) for binding, slot in self._egress_slots(msg)]
+
+    def _consume_later(self, consumed: list[dict[str, Any]] | tuple[()], compute: Any) -> None:
+        """Event loop: the consumed inputs' handles die now; their memory is freed on the compute thread, ahead of
+        any later work there (the bridge's pool is not thread-safe)."""
+        for binding in consumed:
+            if (obj := self._lookup(binding["device_handle"])) is not None:
+                del self.objects[binding["device_handle"]["id"]]
+                compute.submit(functools.partial(_quietly, self.bridge.free_device, obj.alloc))
 
     def _after_step(self, plan: list[_Output], consumed: list[dict[str, Any]] | tuple[()]) -> None:
         """Compute thread: free the outputs the step allocated; a failed step frees its inputs too when asked to
@@ -227,22 +260,13 @@ class WorkerDataPlane(IngressPlane):
             raise DataPlaneError("role_unavailable", f"role {msg.role_id!r} is not configured")
         inputs, allocs = {}, {}
         for binding in msg.inputs:
-            obj = self._lookup(binding["device_handle"])
-            if obj is None:
-                raise DataPlaneError("invalid_input_handle", f"no live device object {binding['device_handle']} "
-                                                             f"in worker generation {self.generation}")
+            obj = self._input(binding)
             try:
                 tensor = inputs[binding["port_id"]] = self.bridge.as_tensor(obj.alloc, obj.dtype, obj.shape)
             except DeviceError as exc:
                 raise DataPlaneError(exc.code, str(exc)) from exc
             allocs[id(tensor)] = obj.alloc
-        slots = []
-        for binding in msg.outputs:
-            slot = self.rings.get(binding["ring_id"])
-            if slot is None or slot.direction != "egress":
-                raise DataPlaneError("invalid_output_ring",
-                                     f"ring {binding['ring_id']} is not an installed egress ring")
-            slots.append((binding, slot))
+        slots = self._egress_slots(msg)
         try:
             produced = role.execute(inputs, msg.runtime)
         except StepFailed as exc:
@@ -258,6 +282,23 @@ class WorkerDataPlane(IngressPlane):
             raise
         return plan
 
+    def _input(self, binding: dict[str, Any]) -> DeviceObject:
+        obj = self._lookup(binding["device_handle"])
+        if obj is None:
+            raise DataPlaneError("invalid_input_handle", f"no live device object {binding['device_handle']} "
+                                                         f"in worker generation {self.generation}")
+        return obj
+
+    def _egress_slots(self, msg: ExecuteStep) -> list[tuple[dict[str, Any], RingSlot]]:
+        slots = []
+        for binding in msg.outputs:
+            slot = self.rings.get(binding["ring_id"])
+            if slot is None or slot.direction != "egress":
+                raise DataPlaneError("invalid_output_ring",
+                                     f"ring {binding['ring_id']} is not an installed egress ring")
+            slots.append((binding, slot))
+        return slots
+
     def _readable(self, binding: dict[str, Any], slot: RingSlot, tensor: Any, allocs: dict[int, Any]) -> _Output:
         from ._bridge import DeviceError
 
@@ -272,6 +313,11 @@ class WorkerDataPlane(IngressPlane):
                 alloc = owned = self.bridge.from_tensor(tensor)
             except DeviceError as exc:
                 raise DataPlaneError("output_copy_failed", str(exc)) from exc
+        return self._output(binding, slot, alloc, owned)
+
+    def _output(self, binding: dict[str, Any], slot: RingSlot, alloc: Any, owned: Any) -> _Output:
+        """The output `alloc` made readable from host memory; `owned` (the step's own allocation) is freed on a
+        refusal."""
         out = _Output(binding, slot, 0, owned)
         if alloc.nbytes != binding["extent"]:
             if owned is not None:
@@ -287,7 +333,7 @@ class WorkerDataPlane(IngressPlane):
         return out
 
     async def _write_object(self, slot: RingSlot, binding: dict[str, Any], src: int,
-                            progress: Callable[[int, str], None]) -> None:
+                            progress: Callable[[int, str, bool], None]) -> None:
         """Event loop: header, then payload prefixes as space frees up; waits (never spins) for RING_WRITABLE."""
         extent, written = binding["extent"], 0
         state: EgressState = slot.state
@@ -308,9 +354,12 @@ class WorkerDataPlane(IngressPlane):
                 self.emit("RING_READABLE", {"ring_id": slot.ring_id})
             if n:
                 written += n
-                progress(written, "inference")  # bytes committed are completed work: renews the watchdog
+                # bytes committed are completed work: PROGRESS renews the watchdog while the step waits for space;
+                # an object finished by this call needs none, its OBJECT_PRODUCED goes in the same write
+                progress(written, "inference", state.busy)
             if not state.busy:
                 return
+            self.flush()  # the consumer must see RING_READABLE (and PROGRESS) before this step can go on
             await slot.writable.wait()
 
     # --- wake hints (run on the event loop) ----------------------------------------------------

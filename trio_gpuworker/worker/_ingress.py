@@ -49,6 +49,7 @@ class RingSlot:
     # CPU: the destinations the drain takes, oldest first; their allocations are the newest entries of `pending`
     pool: DestPool = field(default_factory=lambda: DestPool(exact=True))
     batch: Completions = field(default_factory=Completions)  # the drain's completion records, reused
+    block: bool = False  # installed with loaded_block: completions go as LOADED_BLOCK (extension), not CBOR rows
 
 
 @dataclass(slots=True)
@@ -92,22 +93,23 @@ class IngressPlane:
         slot = self.rings.get(ring_id)
         return slot is not None and slot.more
 
-    def drain(self, ring_id: int) -> list[tuple[str, dict[str, Any]]] | None:
+    def drain(self, ring_id: int) -> list[tuple[Any, ...]] | None:
         """RING_READABLE: one native drain of an ingress ring (compute thread). None once the ring is gone."""
         slot = self.rings.get(ring_id)
         if slot is None:
             return None
         return self._drain(slot) if slot.direction == "ingress" and not slot.faulted else []
 
-    def _drain(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
+    def _drain(self, slot: RingSlot) -> list[tuple[Any, ...]]:
         return self._drain_pooled(slot) if self.bridge.direct else self._drain_staged(slot)
 
-    def _drain_pooled(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
+    def _drain_pooled(self, slot: RingSlot) -> list[tuple[Any, ...]]:
         """Host-addressable device memory (CPU): the drain copies straight into pooled allocations. Each native
         call runs until the ring is empty, the chunk is full or the pool has nothing of the next object's size;
         then the pool is refilled for that size and the drain goes on."""
-        out: list[tuple[str, dict[str, Any]]] = []
+        out: list[tuple[Any, ...]] = []
         rows: list[list[int]] = []
+        blocks: list[bytes] = []
         batch, pool, failed = slot.batch, slot.pool, None
         writable = False
         while True:
@@ -115,6 +117,8 @@ class IngressPlane:
             writable |= batch.writable
             if batch.loaded:
                 rows += self._loaded_batch(slot, batch)
+                if slot.block:
+                    blocks.append(batch.block(self._next_handle - batch.loaded))
             need = batch.need
             if need is None or batch.more or len(rows) == DRAIN_CHUNK:
                 break
@@ -126,7 +130,7 @@ class IngressPlane:
         end = batch.end
         if rows:
             self.bridge.synchronize()  # nothing is compute-visible before every copy completed
-            out.append(("OBJECTS_LOADED", {**ids, "worker_generation": self.generation, "objects": rows}))
+            out.append(self._loaded_notice(slot, rows, b"".join(blocks)))
         if failed is not None:  # no memory for the next object: the stream cannot go on past it
             assert need is not None
             self._drop_pending(slot)
@@ -172,6 +176,15 @@ class IngressPlane:
         pool.put_many(addresses, extent)
         return None
 
+    def _loaded_notice(self, slot: RingSlot, rows: list[list[int]], block: bytes | None = None) -> tuple[Any, ...]:
+        """The message reporting `rows`: LOADED_BLOCK with `block` (the rows as little-endian u64s) on a ring
+        installed with loaded_block, else OBJECTS_LOADED."""
+        fields = {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id,
+                  "worker_generation": self.generation}
+        if not slot.block:
+            return ("OBJECTS_LOADED", {**fields, "objects": rows})
+        return ("LOADED_BLOCK", fields, block if block is not None else np.asarray(rows, "<u8").tobytes())
+
     def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]]:
         """OBJECTS_LOADED rows of the batch's objects, each now a device object over its pooled allocation."""
         n, pending = batch.loaded, slot.pending
@@ -182,11 +195,11 @@ class IngressPlane:
                                                           ring_id, row[OBJECT_ID])) for row in rows)
         return rows
 
-    def _drain_staged(self, slot: RingSlot) -> list[tuple[str, dict[str, Any]]]:
+    def _drain_staged(self, slot: RingSlot) -> list[tuple[Any, ...]]:
         """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
         from ._bridge import DeviceError
 
-        out: list[tuple[str, dict[str, Any]]] = []
+        out: list[tuple[Any, ...]] = []
         loaded: list[list[int]] = []
         rid = slot.ring_id
         ids = {"ring_id": rid, "edge_id": slot.edge_id, "port_id": slot.port_id}
@@ -245,13 +258,12 @@ class IngressPlane:
             out.append(("RING_FAULT", {**ids, "reason": "device_copy_failed", "msg": text}))
         return out
 
-    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[str, dict[str, Any]]],
+    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[Any, ...]],
                synchronize: bool = True) -> None:
         if loaded:
             if synchronize:
                 self.bridge.synchronize()  # nothing is compute-visible before every copy completed
-            out.append(("OBJECTS_LOADED", {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id,
-                                           "worker_generation": self.generation, "objects": loaded[:]}))
+            out.append(self._loaded_notice(slot, loaded[:]))
             loaded.clear()
 
     def _resolve(self, slot: RingSlot, extent: int) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import collections
 import os
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,7 @@ from ._compute import ComputeThread
 from ._dataplane import WorkerDataPlane
 from ._engine import Engine
 
+COALESCE_BYTES = 1 << 16  # a reply up to this size is joined with the queued notices into one write
 # build_flags: the protocol extensions this worker implements (_proto/_extensions.py)
 ENGINE_INFO = {"engine": "tinygrad", "version": "0.14.0", "build_flags": list(EXTENSIONS)}
 
@@ -65,13 +67,21 @@ class WorkerServer:
         self._drain_wakeups: dict[int, trio.Event] = {}
         self._outbox: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         self._kicked = False
+        self._loop_thread: int | None = None  # the event loop's thread, known from the handshake on
         self.stopping: str | None = None
 
     def post(self, t: str, fields: dict[str, Any]) -> None:
-        """From the compute thread: queue a message without waiting for the event loop (a thread round trip
-        per wake hint, PROGRESS and OBJECT_PRODUCED cost a step milliseconds). Every send flushes the queue
-        first, so a step's messages still precede its terminal reply."""
+        """Queue a message without waiting for the event loop (a thread round trip per wake hint, PROGRESS and
+        OBJECT_PRODUCED cost a step milliseconds). Every send flushes the queue first, in the same write, so a
+        step's messages still precede its terminal reply. From another thread the loop is kicked to flush it; on
+        the loop the task that posts writes next (a step's reply), or calls `flush_soon` before it waits."""
         self._outbox.append((t, fields))
+        if threading.get_ident() != self._loop_thread:
+            self.flush_soon()
+
+    def flush_soon(self) -> None:
+        """Have the queued messages written now (any thread): a step about to wait for ring space has posted a
+        RING_READABLE its consumer needs first."""
         if not self._kicked:  # cleared before each flush empties the queue, so no message is left behind
             self._kicked = True
             self.token.run_sync_soon(self._kick_outbox)
@@ -91,24 +101,28 @@ class WorkerServer:
 
     async def _write(self, chunks: list[bytes | memoryview]) -> None:
         async with self._send_lock:
-            await self._flush_outbox()
+            queued = self._take_outbox()
+            if sum(map(len, chunks)) <= COALESCE_BYTES:  # a small reply rides in the queued notices' write
+                await self.stream.send_all(b"".join([queued, *chunks]))
+                return
+            if queued:
+                await self.stream.send_all(queued)
             for chunk in chunks:
                 await self.stream.send_all(chunk)
 
-    async def _flush_outbox(self) -> None:
+    def _take_outbox(self) -> bytes:
         self._kicked = False
         queued = []
         while self._outbox:
             queued.append(self._outbox.popleft())
-        if queued:
-            await self.stream.send_all(encode_messages(self.conn, queued))
+        return encode_messages(self.conn, queued) if queued else b""
 
-    async def send_many(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
+    async def send_many(self, messages: list[tuple[Any, ...]]) -> None:
         """Several small messages in one write: a drain that finished many objects costs one syscall."""
         async with self._send_lock:
-            await self._flush_outbox()
-            if messages:
-                await self.stream.send_all(encode_messages(self.conn, messages))
+            data = self._take_outbox() + (encode_messages(self.conn, messages) if messages else b"")
+            if data:
+                await self.stream.send_all(data)
 
     async def receive(self) -> Message | None:
         return await receive_message(self.conn, self.stream)
@@ -121,8 +135,10 @@ class WorkerServer:
         ack = received.typed()
         assert isinstance(ack, HelloAck)  # the Connection's handshake table lets nothing else through first
         self.token = trio.lowlevel.current_trio_token()
+        self._loop_thread = threading.get_ident()
         try:
-            self.engine.dataplane = WorkerDataPlane(ack.generation, self.post, self.engine.models)
+            self.engine.dataplane = WorkerDataPlane(ack.generation, self.post, self.engine.models,
+                                                    flush=self.flush_soon)
         except ArenaMapFailed as exc:
             await self.send_message(WorkerFatal(reason=exc.code, msg=str(exc)))
             raise
