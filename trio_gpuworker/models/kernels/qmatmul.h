@@ -59,6 +59,8 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
       for (int j = 0; j < QMM_XT; j++) acc[j] = acc2[j] = (v16)0;
       for (int b = 0; b < nb; b++) {
         v16 wl, wh;
+        /* the same row of the group 4 ahead: one row's work hides too little of the memory latency alone */
+        __builtin_prefetch(wr + (long)(4 * G * nb + b * G) * BS(QMM_TYPE));
         DQ(QMM_TYPE)(wr + (long)b * G * BS(QMM_TYPE), &wl, &wh);
         for (int j = 0; j < QMM_XT; j++) {
           const float *xp = x + (t + j) * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
