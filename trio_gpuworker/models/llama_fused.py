@@ -120,7 +120,9 @@ class FusedLlamaLM(GreedyDecoder):
         rot = np.exp(1j * np.arange(self.slots)[:, None] * inv_freq[None, :])
         self.rope = Tensor(np.concatenate([rot.real, rot.imag], axis=1).reshape(-1))
         # A cache slot per sequence: slot 0 for generate(), 1..BATCH for the sequences of a batch (models/batched.py).
-        self.cache = Tensor.zeros((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim).contiguous()
+        # Left unwritten (the kernel reads only positions a sequence has written), so a page of it takes memory only
+        # once a sequence reaches it: ~460 MB at the default context, most of it never touched.
+        self.cache = Tensor.empty((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim)
         self.weights = [self.tok_embd, self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.wgu, self.wd,
                         self.rope, self.out_norm, self.output]
         # The kernel's thread table (kernels/threads.h): this process's pthread functions, written before each step.
