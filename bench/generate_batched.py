@@ -4,12 +4,16 @@ against the same N clients sent as plain GENERATEs, which run one after another 
 gets). Every client asks the same chat prompts (rotated), greedy, streamed: per-token latency is the time between a
 client's text deltas, (last delta - first delta) / (tokens - 1), as a streaming user sees it.
 
-    .venv/bin/python bench/generate_batched.py [--clients 4] [--max-tokens 64] [--rounds 2]
+    .venv/bin/python bench/generate_batched.py [--clients 4] [--max-tokens 64] [--rounds 2] [--threads 2]
+
+--threads sets the model's runtime_config `threads` (the cores one fused step uses), for the lone client and the
+batch alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -85,12 +89,16 @@ async def clients(sup: Supervisor, n: int, rounds: int, max_tokens: int, mode: s
 async def main_async(args: argparse.Namespace) -> None:
     env = {"GPUWORKER_STATE_DIR": str(ROOT / ".state"), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-genb-")}
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor
-    cfg = type(cfg)(**{**cfg.__dict__, "lanes": tuple(ln for ln in cfg.lanes if DEFAULT_LM in ln.models)})
+    models = tuple(dataclasses.replace(m, runtime_config={**m.runtime_config.to_map(), "threads": args.threads})
+                   if args.threads and m.id == DEFAULT_LM else m for m in cfg.models)
+    cfg = type(cfg)(**{**cfg.__dict__, "models": models,
+                       "lanes": tuple(ln for ln in cfg.lanes if DEFAULT_LM in ln.models)})
     async with Supervisor(cfg) as sup:
         await sup.wait_started()
         await clients(sup, 1, 1, 8, "streamed")  # warm: tokenizer, first requests
         print(f"SmolLM2-135M-Instruct Q4_1, greedy chat, max_tokens {args.max_tokens}, {args.rounds} round(s) of "
               f"{len(QUESTIONS)} prompts per client, {os.cpu_count()} CPUs, DEV={os.environ['DEV']}, "
+              f"threads {args.threads or 'default'}, "
               f"load average {os.getloadavg()[0]:.2f} at start")
         print(f"{'clients':<44}{'tokens/s':>10}{'ratio':>8}{'ms/token (each client)':>30}{'vs lone':>9}")
         for mode in ("streamed", "whole"):
@@ -114,6 +122,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="the model's runtime_config threads (0: the default)")
     trio.run(main_async, p.parse_args())
 
 

@@ -9,14 +9,18 @@ from trio_gpuworker.worker._loaders import decoder_for
 
 
 def test_defaults_follow_the_device() -> None:
-    assert decoder_for({}, "CPU") == "fused"
-    assert decoder_for({}, "CUDA") == "graph" and decoder_for({}, "NV:1") == "graph"
-    assert decoder_for({"decoder": "graph"}, "CPU") == "graph"
+    assert decoder_for({}, "CPU") == ("fused", 1)
+    assert decoder_for({}, "CUDA") == ("graph", 1) and decoder_for({}, "NV:1") == ("graph", 1)
+    assert decoder_for({"decoder": "graph"}, "CPU") == ("graph", 1)
+    assert decoder_for({"threads": 2}, "CPU") == ("fused", 2)
 
 
 @pytest.mark.parametrize(("rc", "device", "match"), [
     ({"decoder": "turbo"}, "CPU", "decoder must be one of fused, graph, got 'turbo'"),
     ({"decoder": "fused"}, "CUDA", "decoder 'fused' runs on CPU only, not on CUDA"),
+    ({"threads": 2, "decoder": "graph"}, "CPU", "threads applies to the fused decoder only"),
+    ({"threads": 2}, "CUDA", "threads applies to the fused decoder only"),
+    ({"threads": 9}, "CPU", "threads"),
 ])
 def test_bad_choices_are_config_errors(rc: dict[str, str], device: str, match: str) -> None:
     with pytest.raises(WorkerError, match=match) as info:

@@ -57,6 +57,22 @@ def test_each_sequence_equals_generating_it_alone(lm: FusedLlamaLM, prompts: lis
     assert {r for _, r in alone} == {"stop", "length"}, "both ends of a sequence are covered"
 
 
+def test_two_threads_compute_what_one_does(lm: FusedLlamaLM, prompts: list[np.ndarray],
+                                           alone: list[tuple[list[int], str]]) -> None:
+    """A step split over two threads (each matmul by output rows, attention by rows) is bit for bit one thread's:
+    the same ids alone and in a batch, the same logits."""
+    lm.generate(prompts[0], 3)
+    want = lm._logits().copy()
+    lm.threads = 2
+    try:
+        assert [lm.generate(p, N_NEW) for p in prompts] == alone
+        assert generate_together(lm, prompts, N_NEW, join_at=lambda i: i) == alone
+        lm.generate(prompts[0], 3)
+        assert lm._logits().view(np.uint32).tolist() == want.view(np.uint32).tolist()
+    finally:
+        lm.threads = 1
+
+
 def test_a_sequence_that_leaves_frees_its_slot(lm: FusedLlamaLM, prompts: list[np.ndarray],
                                                alone: list[tuple[list[int], str]]) -> None:
     batch = Batch(lm)

@@ -21,7 +21,7 @@ DEFAULT_MAX_TOKENS = 256  # truncation of each encoder input, as sentence-transf
 DEFAULT_CONTEXT = 2048  # a decoder's context in tokens unless runtime_config.max_context says otherwise
 MAX_CONTEXT = 1 << 20
 BACKENDS = ("fused", "graph")  # one C kernel per call (CPU only), or tinygrad-generated kernels (any device)
-MAX_THREADS = 8  # the fused encoder's cores per kernel: models/kernels/threads.h MAXT
+MAX_THREADS = 8  # the fused encoder's and decoder's cores per kernel: models/kernels/threads.h MAXT
 CLS_ID, SEP_ID = 101, 102  # BERT's [CLS]/[SEP], unless the daemon's tokenizer says otherwise
 
 
@@ -96,10 +96,11 @@ class EncoderRuntime(RuntimeConfig):
 
 @dataclass(frozen=True)
 class DecoderRuntime(RuntimeConfig):
-    """generate models: `decoder` (default: fused on CPU, graph elsewhere) and `max_context`, the tokens the
-    prompt and the new tokens share (capped by the GGUF's context_length)."""
+    """generate models: `decoder` (default: fused on CPU, graph elsewhere), the fused decoder's `threads`, and
+    `max_context`, the tokens the prompt and the new tokens share (capped by the GGUF's context_length)."""
 
     decoder: str | None = None
+    threads: int | None = None
     max_context: int | None = None
 
     def backend(self, device: str) -> str:
@@ -107,6 +108,8 @@ class DecoderRuntime(RuntimeConfig):
 
     def __post_init__(self) -> None:
         _backend("decoder", self.decoder)
+        if self.threads is not None:
+            _int("threads", self.threads, 1, MAX_THREADS)
         if self.max_context is not None:
             _int("max_context", self.max_context, 2, MAX_CONTEXT)
 

@@ -98,9 +98,9 @@ class GreedyDecoder(abc.ABC):
         # TinyJit runs eagerly once, captures on the second call and replays from the third: two prefill
         # chunks and three decode steps reach replay on both graphs.
         self.generate(np.zeros(PREFILL_CHUNK + 1, dtype=np.int32), 4, progress, ignore_eos=True)
-        if self.batches:  # the batched graph too: three steps of two sequences reach its replay
-            for _ in range(3):
-                self._batched_step([0, 0], [1, 1], [1, 2])
+        if self.batches:  # the batched graph too: three steps of two sequences reach its replay (at position 0,
+            for _ in range(3):  # which each step writes before it attends to it)
+                self._batched_step([0, 0], [0, 0], [1, 2])
 
     def generate(
         self,

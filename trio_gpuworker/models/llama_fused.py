@@ -73,7 +73,7 @@ STEPS = {s.t: s for s in (PREFILL, DECODE, BATCHED)}
 class FusedLlamaLM(GreedyDecoder):
     batches = True
 
-    def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int) -> None:
+    def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int, threads: int = 1) -> None:
         theta = self._hparams(kv, max_context)
         self.ff = int(raw["blk.0.ffn_gate.weight"].shape[0])
         if self.dim % 32 or self.ff % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
@@ -120,10 +120,15 @@ class FusedLlamaLM(GreedyDecoder):
         rot = np.exp(1j * np.arange(self.slots)[:, None] * inv_freq[None, :])
         self.rope = Tensor(np.concatenate([rot.real, rot.imag], axis=1).reshape(-1))
         # A cache slot per sequence: slot 0 for generate(), 1..BATCH for the sequences of a batch (models/batched.py).
-        self.cache = Tensor.zeros((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim).contiguous()
+        # Left unwritten (the kernel reads only positions a sequence has written), so a page of it takes memory only
+        # once a sequence reaches it: ~460 MB at the default context, most of it never touched.
+        self.cache = Tensor.empty((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim)
         self.weights = [self.tok_embd, self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.wgu, self.wd,
                         self.rope, self.out_norm, self.output]
-        Tensor.realize(self.cache, *self.weights)
+        # The kernel's thread table (kernels/threads.h): this process's pthread functions, written before each step.
+        self.threads = threads
+        self._threads = Tensor.zeros(4, dtype=dtypes.uint64).contiguous()
+        Tensor.realize(self.cache, self._threads, *self.weights)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
         self._batched = TinyJit(self._forward)
@@ -139,11 +144,12 @@ class FusedLlamaLM(GreedyDecoder):
         self._last_t = 1
 
     @classmethod
-    def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> FusedLlamaLM:
+    def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True,
+             threads: int = 1) -> FusedLlamaLM:
         """Pack the GGUF's weights. `warmup` traces and captures both JIT graphs now (seconds), so the first
-        real request runs at steady speed."""
+        real request runs at steady speed. `threads`: the cores one step uses."""
         kv, raw = read_tensors(pathlib.Path(gguf_path))
-        lm = cls(kv, raw, max_context)
+        lm = cls(kv, raw, max_context, threads)
         if warmup:
             lm.warmup()
         return lm
@@ -168,6 +174,8 @@ class FusedLlamaLM(GreedyDecoder):
         view[:] = 0
         n = len(tokens)
         view[:n], view[t : t + n], view[2 * t : 2 * t + n], view[3 * t] = tokens, positions, slots, used
+        np.frombuffer(self._threads.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[:] = \
+            ckernel.thread_table(self.threads)
         out = self._jits[t](ids).uop.buffer.as_memoryview(force_zero_copy=True)
         return [int(v) for v in np.frombuffer(out, np.int32)[: used if STEPS[t].heads > 1 else 1]]
 
@@ -191,4 +199,4 @@ class FusedLlamaLM(GreedyDecoder):
         macs = T * self.n_layers * D * (nqkv + D + 3 * FF) + D * V
         mem = sum(w.nbytes() for w in (self.wqkv, self.wo, self.wgu, self.wd, self.output))
         return ckernel.kernel("forward", src, [Tensor.empty(step.heads, dtype=dtypes.int32), scratch, self.cache],
-                              [ids, *self.weights], inout=(2,), ops=2 * macs, mem=mem)[0].realize()
+                              [ids, self._threads, *self.weights], inout=(2,), ops=2 * macs, mem=mem)[0].realize()

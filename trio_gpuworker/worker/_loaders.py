@@ -57,7 +57,9 @@ def _beam(cfg: LoadConfig) -> int:
         raise WorkerError("config_invalid", str(exc)) from exc
 
 
-FUSED_THREADS = 1  # runtime_config `threads` default: replicas use the cores (bench/embed.py measures both)
+# runtime_config `threads` default, encoders and decoders: replicas use the cores (bench/embed.py measures both), and
+# with the other core busy a two-thread decoder step ran at about half the speed of one (README, Batched generation)
+FUSED_THREADS = 1
 
 
 def encoder_for(rc: EncoderRuntime | Mapping[str, Any], device: str) -> tuple[str, int]:
@@ -179,15 +181,17 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: LoadConfig | Ma
     return served
 
 
-def decoder_for(rc: DecoderRuntime | Mapping[str, Any], device: str) -> str:
+def decoder_for(rc: DecoderRuntime | Mapping[str, Any], device: str) -> tuple[str, int]:
     """runtime_config `decoder`: "fused" (one C kernel per step, CPU only) or "graph" (tinygrad-generated
-    kernels, any device). Default: fused on CPU, graph elsewhere."""
+    kernels, any device), and `threads`, the cores one fused step uses. Default: fused on CPU, graph elsewhere."""
     rt = rc if isinstance(rc, DecoderRuntime) else load_config(GENERATE, rc).runtime
     assert isinstance(rt, DecoderRuntime)
     choice = rt.backend(device)
     if choice == "fused" and device.split(":")[0] != "CPU":
         raise WorkerError("config_invalid", f"decoder 'fused' runs on CPU only, not on {device}: use 'graph'")
-    return choice
+    if rt.threads is not None and choice != "fused":
+        raise WorkerError("config_invalid", "threads applies to the fused decoder only")
+    return choice, FUSED_THREADS if rt.threads is None else rt.threads
 
 
 def load_decoder(cfg: LoadConfig, path: Path, digest: str, verify: Callable[[], None],
@@ -209,7 +213,7 @@ def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, veri
     cfg = load_config(GENERATE, rc)
     rt = cfg.runtime
     assert isinstance(rt, DecoderRuntime)
-    beam, decoder, context = _beam(cfg), decoder_for(rt, Device.DEFAULT), rt.context
+    beam, (decoder, threads), context = _beam(cfg), decoder_for(rt, Device.DEFAULT), rt.context
     if decoder == "fused":
         from ..models.llama_fused import FusedLlamaLM as cls
     else:
@@ -217,7 +221,7 @@ def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, veri
     verify()  # before the artifact is read or anything from the cache runs
 
     def build() -> tuple[Any, Any]:
-        lm = cls.load(path, max_context=context, warmup=False)
+        lm = cls.load(path, max_context=context, warmup=False, **({"threads": threads} if decoder == "fused" else {}))
         stats = BeamStats(beam)
         with beam_shape(beam, stats):
             lm.warmup(progress)
@@ -232,6 +236,7 @@ def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, veri
         from ..models import csource
 
         extra["kernels_sha256"] = csource.digest()
+        extra["threads"] = threads
     modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.llm_tokenizer",
                *(fused if decoder == "fused" else ()))
     model, _, outcome = _cached(path, GENERATE, _key(digest, GENERATE, modules, extra), build)

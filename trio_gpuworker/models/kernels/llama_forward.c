@@ -2,11 +2,13 @@
    packed weights, appends each row's K and V to its sequence's cache slot, and writes the greedy next ids.
    A prefill chunk is T tokens of one sequence at consecutive positions (HEADS 1: the next id after its last
    row); a batched decode step is one token of each of up to T sequences, each at its own position in its own
-   slot (HEADS == T: a next id per row), so the weights are read once for all of them.
+   slot (HEADS == T: a next id per row), so the weights are read once for all of them. The host's thread table
+   (kernels/threads.h) says how many threads share the step.
    Defines (models/llama_fused.py LlamaDims and Step): T, NT, SPLIT, HEADS, D, H, KV, HD, FF, V, S, NL, EPS, G
    and the GGML type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU, TYPE_DOWN. */
 #include "llama_math.h"
 #include "quant.h"
+#include "threads.h"
 
 #define NQKV ((H + 2 * KV) * HD)
 #define GQ (H / KV)
@@ -53,18 +55,36 @@
    q|k|v + attention output, or gate/up pairs + their product; HEADS rows of logits last. ids: T tokens, each
    row's position, each row's cache slot, then n, the rows in use (the rest, up to the matmul tile, are
    padding: computed, never attended to, cached or predicted from). */
-void forward(int *restrict out, float *restrict scr, float *restrict cache, const int *restrict ids,
-    const unsigned char *restrict embd, const float *restrict an, const unsigned char *restrict wqkv,
-    const unsigned char *restrict wo, const float *restrict fn, const unsigned char *restrict wgu,
-    const unsigned char *restrict wd, const double *restrict rope, const float *restrict on,
-    const unsigned char *restrict wout) {
+typedef struct {
+  int *out; float *scr, *cache; const int *ids; const thread_table *tt;
+  const unsigned char *embd; const float *an; const unsigned char *wqkv, *wo; const float *fn;
+  const unsigned char *wgu, *wd; const double *rope; const float *on; const unsigned char *wout;
+  barrier_t bar;
+  int nt, go;
+} job;
+
+typedef struct { job *j; int tid; } part;
+
+/* this thread's share of a matmul's O output rows, in whole groups of G: [*o0, *o1) */
+INL void share(int O, int tid, int nt, int *o0, int *o1) { *o0 = O / G * tid / nt * G; *o1 = O / G * (tid + 1) / nt * G; }
+
+/* Threads split each matmul by output rows (each row's sums unchanged, so the result is bit for bit one thread's),
+   the attention by rows of the chunk; the row-wise rest runs on thread 0. Barriers between the phases. */
+INL void run(job *j, int tid) {
+  int *restrict out = j->out; float *restrict scr = j->scr, *restrict cache = j->cache; const int *restrict ids = j->ids;
+  const unsigned char *restrict embd = j->embd, *restrict wqkv = j->wqkv, *restrict wo = j->wo, *restrict wgu = j->wgu;
+  const unsigned char *restrict wd = j->wd, *restrict wout = j->wout;
+  const float *restrict an = j->an, *restrict fn = j->fn, *restrict on = j->on; const double *restrict rope = j->rope;
+  const int nt = j->nt;
+  int sense = 0, o0, o1;
+  #define SYNC barrier(&j->bar, nt, &sense, j->tt->yield)
   const int *ps = ids + T, *sl = ids + 2 * T;
   /* at least one row in use: the JIT cache's probe replays every graph on all-zero ids */
   int used = ids[3 * T] < 1 ? 1 : ids[3 * T] > T ? T : ids[3 * T], n = (used + NT - 1) / NT * NT;
   float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
   float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
   double sc[GQ][S + 8];
-  for (int t = 0; t < n; t++) for (int b = 0; b < D / 32; b++) {
+  if (tid == 0) for (int t = 0; t < n; t++) for (int b = 0; b < D / 32; b++) {
     v16 lo, hi;
     DQ(TYPE_EMBD)(embd + (((long)(ids[t] / G) * (D / 32) + b) * G + ids[t] % G) * BS(TYPE_EMBD), &lo, &hi);
     *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
@@ -72,9 +92,12 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
   for (int l = 0; l < NL; l++) {
     #define KC(t) (cache + sl[t] * SLOT + (long)l * 2 * KV * S * HD)
     #define VC(t) (KC(t) + (long)KV * S * HD)
-    for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, an + l * D, D, EPS);
-    mmq(qkv, NQKV, h, D, wqkv + l * SZQKV, NQKV, D / 32, n);
-    for (int t = 0; t < used; t++) {
+    if (tid == 0) for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, an + l * D, D, EPS);
+    SYNC;
+    share(NQKV, tid, nt, &o0, &o1);
+    mmq(qkv + o0, NQKV, h, D, wqkv + l * SZQKV + (long)o0 * (D / 32) * BS(TYPE_QKV), o1 - o0, D / 32, n);
+    SYNC;
+    for (int t = tid; t < used; t += nt) {
       int pos = ps[t]; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD, *kc = KC(t), *vc = VC(t);
       const double *cs = rope + (long)pos * HD;
       /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
@@ -87,8 +110,10 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
         kc[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i]; vc[((long)g * S + pos) * HD + i] = v[g * HD + i];
       }
     }
+    SYNC;  /* a prefill chunk's rows attend to the rows cached before them */
     /* the H / KV query heads sharing a KV head go together: each cached K and V row is read once */
-    for (int t = 0; t < used; t++) for (int g = 0; g < KV; g++) {
+    for (int tg = tid; tg < used * KV; tg += nt) {
+      int t = tg / KV, g = tg % KV;
       int pos = ps[t]; const float *kc = KC(t), *vc = VC(t), *q = qkv + t * NQKV + g * GQ * HD;
       /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
       double mx[GQ], sum[GQ], o[GQ][HD];
@@ -115,21 +140,70 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
       }
       for (int r = 0; r < GQ; r++) for (int i = 0; i < HD; i++) ao[t * D + (g * GQ + r) * HD + i] = (float)o[r][i];
     }
-    mmo(h, D, ao, D, wo + l * SZO, D, D / 32, n);
-    for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
-    for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, fn + l * D, D, EPS);
-    mmgu(gu, 2 * FF, h, D, wgu + l * SZGU, 2 * FF, D / 32, n);
-    for (int i = 0; i < n * FF; i++) { float g = gu[2 * i]; a[i] = g / (1.0f + __builtin_expf(-g)) * gu[2 * i + 1]; }
-    mmd(h, D, a, FF, wd + l * SZD, D, FF / 32, n);
-    for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
+    SYNC;
+    share(D, tid, nt, &o0, &o1);
+    mmo(h + o0, D, ao, D, wo + l * SZO + (long)o0 * (D / 32) * BS(TYPE_O), o1 - o0, D / 32, n);
+    SYNC;
+    if (tid == 0) {
+      for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
+      for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, fn + l * D, D, EPS);
+    }
+    SYNC;
+    share(2 * FF, tid, nt, &o0, &o1);
+    mmgu(gu + o0, 2 * FF, h, D, wgu + l * SZGU + (long)o0 * (D / 32) * BS(TYPE_GU), o1 - o0, D / 32, n);
+    /* gate and up rows alternate, so this thread's rows are whole pairs: their products are its own */
+    for (int t = 0; t < n; t++) for (int c = o0 / 2; c < o1 / 2; c++) {
+      float g = gu[t * 2 * FF + 2 * c]; a[t * FF + c] = g / (1.0f + __builtin_expf(-g)) * gu[t * 2 * FF + 2 * c + 1];
+    }
+    SYNC;
+    share(D, tid, nt, &o0, &o1);
+    mmd(h + o0, D, a, FF, wd + l * SZD + (long)o0 * (FF / 32) * BS(TYPE_DOWN), o1 - o0, FF / 32, n);
+    for (int t = 0; t < n; t++) for (int i = o0; i < o1; i++) x[t * D + i] = x[t * D + i] + h[t * D + i];
+    SYNC;
   }
   /* a prefill chunk predicts from its last row only; a batched step from every row in use */
   int first = HEADS == 1 ? used - 1 : 0, nh = HEADS == 1 ? 1 : n;
-  for (int t = 0; t < nh; t++) rmsnorm(h + t * D, x + (first + t) * D, on, D, EPS);
-  mmh(lg, V, h, D, wout, V, D / 32, nh);
-  for (int t = 0; t < (HEADS == 1 ? 1 : used); t++) {
+  if (tid == 0) for (int t = 0; t < nh; t++) rmsnorm(h + t * D, x + (first + t) * D, on, D, EPS);
+  SYNC;
+  share(V, tid, nt, &o0, &o1);
+  mmh(lg + o0, V, h, D, wout + (long)o0 * (D / 32) * BS(TYPE_OUT), o1 - o0, D / 32, nh);
+  SYNC;
+  if (tid == 0) for (int t = 0; t < (HEADS == 1 ? 1 : used); t++) {
     const float *l = lg + (long)t * V;
     int best = 0; for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;  /* first max, like numpy */
     out[t] = best;
   }
+  #undef SYNC
+}
+
+static void *helper(void *arg);
+
+/* tt: the host's thread table (kernels/threads.h); the threads it asks for, at most MAXT, run the step */
+void forward(int *restrict out, float *restrict scr, float *restrict cache, const int *restrict ids,
+    const thread_table *restrict tt, const unsigned char *restrict embd, const float *restrict an,
+    const unsigned char *restrict wqkv, const unsigned char *restrict wo, const float *restrict fn,
+    const unsigned char *restrict wgu, const unsigned char *restrict wd, const double *restrict rope,
+    const float *restrict on, const unsigned char *restrict wout) {
+  job j = {out, scr, cache, ids, tt, embd, an, wqkv, wo, fn, wgu, wd, rope, on, wout, {0, 0}, 1, 0};
+  int want = tt->nthreads < 1 ? 1 : tt->nthreads > MAXT ? MAXT : (int)tt->nthreads;
+  unsigned long th[MAXT];
+  part parts[MAXT];
+  /* the team's size must be known before anyone starts: helpers wait for the go signal */
+  int started = 1;
+  for (int t = 1; t < want; t++) {
+    parts[t] = (part){&j, t};
+    if (tt->create(&th[t], 0, helper, &parts[t]) != 0) break;
+    started++;
+  }
+  j.nt = started;
+  __atomic_store_n(&j.go, 1, __ATOMIC_RELEASE);
+  run(&j, 0);
+  for (int t = 1; t < started; t++) tt->join(th[t], 0);
+}
+
+static void *helper(void *arg) {
+  part *p = (part *)arg;
+  while (!__atomic_load_n(&p->j->go, __ATOMIC_ACQUIRE)) p->j->tt->yield();
+  run(p->j, p->tid);
+  return 0;
 }

@@ -18,7 +18,10 @@ INL void dq3(const unsigned char *p, v16 *lo, v16 *hi) {
   i16 q = __builtin_convertvector(*(const u16 *)(p + 8), i16);
   *lo = __builtin_ia32_permvarsf512(tab, q); *hi = __builtin_ia32_permvarsf512(tab, q >> 4);
 #else
-  u16 q = *(const u16 *)(p + 8);
+  /* each nibble byte widened to its own 32-bit lane first: masks and shifts of bytes would cost shuffles */
+  i16 q = __builtin_shufflevector(__builtin_convertvector(*(const u8 *)(p + 8), i8),
+                                  __builtin_convertvector(*(const u8 *)(p + 16), i8),
+                                  0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   *lo = __builtin_convertvector(q & 15, v16) * d + m; *hi = __builtin_convertvector(q >> 4, v16) * d + m;
 #endif
 }

@@ -10,6 +10,8 @@ typedef float v4 __attribute__((ext_vector_type(4)));
 typedef unsigned char u16 __attribute__((ext_vector_type(16), aligned(1)));
 typedef signed char s16 __attribute__((ext_vector_type(16), aligned(1)));
 typedef int i16 __attribute__((ext_vector_type(16)));
+typedef int i8 __attribute__((ext_vector_type(8)));
+typedef unsigned char u8 __attribute__((ext_vector_type(8), aligned(1)));
 typedef double v8d __attribute__((ext_vector_type(8), aligned(8)));
 typedef long v8l __attribute__((ext_vector_type(8)));
 #define INL static inline __attribute__((always_inline))
