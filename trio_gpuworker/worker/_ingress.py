@@ -8,7 +8,9 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from itertools import repeat
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 import trio
@@ -37,8 +39,8 @@ class RingSlot:
     ring: Ring
     state: Any  # IngressState | EgressState
     writable: trio.Event = field(default_factory=trio.Event)  # RING_WRITABLE: a step waiting for space goes on
-    # allocations handed to the drain, oldest first: one drain call may start and finish several objects
-    # before its events are read. Each is (device allocation, host staging or None when copies go direct).
+    # allocations handed to the resolver drain (not CPU), oldest first: one drain call may start and finish several
+    # objects before its events are read. Each is (device allocation, host staging or None for a streamed object).
     pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # extent -> shape, a bounded cache
     more: bool = False  # the last drain stopped at DRAIN_CHUNK objects: drain again without a hint
@@ -46,14 +48,17 @@ class RingSlot:
     closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
     close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
     faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
-    # CPU: the destinations the drain takes, oldest first; their allocations are the newest entries of `pending`
+    # CPU: the destinations the drain takes, oldest first
     pool: DestPool = field(default_factory=lambda: DestPool(exact=True))
+    dests: list[Any] = field(default_factory=list)  # CPU: the allocations behind the pool's destinations, in order
     batch: Completions = field(default_factory=Completions)  # the drain's completion records, reused
     block: bool = False  # installed with loaded_block: completions go as LOADED_BLOCK (extension), not CBOR rows
 
 
-@dataclass(slots=True)
-class DeviceObject:
+class DeviceObject(NamedTuple):
+    """A live device object. A tuple, so that a drain records a whole batch of them without running Python per
+    object (tuple.__new__ over zipped columns)."""
+
     alloc: Any
     dtype: str
     shape: tuple[int, ...]
@@ -108,29 +113,28 @@ class IngressPlane:
         call runs until the ring is empty, the chunk is full or the pool has nothing of the next object's size;
         then the pool is refilled for that size and the drain goes on."""
         out: list[tuple[Any, ...]] = []
-        rows: list[list[int]] = []
-        blocks: list[bytes] = []
+        parts: list[Any] = []  # per native call: its OBJECTS_LOADED rows, or its LOADED_BLOCK bytes
         batch, pool, failed = slot.batch, slot.pool, None
-        writable = False
+        writable, loaded = False, 0
         while True:
-            drain_batch(slot.ring, slot.state, slot.spec, pool, batch, DRAIN_CHUNK - len(rows))
+            drain_batch(slot.ring, slot.state, slot.spec, pool, batch, DRAIN_CHUNK - loaded)
             writable |= batch.writable
             if batch.loaded:
-                rows += self._loaded_batch(slot, batch)
-                if slot.block:
-                    blocks.append(batch.block(self._next_handle - batch.loaded))
+                loaded += batch.loaded
+                parts.append(self._loaded_batch(slot, batch))
             need = batch.need
-            if need is None or batch.more or len(rows) == DRAIN_CHUNK:
+            if need is None or batch.more or loaded == DRAIN_CHUNK:
                 break
             failed = self._refill(slot, need.extent)
             if failed is not None:
                 break
-        slot.more = len(rows) == DRAIN_CHUNK  # committed objects may be left, and no hint will come for them
+        slot.more = loaded == DRAIN_CHUNK  # committed objects may be left, and no hint will come for them
         ids = {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id}
         end = batch.end
-        if rows:
+        if loaded:
             self.bridge.synchronize()  # nothing is compute-visible before every copy completed
-            out.append(self._loaded_notice(slot, rows, b"".join(blocks)))
+            out.append(self._loaded_notice(slot, [], b"".join(parts)) if slot.block else
+                       self._loaded_notice(slot, [row for part in parts for row in part]))
         if failed is not None:  # no memory for the next object: the stream cannot go on past it
             assert need is not None
             self._drop_pending(slot)
@@ -160,10 +164,10 @@ class IngressPlane:
         share an extent. Free ones of another size go back first. Returns the error when not even one fits."""
         from ._bridge import DeviceError
 
-        pool, pending = slot.pool, slot.pending
+        pool, dests = slot.pool, slot.dests
         if pool.next_size is not None and pool.next_size != extent:
             for _ in range(pool.clear()):
-                self.bridge.free_device(pending.pop()[0])
+                self.bridge.free_device(dests.pop())
         want = max(1, min(DRAIN_CHUNK, slot.ring.capacity // (extent + 40) + 1) - len(pool))
         try:
             allocs, addresses = self.bridge.alloc_mapped_many(extent, want)
@@ -172,7 +176,7 @@ class IngressPlane:
                 allocs, addresses = self.bridge.alloc_mapped_many(extent, 1)  # the one it waits for, at least
             except DeviceError:
                 return exc
-        pending.extend((alloc, None) for alloc in allocs)
+        dests += allocs
         pool.put_many(addresses, extent)
         return None
 
@@ -185,15 +189,29 @@ class IngressPlane:
             return ("OBJECTS_LOADED", {**fields, "objects": rows})
         return ("LOADED_BLOCK", fields, block if block is not None else np.asarray(rows, "<u8").tobytes())
 
-    def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]]:
-        """OBJECTS_LOADED rows of the batch's objects, each now a device object over its pooled allocation."""
-        n, pending = batch.loaded, slot.pending
+    def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]] | bytes:
+        """The batch's completions (LOADED_BLOCK bytes on a ring installed with loaded_block, else OBJECTS_LOADED's
+        rows), each object now a device object over its pooled allocation. No Python runs per object: the records
+        are made from columns by C loops."""
+        n, dests = batch.loaded, slot.dests
         first, self._next_handle = self._next_handle, self._next_handle + n
-        rows = batch.rows(first)
-        dtype, ring_id, shape_of = slot.spec.dtype, slot.ring_id, self._shape
-        self.objects.update((row[HANDLE_ID], DeviceObject(pending.popleft()[0], dtype, shape_of(slot, row[EXTENT]),
-                                                          ring_id, row[OBJECT_ID])) for row in rows)
-        return rows
+        allocs = dests[:n]
+        del dests[:n]
+        out: list[list[int]] | bytes
+        if slot.block:
+            out = batch.block(first)
+            table = np.frombuffer(out, "<u8").reshape(n, 4)
+            object_ids, extents = table[:, OBJECT_ID].tolist(), table[:, EXTENT].tolist()
+        else:
+            out = batch.rows(first)
+            object_ids, extents = list(map(itemgetter(OBJECT_ID), out)), list(map(itemgetter(EXTENT), out))
+        # objects of a ring mostly share one extent, so mostly one shape
+        shapes = repeat(self._shape(slot, extents[0])) if extents.count(extents[0]) == n else \
+            [self._shape(slot, extent) for extent in extents]
+        records = zip(allocs, repeat(slot.spec.dtype), shapes, repeat(slot.ring_id), object_ids)
+        self.objects.update(zip(range(first, first + n), map(tuple.__new__, repeat(DeviceObject), records),
+                                strict=True))
+        return out
 
     def _drain_staged(self, slot: RingSlot) -> list[tuple[Any, ...]]:
         """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
@@ -308,5 +326,7 @@ class IngressPlane:
 
     def _drop_pending(self, slot: RingSlot) -> None:
         slot.pool.clear()
+        while slot.dests:
+            self.bridge.free_device(slot.dests.pop())
         while slot.pending:
             self.bridge.free_device(slot.pending.popleft()[0])
