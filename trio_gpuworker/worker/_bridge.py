@@ -19,7 +19,6 @@ import errno
 import math
 import weakref
 from dataclasses import dataclass
-from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -187,26 +186,30 @@ class DeviceBridge:
             self.synchronize()
         return DeviceAlloc(nbytes, self.device, buf)
 
-    def alloc_mapped_many(self, nbytes: int, k: int) -> tuple[list[DeviceAlloc], np.ndarray]:
-        """k allocations (direct only) and their host addresses as uint64, for the ingress drain's DestPool.
-        Recycled buffers go out in bulk, with the addresses kept for them. All or none: on an error the ones made
-        are freed first."""
+    def alloc_mapped_many(self, nbytes: int, k: int) -> tuple[list[Any], np.ndarray]:
+        """k allocations of nbytes (direct only) as bare buffers, each to become a DeviceAlloc with `adopt` when
+        it is used or freed, and their host addresses as uint64, for the ingress drain's DestPool. Recycled
+        buffers go out in bulk, with the addresses kept for them. All or none: on an error the ones made are freed
+        first."""
         pooled, addrs = self._pool.get(nbytes) or [], self._pool_addr.get(nbytes) or []
         take = min(k, len(pooled))
         bufs, addresses = pooled[len(pooled) - take:], addrs[len(addrs) - take:]
         del pooled[len(pooled) - take:], addrs[len(addrs) - take:]
         self._pooled_bytes -= take * nbytes
-        allocs = list(map(DeviceAlloc, repeat(nbytes, take), repeat(self.device), bufs))
         try:
-            while len(allocs) < k:
-                alloc = self.alloc_device(nbytes)
-                allocs.append(alloc)
-                addresses.append(0 if alloc.buffer is None else alloc.buffer._buf.va_addr)  # zero bytes: no memory
+            while len(bufs) < k:
+                buf = self.alloc_device(nbytes).buffer
+                bufs.append(buf)
+                addresses.append(0 if buf is None else buf._buf.va_addr)  # zero bytes: no memory, address 0
         except BaseException:
-            for alloc in allocs:
-                self.free_device(alloc)
+            for buf in bufs:
+                self.free_device(self.adopt(nbytes, buf))
             raise
-        return allocs, np.array(addresses, np.uint64)
+        return bufs, np.array(addresses, np.uint64)
+
+    def adopt(self, nbytes: int, buf: Any) -> DeviceAlloc:
+        """The allocation over a buffer alloc_mapped_many handed out (once per buffer: it owns it from here)."""
+        return DeviceAlloc(nbytes, self.device, buf)
 
     def free_device(self, alloc: DeviceAlloc) -> None:
         """Release an allocation. Memory still named by a live tensor (as_tensor, from_tensor) is freed when that

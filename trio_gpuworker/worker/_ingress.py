@@ -8,9 +8,8 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from itertools import repeat
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import trio
@@ -18,7 +17,8 @@ import trio
 from cython_ring import Completions, DestPool, ObjectSpec, Ring, drain_batch, drain_ingress
 
 from .._errors import CodedError
-from .._proto import EXTENT, HANDLE_ID, OBJECT_ID, SEQUENCE  # the columns of a LoadedRow kept as a list
+from .._proto import HANDLE_ID, OBJECT_ID, SEQUENCE  # the columns of a LoadedRow kept as a list
+from ._objects import DeviceObject, DeviceObjects, LoadedRun
 
 # ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
 # objects per native drain call: a long burst goes back in parts, so the daemon resolves (and refills the
@@ -50,20 +50,10 @@ class RingSlot:
     faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
     # CPU: the destinations the drain takes, oldest first
     pool: DestPool = field(default_factory=lambda: DestPool(exact=True))
-    dests: list[Any] = field(default_factory=list)  # CPU: the allocations behind the pool's destinations, in order
+    dests: list[Any] = field(default_factory=list)  # CPU: the buffers behind the pool's destinations, in order
+    dest_bytes: int = 0  # ... each of this size
     batch: Completions = field(default_factory=Completions)  # the drain's completion records, reused
     block: bool = False  # installed with loaded_block: completions go as LOADED_BLOCK (extension), not CBOR rows
-
-
-class DeviceObject(NamedTuple):
-    """A live device object. A tuple, so that a drain records a whole batch of them without running Python per
-    object (tuple.__new__ over zipped columns)."""
-
-    alloc: Any
-    dtype: str
-    shape: tuple[int, ...]
-    ring_id: int
-    object_id: int
 
 
 class DataPlaneError(CodedError):
@@ -88,7 +78,7 @@ class IngressPlane:
 
     generation: int
     rings: dict[int, RingSlot]
-    objects: dict[int, DeviceObject]
+    objects: DeviceObjects
     stream_window: int
     _next_handle: int
     bridge: Any
@@ -164,19 +154,20 @@ class IngressPlane:
         share an extent. Free ones of another size go back first. Returns the error when not even one fits."""
         from ._bridge import DeviceError
 
-        pool, dests = slot.pool, slot.dests
-        if pool.next_size is not None and pool.next_size != extent:
+        pool = slot.pool
+        if pool.next_size is not None and pool.next_size != extent:  # (no object is half-copied when one waits)
             for _ in range(pool.clear()):
-                self.bridge.free_device(dests.pop())
+                self.bridge.free_device(self.bridge.adopt(slot.dest_bytes, slot.dests.pop()))
         want = max(1, min(DRAIN_CHUNK, slot.ring.capacity // (extent + 40) + 1) - len(pool))
         try:
-            allocs, addresses = self.bridge.alloc_mapped_many(extent, want)
+            buffers, addresses = self.bridge.alloc_mapped_many(extent, want)
         except DeviceError as exc:
             try:
-                allocs, addresses = self.bridge.alloc_mapped_many(extent, 1)  # the one it waits for, at least
+                buffers, addresses = self.bridge.alloc_mapped_many(extent, 1)  # the one it waits for, at least
             except DeviceError:
                 return exc
-        dests += allocs
+        slot.dests += buffers
+        slot.dest_bytes = extent
         pool.put_many(addresses, extent)
         return None
 
@@ -191,26 +182,20 @@ class IngressPlane:
 
     def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]] | bytes:
         """The batch's completions (LOADED_BLOCK bytes on a ring installed with loaded_block, else OBJECTS_LOADED's
-        rows), each object now a device object over its pooled allocation. No Python runs per object: the records
-        are made from columns by C loops."""
+        rows). Its objects go into `objects` as one run over their pooled buffers: each one's record and
+        allocation are made when a step or a release first reads it, so no Python runs per object here."""
         n, dests = batch.loaded, slot.dests
         first, self._next_handle = self._next_handle, self._next_handle + n
-        allocs = dests[:n]
-        del dests[:n]
         out: list[list[int]] | bytes
         if slot.block:
             out = batch.block(first)
-            table = np.frombuffer(out, "<u8").reshape(n, 4)
-            object_ids, extents = table[:, OBJECT_ID].tolist(), table[:, EXTENT].tolist()
+            object_ids = np.frombuffer(out, "<u8")[OBJECT_ID::4].tolist()
         else:
             out = batch.rows(first)
-            object_ids, extents = list(map(itemgetter(OBJECT_ID), out)), list(map(itemgetter(EXTENT), out))
-        # objects of a ring mostly share one extent, so mostly one shape
-        shapes = repeat(self._shape(slot, extents[0])) if extents.count(extents[0]) == n else \
-            [self._shape(slot, extent) for extent in extents]
-        records = zip(allocs, repeat(slot.spec.dtype), shapes, repeat(slot.ring_id), object_ids)
-        self.objects.update(zip(range(first, first + n), map(tuple.__new__, repeat(DeviceObject), records),
-                                strict=True))
+            object_ids = list(map(itemgetter(OBJECT_ID), out))
+        self.objects.add_run(LoadedRun(first, dests[:n], object_ids, slot.dest_bytes, slot.spec.dtype,
+                                       self._shape(slot, slot.dest_bytes), slot.ring_id, self.bridge.adopt))
+        del dests[:n]
         return out
 
     def _drain_staged(self, slot: RingSlot) -> list[tuple[Any, ...]]:
@@ -324,9 +309,13 @@ class IngressPlane:
                 slot.shapes[extent] = shape
         return shape
 
-    def _drop_pending(self, slot: RingSlot) -> None:
+    def _drop_dests(self, slot: RingSlot) -> None:
+        """The pool's destinations not used go back to the bridge."""
         slot.pool.clear()
         while slot.dests:
-            self.bridge.free_device(slot.dests.pop())
+            self.bridge.free_device(self.bridge.adopt(slot.dest_bytes, slot.dests.pop()))
+
+    def _drop_pending(self, slot: RingSlot) -> None:
+        self._drop_dests(slot)
         while slot.pending:
             self.bridge.free_device(slot.pending.popleft()[0])
