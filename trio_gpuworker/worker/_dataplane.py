@@ -177,11 +177,10 @@ class WorkerDataPlane(IngressPlane):
 
     def release(self, msg: ReleaseDeviceObject) -> DeviceObjectReleased | ReleaseFailed:
         handle = msg.device_handle
-        obj = self._lookup(handle)
+        obj = self.objects.pop(handle["id"], None) if handle["worker_generation"] == self.generation else None
         if obj is None:
             return ReleaseFailed(req_id=msg.req_id, device_handle=handle, reason="invalid_device_handle",
                                  msg=f"no live device object {handle}")
-        del self.objects[handle["id"]]
         self.bridge.free_device(obj.alloc)
         return DeviceObjectReleased(req_id=msg.req_id, device_handle=handle)
 

@@ -51,12 +51,15 @@ class DeviceObjects(dict[int, Any]):
         with self._lock:
             value = dict.get(self, handle)
             if type(value) is LoadedRun:
-                run, k = value, handle - value.first
-                value = DeviceObject(run.adopt(run.nbytes, run.buffers[k]), run.dtype, run.shape, run.ring_id,
-                                     run.object_ids[k])
-                run.buffers[k] = None
+                value = self._record(handle, value)
                 dict.__setitem__(self, handle, value)
         return value
+
+    @staticmethod
+    def _record(handle: int, run: LoadedRun) -> DeviceObject:
+        k = handle - run.first
+        buf, run.buffers[k] = run.buffers[k], None
+        return DeviceObject(run.adopt(run.nbytes, buf), run.dtype, run.shape, run.ring_id, run.object_ids[k])
 
     def __getitem__(self, handle: int) -> DeviceObject:
         return self._made(handle, dict.__getitem__(self, handle))
@@ -66,13 +69,9 @@ class DeviceObjects(dict[int, Any]):
         return default if value is None else self._made(handle, value)
 
     def pop(self, handle: int, *default: Any) -> Any:  # type: ignore[override]
-        if handle not in self:
-            if default:
-                return default[0]
-            raise KeyError(handle)
-        value = self[handle]
-        dict.__delitem__(self, handle)
-        return value
+        """Removed first, so no other reader can make its record meanwhile; made here only if it was not yet."""
+        value = dict.pop(self, handle, *default)
+        return self._record(handle, value) if type(value) is LoadedRun else value
 
     def values(self) -> list[DeviceObject]:  # type: ignore[override]
         return [self[h] for h in list(self)]
