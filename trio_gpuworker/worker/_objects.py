@@ -12,6 +12,8 @@ from typing import Any, NamedTuple
 
 
 class DeviceObject(NamedTuple):
+    """A live device object: its allocation (a DeviceAlloc), how a step views it, and where it came from."""
+
     alloc: Any
     dtype: str
     shape: tuple[int, ...]
