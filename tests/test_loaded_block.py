@@ -72,6 +72,7 @@ async def test_the_daemon_takes_block_rows_from_a_worker_that_advertised_them(tm
         handles = await dp.load_many(ring, data, first_object_id=5, first_sequence=0)
         assert [h["worker_generation"] for h in handles] == [lane.generation] * 3
         assert len({h["id"] for h in handles}) == 3 and all(isinstance(h["id"], int) for h in handles)
+        assert list(handles) == [handles[k] for k in range(3)] == handles[:] == [*handles[:1], *handles[1:]]
         seen = []
         with trio.fail_after(10):
             while len(seen) < 1 or "LOADED_BLOCK" not in seen:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import mmap
 import os
-from operator import itemgetter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import trio
@@ -37,12 +37,33 @@ def _refill(end: RingEnd, extent: int) -> None:
     landing.extend(slab)
 
 
-def _columns(rows: list[list[int]] | np.ndarray) -> tuple[list[int], list[int]]:
-    """The object ids and handle ids of a batch of rows (a LOADED_BLOCK's array, or OBJECTS_LOADED's lists), as
-    Python ints."""
-    if isinstance(rows, np.ndarray):
-        return rows[:, OBJECT_ID].tolist(), rows[:, HANDLE_ID].tolist()
-    return list(map(itemgetter(OBJECT_ID), rows)), list(map(itemgetter(HANDLE_ID), rows))
+class DeviceHandles(Sequence[dict[str, int]]):
+    """load_many's device handles, in order: one worker generation and the handle ids as an array. Each handle's
+    dict is made when it is read, so a burst of small objects costs no Python object per handle until used."""
+
+    __slots__ = ("generation", "ids")
+
+    def __init__(self, generation: int, ids: np.ndarray) -> None:
+        self.generation, self.ids = generation, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, int]]: ...
+    def __getitem__(self, i: int | slice) -> dict[str, int] | list[dict[str, int]]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        return {"worker_generation": self.generation, "id": int(self.ids[i])}
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        gen = self.generation
+        return ({"worker_generation": gen, "id": h} for h in self.ids.tolist())
+
+    def __repr__(self) -> str:
+        return f"<DeviceHandles of generation {self.generation}: {len(self)}>"
 
 
 class RingIO:
@@ -118,24 +139,28 @@ class RingIO:
         return msg.device_handle
 
     async def load_many(self, end: RingEnd, objects: list[Any], *, first_object_id: int, first_sequence: int,
-                        flags: int = 0) -> list[dict[str, int]]:
+                        flags: int = 0) -> DeviceHandles:
         """push_many + wait until every object is loaded; returns their device handles, in order. Completions
-        arrive in batches (one OBJECTS_LOADED per worker drain), so many callers wake from one message."""
-        handles: list[dict[str, int]] = []
+        arrive in batches (one OBJECTS_LOADED or LOADED_BLOCK per worker drain), so many callers wake from one
+        message, and each batch is checked and recorded with array operations, not Python per object."""
+        ids = np.empty(len(objects), np.uint64)
+        done = 0
         end.raise_if_faulted()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: self.push_many(end, objects, first_object_id=first_object_id,
                                                       first_sequence=first_sequence, flags=flags))
             gen = end.generation
-            while len(handles) < len(objects):
-                rows = await self._rows(end, len(objects) - len(handles))  # a whole batch at a time
-                want = first_object_id + len(handles)
-                ids, handle_ids = _columns(rows)
-                if ids != list(range(want, want + len(rows))):
-                    got, expected = next((i, want + k) for k, i in enumerate(ids) if i != want + k)
-                    raise ObjectFailed("sequence_violation", f"loaded object {got}, expected {expected}")
-                handles += [{"worker_generation": gen, "id": h} for h in handle_ids]
-        return handles
+            while done < len(objects):
+                rows = await self._rows(end, len(objects) - done)  # a whole batch at a time
+                table = rows if isinstance(rows, np.ndarray) else np.array(rows, np.uint64).reshape(-1, 4)
+                got = table[:, OBJECT_ID]
+                want = np.arange(first_object_id + done, first_object_id + done + len(table), dtype=np.uint64)
+                if not np.array_equal(got, want):
+                    k = int(np.flatnonzero(got != want)[0])
+                    raise ObjectFailed("sequence_violation", f"loaded object {int(got[k])}, expected {int(want[k])}")
+                ids[done:done + len(table)] = table[:, HANDLE_ID]
+                done += len(table)
+        return DeviceHandles(gen, ids)
 
     async def pump_file(self, end: RingEnd, path: Path, *, object_id: int, sequence: int, flags: int = 0) -> None:
         """Disk -> ring as one object of the file's size. The file is mapped read-only and copied from the

@@ -29,21 +29,8 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
 
 # numpy-style names accepted by as_tensor; each is also the tinygrad dtypes attribute name
-DTYPE_NAMES = (
-    "bool",
-    "int8",
-    "uint8",
-    "int16",
-    "uint16",
-    "int32",
-    "uint32",
-    "int64",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-)
+DTYPE_NAMES = ("bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64", "float16",
+               "bfloat16", "float32", "float64")
 
 
 POOL_BYTES = 256 << 20  # recycled device memory kept per worker (CPU), bounded
@@ -71,7 +58,7 @@ class DeviceRangeError(DeviceError, ValueError):
     """A caller-side argument error: a copy range outside the allocation or its host buffer, a bad size or view."""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class DeviceAlloc:
     """One device object: `buffer` is the tinygrad Buffer holding its nbytes (None when nbytes == 0, and after free).
 
@@ -146,8 +133,11 @@ class DeviceBridge:
         # `generic=True` forces the Buffer.copy_from path even on CPU (tests, benchmarks).
         self.direct: bool = self.device.split(":")[0] == "CPU" and not generic
         # base Buffers behind live allocations: from_tensor must not hand out a second alloc over one of them
+        # (recycled buffers stay in it while pooled: nothing references them, and an ingress burst takes them back
+        # without a WeakSet entry each)
         self._owned: weakref.WeakSet[Any] = weakref.WeakSet()
         self._pool: dict[int, list[Any]] = {}  # freed, unreferenced buffers by size, reused by alloc_device
+        self._pool_addr: dict[int, list[int]] = {}  # their host addresses (direct), in the same order
         self._poolable: weakref.WeakSet[Any] = weakref.WeakSet()  # made by alloc_device: sizes that recur
         self._pooled_bytes = 0
         self.pool_bytes = POOL_BYTES
@@ -168,8 +158,8 @@ class DeviceBridge:
         pooled = self._pool.get(nbytes)
         if pooled:
             buf = pooled.pop()
+            self._pool_addr[nbytes].pop()
             self._pooled_bytes -= nbytes
-            self._owned.add(buf)
             return DeviceAlloc(nbytes, self.device, buf)
         buf = self._Buffer(self.device, nbytes, self._dtypes.uint8)
         for attempt in (0, 1):
@@ -196,25 +186,30 @@ class DeviceBridge:
             self.synchronize()
         return DeviceAlloc(nbytes, self.device, buf)
 
-    def alloc_mapped_many(self, nbytes: int, k: int) -> tuple[list[DeviceAlloc], np.ndarray]:
-        """k allocations (direct only) and their host addresses as uint64, for the ingress drain's DestPool.
-        Recycled buffers go out in bulk. All or none: on an error the ones made are freed first."""
-        pooled = self._pool.get(nbytes) or []
+    def alloc_mapped_many(self, nbytes: int, k: int) -> tuple[list[Any], np.ndarray]:
+        """k allocations of nbytes (direct only) as bare buffers, each to become a DeviceAlloc with `adopt` when
+        it is used or freed, and their host addresses as uint64, for the ingress drain's DestPool. Recycled
+        buffers go out in bulk, with the addresses kept for them. All or none: on an error the ones made are freed
+        first."""
+        pooled, addrs = self._pool.get(nbytes) or [], self._pool_addr.get(nbytes) or []
         take = min(k, len(pooled))
-        bufs = pooled[len(pooled) - take:]
-        del pooled[len(pooled) - take:]
+        bufs, addresses = pooled[len(pooled) - take:], addrs[len(addrs) - take:]
+        del pooled[len(pooled) - take:], addrs[len(addrs) - take:]
         self._pooled_bytes -= take * nbytes
-        self._owned.update(bufs)
-        allocs = [DeviceAlloc(nbytes, self.device, buf) for buf in bufs]
         try:
-            while len(allocs) < k:
-                allocs.append(self.alloc_device(nbytes))
+            while len(bufs) < k:
+                buf = self.alloc_device(nbytes).buffer
+                bufs.append(buf)
+                addresses.append(0 if buf is None else buf._buf.va_addr)  # zero bytes: no memory, address 0
         except BaseException:
-            for alloc in allocs:
-                self.free_device(alloc)
+            for buf in bufs:
+                self.free_device(self.adopt(nbytes, buf))
             raise
-        # zero bytes allocate nothing; the address is then 0
-        return allocs, np.fromiter((0 if a.buffer is None else a.buffer._buf.va_addr for a in allocs), np.uint64, k)
+        return bufs, np.array(addresses, np.uint64)
+
+    def adopt(self, nbytes: int, buf: Any) -> DeviceAlloc:
+        """The allocation over a buffer alloc_mapped_many handed out (once per buffer: it owns it from here)."""
+        return DeviceAlloc(nbytes, self.device, buf)
 
     def free_device(self, alloc: DeviceAlloc) -> None:
         """Release an allocation. Memory still named by a live tensor (as_tensor, from_tensor) is freed when that
@@ -223,14 +218,17 @@ class DeviceBridge:
         buf, alloc.buffer, alloc.freed = alloc.buffer, None, True
         if buf is None:
             return
+        unreferenced = buf._base is None and buf.is_allocated() and buf.uop_refcount == 0
+        fits = self._pooled_bytes + alloc.nbytes <= self.pool_bytes
+        if unreferenced and self.direct and fits and buf in self._poolable:
+            # recycle: the next object of this size lands in memory that is already faulted in, so ingress
+            # copies run at memcpy speed instead of paying a page fault per 4 KiB (unreferenced, so safe)
+            self._pool.setdefault(alloc.nbytes, []).append(buf)
+            self._pool_addr.setdefault(alloc.nbytes, []).append(buf._buf.va_addr)
+            self._pooled_bytes += alloc.nbytes
+            return
         self._owned.discard(buf)
-        if buf._base is None and buf.is_allocated() and buf.uop_refcount == 0:
-            if self.direct and buf in self._poolable and self._pooled_bytes + alloc.nbytes <= self.pool_bytes:
-                # recycle: the next object of this size lands in memory that is already faulted in, so ingress
-                # copies run at memcpy speed instead of paying a page fault per 4 KiB (unreferenced, so safe)
-                self._pool.setdefault(alloc.nbytes, []).append(buf)
-                self._pooled_bytes += alloc.nbytes
-                return
+        if unreferenced:
             try:
                 buf.deallocate()
             except Exception as exc:
@@ -240,8 +238,10 @@ class DeviceBridge:
         """Give every pooled (recycled) buffer back to the device allocator."""
         for bufs in self._pool.values():
             for buf in bufs:
+                self._owned.discard(buf)
                 buf.deallocate()
         self._pool.clear()
+        self._pool_addr.clear()
         self._pooled_bytes = 0
 
     def _live(self, alloc: DeviceAlloc) -> DeviceAlloc:

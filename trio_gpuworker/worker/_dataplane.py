@@ -36,7 +36,8 @@ from .._proto import (
     UninstallRing,
 )
 from .._worker_env import ARENA_BYTES, ARENA_FD
-from ._ingress import STREAM_WINDOW, DataPlaneError, DeviceObject, IngressPlane, RingSlot, shape_for
+from ._ingress import STREAM_WINDOW, DataPlaneError, IngressPlane, RingSlot, shape_for
+from ._objects import DeviceObject, DeviceObjects
 from ._roles import EchoRole
 
 Emit = Callable[[str, dict[str, Any]], None]
@@ -82,7 +83,7 @@ class WorkerDataPlane(IngressPlane):
         self.models = models
         self.rings: dict[int, RingSlot] = {}
         self.roles: dict[str, Any] = {}
-        self.objects: dict[int, DeviceObject] = {}
+        self.objects = DeviceObjects()
         self._next_handle = 1
         self._bridge: Any = bridge
         self.arena = arena if arena is not None else map_arena()
@@ -154,7 +155,7 @@ class WorkerDataPlane(IngressPlane):
     def stop(self) -> list[int]:
         """SHUTDOWN: quiesce every ring and free every device object (compute thread). Returns the ring ids."""
         ring_ids = list(self.rings)
-        objects, self.objects = self.objects, {}
+        objects, self.objects = self.objects, DeviceObjects()
         for ring_id in ring_ids:
             _quietly(self.quiesce, ring_id)
         for obj in objects.values():
@@ -176,11 +177,10 @@ class WorkerDataPlane(IngressPlane):
 
     def release(self, msg: ReleaseDeviceObject) -> DeviceObjectReleased | ReleaseFailed:
         handle = msg.device_handle
-        obj = self._lookup(handle)
+        obj = self.objects.pop(handle["id"], None) if handle["worker_generation"] == self.generation else None
         if obj is None:
             return ReleaseFailed(req_id=msg.req_id, device_handle=handle, reason="invalid_device_handle",
                                  msg=f"no live device object {handle}")
-        del self.objects[handle["id"]]
         self.bridge.free_device(obj.alloc)
         return DeviceObjectReleased(req_id=msg.req_id, device_handle=handle)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,8 @@ import trio
 from cython_ring import Completions, DestPool, ObjectSpec, Ring, drain_batch, drain_ingress
 
 from .._errors import CodedError
-from .._proto import EXTENT, HANDLE_ID, OBJECT_ID, SEQUENCE  # the columns of a LoadedRow kept as a list
+from .._proto import HANDLE_ID, OBJECT_ID, SEQUENCE  # the columns of a LoadedRow kept as a list
+from ._objects import DeviceObject, DeviceObjects, LoadedRun
 
 # ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
 # objects per native drain call: a long burst goes back in parts, so the daemon resolves (and refills the
@@ -37,8 +39,8 @@ class RingSlot:
     ring: Ring
     state: Any  # IngressState | EgressState
     writable: trio.Event = field(default_factory=trio.Event)  # RING_WRITABLE: a step waiting for space goes on
-    # allocations handed to the drain, oldest first: one drain call may start and finish several objects
-    # before its events are read. Each is (device allocation, host staging or None when copies go direct).
+    # allocations handed to the resolver drain (not CPU), oldest first: one drain call may start and finish several
+    # objects before its events are read. Each is (device allocation, host staging or None for a streamed object).
     pending: collections.deque[tuple[Any, np.ndarray | None]] = field(default_factory=collections.deque)
     shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)  # extent -> shape, a bounded cache
     more: bool = False  # the last drain stopped at DRAIN_CHUNK objects: drain again without a hint
@@ -46,19 +48,12 @@ class RingSlot:
     closed: bool = False  # uninstalled (or the worker is stopping): a step writing to it gives up
     close_reason: str = "invalid_output_ring"  # the StepFailure of a step that finds it closed
     faulted: bool = False  # the worker faulted it (a device copy failed): later drains report nothing
-    # CPU: the destinations the drain takes, oldest first; their allocations are the newest entries of `pending`
+    # CPU: the destinations the drain takes, oldest first
     pool: DestPool = field(default_factory=lambda: DestPool(exact=True))
+    dests: list[Any] = field(default_factory=list)  # CPU: the buffers behind the pool's destinations, in order
+    dest_bytes: int = 0  # ... each of this size
     batch: Completions = field(default_factory=Completions)  # the drain's completion records, reused
     block: bool = False  # installed with loaded_block: completions go as LOADED_BLOCK (extension), not CBOR rows
-
-
-@dataclass(slots=True)
-class DeviceObject:
-    alloc: Any
-    dtype: str
-    shape: tuple[int, ...]
-    ring_id: int
-    object_id: int
 
 
 class DataPlaneError(CodedError):
@@ -83,7 +78,7 @@ class IngressPlane:
 
     generation: int
     rings: dict[int, RingSlot]
-    objects: dict[int, DeviceObject]
+    objects: DeviceObjects
     stream_window: int
     _next_handle: int
     bridge: Any
@@ -108,29 +103,28 @@ class IngressPlane:
         call runs until the ring is empty, the chunk is full or the pool has nothing of the next object's size;
         then the pool is refilled for that size and the drain goes on."""
         out: list[tuple[Any, ...]] = []
-        rows: list[list[int]] = []
-        blocks: list[bytes] = []
+        parts: list[Any] = []  # per native call: its OBJECTS_LOADED rows, or its LOADED_BLOCK bytes
         batch, pool, failed = slot.batch, slot.pool, None
-        writable = False
+        writable, loaded = False, 0
         while True:
-            drain_batch(slot.ring, slot.state, slot.spec, pool, batch, DRAIN_CHUNK - len(rows))
+            drain_batch(slot.ring, slot.state, slot.spec, pool, batch, DRAIN_CHUNK - loaded)
             writable |= batch.writable
             if batch.loaded:
-                rows += self._loaded_batch(slot, batch)
-                if slot.block:
-                    blocks.append(batch.block(self._next_handle - batch.loaded))
+                loaded += batch.loaded
+                parts.append(self._loaded_batch(slot, batch))
             need = batch.need
-            if need is None or batch.more or len(rows) == DRAIN_CHUNK:
+            if need is None or batch.more or loaded == DRAIN_CHUNK:
                 break
             failed = self._refill(slot, need.extent)
             if failed is not None:
                 break
-        slot.more = len(rows) == DRAIN_CHUNK  # committed objects may be left, and no hint will come for them
+        slot.more = loaded == DRAIN_CHUNK  # committed objects may be left, and no hint will come for them
         ids = {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id}
         end = batch.end
-        if rows:
+        if loaded:
             self.bridge.synchronize()  # nothing is compute-visible before every copy completed
-            out.append(self._loaded_notice(slot, rows, b"".join(blocks)))
+            out.append(self._loaded_notice(slot, [], b"".join(parts)) if slot.block else
+                       self._loaded_notice(slot, [row for part in parts for row in part]))
         if failed is not None:  # no memory for the next object: the stream cannot go on past it
             assert need is not None
             self._drop_pending(slot)
@@ -160,19 +154,20 @@ class IngressPlane:
         share an extent. Free ones of another size go back first. Returns the error when not even one fits."""
         from ._bridge import DeviceError
 
-        pool, pending = slot.pool, slot.pending
-        if pool.next_size is not None and pool.next_size != extent:
+        pool = slot.pool
+        if pool.next_size is not None and pool.next_size != extent:  # (no object is half-copied when one waits)
             for _ in range(pool.clear()):
-                self.bridge.free_device(pending.pop()[0])
+                self.bridge.free_device(self.bridge.adopt(slot.dest_bytes, slot.dests.pop()))
         want = max(1, min(DRAIN_CHUNK, slot.ring.capacity // (extent + 40) + 1) - len(pool))
         try:
-            allocs, addresses = self.bridge.alloc_mapped_many(extent, want)
+            buffers, addresses = self.bridge.alloc_mapped_many(extent, want)
         except DeviceError as exc:
             try:
-                allocs, addresses = self.bridge.alloc_mapped_many(extent, 1)  # the one it waits for, at least
+                buffers, addresses = self.bridge.alloc_mapped_many(extent, 1)  # the one it waits for, at least
             except DeviceError:
                 return exc
-        pending.extend((alloc, None) for alloc in allocs)
+        slot.dests += buffers
+        slot.dest_bytes = extent
         pool.put_many(addresses, extent)
         return None
 
@@ -185,15 +180,23 @@ class IngressPlane:
             return ("OBJECTS_LOADED", {**fields, "objects": rows})
         return ("LOADED_BLOCK", fields, block if block is not None else np.asarray(rows, "<u8").tobytes())
 
-    def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]]:
-        """OBJECTS_LOADED rows of the batch's objects, each now a device object over its pooled allocation."""
-        n, pending = batch.loaded, slot.pending
+    def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]] | bytes:
+        """The batch's completions (LOADED_BLOCK bytes on a ring installed with loaded_block, else OBJECTS_LOADED's
+        rows). Its objects go into `objects` as one run over their pooled buffers: each one's record and
+        allocation are made when a step or a release first reads it, so no Python runs per object here."""
+        n, dests = batch.loaded, slot.dests
         first, self._next_handle = self._next_handle, self._next_handle + n
-        rows = batch.rows(first)
-        dtype, ring_id, shape_of = slot.spec.dtype, slot.ring_id, self._shape
-        self.objects.update((row[HANDLE_ID], DeviceObject(pending.popleft()[0], dtype, shape_of(slot, row[EXTENT]),
-                                                          ring_id, row[OBJECT_ID])) for row in rows)
-        return rows
+        out: list[list[int]] | bytes
+        if slot.block:
+            out = batch.block(first)
+            object_ids = np.frombuffer(out, "<u8")[OBJECT_ID::4].tolist()
+        else:
+            out = batch.rows(first)
+            object_ids = list(map(itemgetter(OBJECT_ID), out))
+        self.objects.add_run(LoadedRun(first, dests[:n], object_ids, slot.dest_bytes, slot.spec.dtype,
+                                       self._shape(slot, slot.dest_bytes), slot.ring_id, self.bridge.adopt))
+        del dests[:n]
+        return out
 
     def _drain_staged(self, slot: RingSlot) -> list[tuple[Any, ...]]:
         """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
@@ -306,7 +309,13 @@ class IngressPlane:
                 slot.shapes[extent] = shape
         return shape
 
-    def _drop_pending(self, slot: RingSlot) -> None:
+    def _drop_dests(self, slot: RingSlot) -> None:
+        """The pool's destinations not used go back to the bridge."""
         slot.pool.clear()
+        while slot.dests:
+            self.bridge.free_device(self.bridge.adopt(slot.dest_bytes, slot.dests.pop()))
+
+    def _drop_pending(self, slot: RingSlot) -> None:
+        self._drop_dests(slot)
         while slot.pending:
             self.bridge.free_device(slot.pending.popleft()[0])
