@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from .._channel import receive_message
+from .._channel import acquire, receive_message, send_chunks
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
 from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message, WireMessage
 from ._launcher import Launched, Launcher, WorkerSpec
@@ -168,13 +168,14 @@ class WorkerProcess:
 
     async def write(self, t: str, chunks: list[bytes | memoryview]) -> None:
         assert self.stream is not None
-        async with self._send_lock:
-            try:
-                for chunk in chunks:
-                    await self.stream.send_all(chunk)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                self.fail("crash", f"control socket broke while sending {t}: {exc}", exc)
-                raise
+        await acquire(self._send_lock)
+        try:
+            await send_chunks(self.stream, chunks)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.fail("crash", f"control socket broke while sending {t}: {exc}", exc)
+            raise
+        finally:
+            self._send_lock.release()
 
     async def close(self, patience_s: float = 0.0) -> int:
         """Kill the process group and reap it (shielded); returns the exit status.

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from .._channel import encode_messages, receive_message
+from .._channel import acquire, encode_messages, receive_message, send_chunks
 from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError, WorkerError
 from .._lifeline import die_with_the_daemon
 from .._proto import (
@@ -100,15 +100,15 @@ class WorkerServer:
         await self._write(self.conn.send_message(msg))
 
     async def _write(self, chunks: list[bytes | memoryview]) -> None:
-        async with self._send_lock:
+        await acquire(self._send_lock)
+        try:
             queued = self._take_outbox()
             if sum(map(len, chunks)) <= COALESCE_BYTES:  # a small reply rides in the queued notices' write
-                await self.stream.send_all(b"".join([queued, *chunks]))
-                return
-            if queued:
-                await self.stream.send_all(queued)
-            for chunk in chunks:
-                await self.stream.send_all(chunk)
+                await send_chunks(self.stream, [b"".join([queued, *chunks])])
+            else:
+                await send_chunks(self.stream, [queued, *chunks] if queued else chunks)
+        finally:
+            self._send_lock.release()
 
     def _take_outbox(self) -> bytes:
         self._kicked = False
@@ -119,10 +119,13 @@ class WorkerServer:
 
     async def send_many(self, messages: list[tuple[Any, ...]]) -> None:
         """Several small messages in one write: a drain that finished many objects costs one syscall."""
-        async with self._send_lock:
+        await acquire(self._send_lock)
+        try:
             data = self._take_outbox() + (encode_messages(self.conn, messages) if messages else b"")
             if data:
-                await self.stream.send_all(data)
+                await send_chunks(self.stream, [data])
+        finally:
+            self._send_lock.release()
 
     async def receive(self) -> Message | None:
         return await receive_message(self.conn, self.stream)
