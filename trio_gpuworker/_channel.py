@@ -13,16 +13,53 @@ from ._proto import CLOSED, NEED_DATA, Connection, Message
 RECV_CHUNK = 1 << 20
 
 
-async def receive_message(conn: Connection, stream: trio.abc.ReceiveStream) -> Message | None:
-    """The next message, or None once the peer closed its end between frames."""
-    while True:
-        ev = conn.next_event()
-        if isinstance(ev, Message):
-            return ev
-        if ev is CLOSED:
-            return None
-        assert ev is NEED_DATA
-        conn.receive_data(await stream.receive_some(RECV_CHUNK))
+FAIR_READS = 16  # reads in a row that may skip the scheduler pass; the next one yields
+
+
+class MessageReader:
+    """A connection's messages, read from its stream. trio's receive_some yields once after every successful
+    recv, one event-loop pass of an EXECUTE_STEP echo on each side; this reads the socket itself: bytes already
+    waiting are taken at once, else it waits for readability and then reads without the extra pass. Every
+    FAIR_READS-th read in a row still yields, so a peer that floods the socket cannot starve the other tasks
+    (the watchdogs among them). Errors are trio's, as receive_some raises them."""
+
+    def __init__(self, conn: Connection, stream: trio.abc.ReceiveStream) -> None:
+        self.conn, self.stream = conn, stream
+        self._streak = 0
+
+    async def receive(self) -> Message | None:
+        """The next message, or None once the peer closed its end between frames."""
+        conn = self.conn
+        while True:
+            ev = conn.next_event()
+            if isinstance(ev, Message):
+                return ev
+            if ev is CLOSED:
+                return None
+            assert ev is NEED_DATA
+            conn.receive_data(await self._read())
+
+    async def _read(self) -> bytes:
+        stream = self.stream
+        if not isinstance(stream, trio.SocketStream):
+            return await stream.receive_some(RECV_CHUNK)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._streak >= FAIR_READS:
+            self._streak = 0
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        while True:
+            if (fd := stream.socket.fileno()) < 0:  # asked each time: never a number reused since the close
+                raise trio.ClosedResourceError("this stream was already closed")
+            try:
+                data = os.read(fd, RECV_CHUNK)
+            except BlockingIOError:
+                self._streak = 0
+                await trio.lowlevel.wait_readable(stream.socket)
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+            self._streak += 1
+            return data
 
 
 def encode_messages(conn: Connection, messages: list[tuple[Any, ...]]) -> bytes:

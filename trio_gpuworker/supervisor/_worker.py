@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from .._channel import acquire, receive_message, send_chunks
+from .._channel import MessageReader, acquire, send_chunks
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
 from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message, WireMessage
 from ._launcher import Launched, Launcher, WorkerSpec
@@ -47,6 +47,7 @@ class WorkerProcess:
         self.on_fault = on_fault  # called once, at the first fault, before anything is cancelled
         self.body: Launched | None = None
         self.stream: trio.abc.Stream | None = None
+        self._reader: MessageReader | None = None  # reads self.stream, made at its first read
         self.conn = Connection(DAEMON, max_frame)
         self.fault: Fault | None = None
         self.ordered_stop = False  # set before we shut it down or kill it on purpose: no strike
@@ -151,7 +152,9 @@ class WorkerProcess:
 
     async def _receive(self) -> Message | None:
         assert self.stream is not None
-        return await receive_message(self.conn, self.stream)
+        if self._reader is None:
+            self._reader = MessageReader(self.conn, self.stream)
+        return await self._reader.receive()
 
     # --- use -----------------------------------------------------------------------------------
 

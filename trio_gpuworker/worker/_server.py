@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from .._channel import acquire, encode_messages, receive_message, send_chunks
+from .._channel import MessageReader, acquire, encode_messages, send_chunks
 from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError, WorkerError
 from .._lifeline import die_with_the_daemon
 from .._proto import (
@@ -58,6 +58,7 @@ class WorkerServer:
         self.die_on_eof = die_on_eof  # spawned by a daemon (it handed a lifeline over): its EOF ends us at once
         self.nonce = nonce
         self.conn = Connection(WORKER, DEFAULT_MAX_FRAME)
+        self._reader = MessageReader(self.conn, stream)
         self.engine = Engine()
         self.engine.post = self.post
         self.cancelled: int | None = None  # the req_id a CANCEL named
@@ -128,7 +129,7 @@ class WorkerServer:
             self._send_lock.release()
 
     async def receive(self) -> Message | None:
-        return await receive_message(self.conn, self.stream)
+        return await self._reader.receive()
 
     async def handshake(self) -> None:
         await self.send_message(Hello(**hello_fields(self.nonce, os.getpid(), DEFAULT_MAX_FRAME, ENGINE_INFO)))
