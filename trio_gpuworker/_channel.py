@@ -14,6 +14,7 @@ RECV_CHUNK = 1 << 20
 
 
 FAIR_READS = 16  # reads in a row that may skip the scheduler pass; the next one yields
+WRITEV_CHUNKS = 64  # more pieces than this go through send_all: writev refuses more than IOV_MAX (1024 on Linux)
 
 
 class MessageReader:
@@ -88,7 +89,7 @@ async def send_chunks(stream: trio.abc.SendStream, chunks: Sequence[bytes | memo
 def _unsent(stream: trio.abc.SendStream, chunks: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
     """Write what the socket takes now without waiting; return the rest. Errors are trio's, as send_all raises
     them. The fd is asked for each time: a closed socket's is -1, never a number reused since."""
-    if not isinstance(stream, trio.SocketStream):
+    if not isinstance(stream, trio.SocketStream) or len(chunks) > WRITEV_CHUNKS:
         return list(chunks)
     if (fd := stream.socket.fileno()) < 0:
         raise trio.ClosedResourceError("this stream was already closed")
