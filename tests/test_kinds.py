@@ -96,8 +96,8 @@ def test_every_kind_has_a_loader_a_runtime_config_and_requests() -> None:
 
 
 def test_max_context_reaches_the_decoder_and_its_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker builds its decoder with the configured context, the one the daemon caps prompts by, and the
-    JIT cache keys the entry by it."""
+    """The worker builds its decoder with the configured context, the one the daemon caps prompts by, and its
+    threads, and the JIT cache keys the entry by both."""
     from trio_gpuworker.models.llama_fused import FusedLlamaLM
     from trio_gpuworker.worker import _loaders
 
@@ -106,8 +106,8 @@ def test_max_context_reaches_the_decoder_and_its_cache_key(monkeypatch: pytest.M
     class Built(Exception):
         pass
 
-    def load(path: Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> Any:
-        seen["max_context"] = max_context
+    def load(path: Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True, threads: int = 1) -> Any:
+        seen["max_context"], seen["threads"] = max_context, threads
         raise Built
 
     def cached(path: Path, kind: str, key: dict[str, Any], build: Any) -> Any:
@@ -117,8 +117,9 @@ def test_max_context_reaches_the_decoder_and_its_cache_key(monkeypatch: pytest.M
     monkeypatch.setattr(FusedLlamaLM, "load", classmethod(lambda cls, *a, **k: load(*a, **k)))
     monkeypatch.setattr(_loaders, "_cached", cached)
     monkeypatch.setattr(_loaders, "_key", lambda digest, kind, modules, extra: extra)
-    rc = LoadConfig(GENERATE, DecoderRuntime(decoder="fused", max_context=512)).to_map()
+    rc = LoadConfig(GENERATE, DecoderRuntime(decoder="fused", max_context=512, threads=2)).to_map()
     with pytest.raises(Built):
         _loaders.load_llama(Path("m.gguf"), rc, "00" * 32, lambda: None, lambda k: None)
-    assert seen == {"max_context": 512, "key": {"max_context": 512, "beam": 0, "decoder": "fused",
-                                                "kernels_sha256": seen["key"]["kernels_sha256"]}}
+    assert seen == {"max_context": 512, "threads": 2,
+                    "key": {"max_context": 512, "beam": 0, "decoder": "fused", "threads": 2,
+                            "kernels_sha256": seen["key"]["kernels_sha256"]}}
