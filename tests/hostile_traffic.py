@@ -75,7 +75,10 @@ async def caller(http: httpx.AsyncClient, url: str, c: int, n: int, share: float
 
 async def main(url: str, callers: int, requests: int, share: float, model: str = MODEL) -> dict[str, int]:
     codes: dict[str, int] = {}
-    async with httpx.AsyncClient(base_url=url, timeout=60) as http, trio.open_nursery() as nursery:
+    # idle connections are dropped before the server's keep-alive timeout (hypercorn's 5 s, httpx's default
+    # expiry too): else, on a loaded machine, a POST can go out on a connection the server is closing just then
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http, trio.open_nursery() as nursery:
         for c in range(callers):
             nursery.start_soon(caller, http, url, c, requests, share, codes, model)
     return codes
