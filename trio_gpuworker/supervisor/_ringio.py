@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
@@ -13,7 +14,7 @@ from typing import Any, overload
 import numpy as np
 import trio
 
-from cython_ring import buffer_records, drain_batch, write_egress, write_egress_batch
+from cython_ring import RingCorrupt, buffer_records, drain_batch, write_egress, write_egress_batch
 
 from .._errors import GpuWorkerError, ObjectFailed, RingFault
 from .._proto import HANDLE_ID, OBJECT_ID, LoadedRow, ObjectLoaded, RingReadable, RingWritable, WireMessage
@@ -21,6 +22,13 @@ from ._ringend import RingEnd
 
 POOL_OBJECTS = 64  # egress destinations made at once for one extent (fewer when fewer fit the ring)
 SLAB_BYTES = 1 << 20  # ... and at most this much memory, which lives while any object pulled from it does
+# A burst writes at most this share of the ring before it commits, so the worker drains one part while the daemon
+# writes the next instead of waiting for one commit of a whole ring's worth
+BURST_SHARE = 4
+# A producer short of space looks at the consume cursor again for up to this long (sched_yield, then an event-loop
+# checkpoint, between looks) before it waits for RING_WRITABLE: a worker that is draining frees space sooner than
+# its RING_WRITABLE crosses the socket (README "fourth pass")
+SPACE_POLL_S = 200e-6
 
 
 def _refill(end: RingEnd, extent: int) -> None:
@@ -98,16 +106,37 @@ class RingIO:
         buffers must stay alive and unchanged until this returns (it holds `objects`)."""
         assert end.direction == "ingress", "the daemon produces only into ingress rings"
         records = buffer_records(objects, first_object_id, first_sequence, flags)
+        extents = records[:, 3]
+        burst = max(1, end.ring.capacity // BURST_SHARE)
         i = 0
         while i < len(objects):
             end.raise_if_faulted()
             end.hint = trio.Event()
-            i, n, notify = write_egress_batch(end.ring, end.state, records, i)
+            # the rows of at most `burst` bytes (at least one: a larger object streams through the ring)
+            stop = i + max(1, int(np.searchsorted(np.cumsum(extents[i:i + 4096]), burst, "right")))
+            i, n, notify = write_egress_batch(end.ring, end.state, records[:stop], i)
             self._moved(end, "ingress", n)
             if notify:
                 await self._notify(end, RingReadable)
-            if i < len(objects) and not n:
+            if i < len(objects) and not n and not await self._space(end, burst):
                 await end.hint.wait()
+
+    @staticmethod
+    async def _space(end: RingEnd, want: int) -> bool:
+        """Whether `want` bytes of ring space (or the wake hint) turned up within SPACE_POLL_S: bounded, and the
+        CPU and the event loop are yielded between looks, so a busy machine loses no more than that."""
+        deadline = time.perf_counter() + SPACE_POLL_S
+        while not end.hint.is_set():
+            try:
+                if end.ring.writable >= want:
+                    return True
+            except RingCorrupt:
+                return True  # the next write finds the cursors corrupt and raises it typed
+            if time.perf_counter() > deadline:
+                return False
+            os.sched_yield()
+            await trio.lowlevel.checkpoint()
+        return True
 
     def _moved(self, end: RingEnd, direction: str, n: int) -> None:
         end.bytes_moved += n

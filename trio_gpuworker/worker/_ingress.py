@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from cython_ring import Completions, DestPool, ObjectSpec, Ring, drain_batch, drain_ingress
+from cython_ring import Completions, DestPool, ObjectSpec, Ring, RingCorrupt, drain_batch, drain_ingress
 
 from .._errors import CodedError
 from .._proto import HANDLE_ID, OBJECT_ID, SEQUENCE  # the columns of a LoadedRow kept as a list
@@ -56,6 +57,14 @@ class RingSlot:
     block: bool = False  # installed with loaded_block: completions go as LOADED_BLOCK (extension), not CBOR rows
 
 
+def _committed(ring: Ring) -> bool:
+    """Whether committed bytes wait in the ring; corrupt cursors say yes, so the next drain reports the fault."""
+    try:
+        return bool(ring.readable)
+    except RingCorrupt:
+        return True
+
+
 class DataPlaneError(CodedError):
     """A step failed; `code` is the StepFailure name."""
 
@@ -82,6 +91,7 @@ class IngressPlane:
     stream_window: int
     _next_handle: int
     bridge: Any
+    emit: Callable[[str, dict[str, Any]], None]  # thread-safe: queues a message for the control socket
 
     def more(self, ring_id: int) -> bool:
         """Whether the last drain of this ring stopped early with objects possibly left to drain."""
@@ -144,6 +154,13 @@ class IngressPlane:
             if end.kind == "ring_fault" or end.code != "eof_mid_object":
                 out.append(("RING_FAULT", {**ids, "msg": end.message, "reason": end.code if end.kind == "ring_fault"
                                            else _RING_REASON.get(end.code, "header_malformed")}))
+        elif loaded and not slot.more:
+            # A producer short of space hears RING_WRITABLE now, not after this call's return and the loop's send;
+            # then one more look: what it committed meanwhile is drained at once, without waiting for its hint.
+            # (The READABLE bit is not touched: a commit after the drain's clear has set it and sent a hint.)
+            if writable:
+                self.emit("RING_WRITABLE", {"ring_id": slot.ring_id})
+            slot.more = _committed(slot.ring)
         elif writable:
             out.append(("RING_WRITABLE", {"ring_id": slot.ring_id}))
         return out
