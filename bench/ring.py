@@ -139,6 +139,16 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+async def uds_echo_once(stream: trio.SocketStream) -> float:
+    """Seconds of one 64-byte round trip to the UDS_ECHO child."""
+    t0 = time.perf_counter()
+    await stream.send_all(b"x" * 64)
+    got = 0
+    while got < 64:
+        got += len(await stream.receive_some(64 - got))
+    return time.perf_counter() - t0
+
+
 def uds_round_trips(n: int) -> list[float]:
     """Seconds per round trip of a 64-byte message to a trio echo process over a Unix socket (after a warm-up)."""
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -150,13 +160,9 @@ def uds_round_trips(n: int) -> list[float]:
         samples = []
         async with stream:
             for i in range(-20, n):
-                t0 = time.perf_counter()
-                await stream.send_all(b"x" * 64)
-                got = 0
-                while got < 64:
-                    got += len(await stream.receive_some(64 - got))
+                t = await uds_echo_once(stream)
                 if i >= 0:
-                    samples.append(time.perf_counter() - t0)
+                    samples.append(t)
         return samples
 
     try:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import trio
-from ring import RING_CAPACITY, ROOT, SPEC, UDS_ECHO, MiB, page_aligned, percentile, thread_cpu
+from ring import RING_CAPACITY, ROOT, SPEC, UDS_ECHO, MiB, page_aligned, percentile, thread_cpu, uds_echo_once
 
 from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig
 
@@ -88,13 +88,9 @@ def uds(n: int) -> dict[str, float]:
             for i in range(-20, n):
                 if i == 0:
                     c0, w0 = time.process_time(), thread_cpu(child.pid)
-                t0 = time.perf_counter()
-                await stream.send_all(b"x" * 64)
-                got = 0
-                while got < 64:
-                    got += len(await stream.receive_some(64 - got))
+                t = await uds_echo_once(stream)
                 if i >= 0:
-                    times.append(time.perf_counter() - t0)
+                    times.append(t)
             mine, child_cpu = (time.process_time() - c0) / n, (thread_cpu(child.pid) - w0).sum() / n
         return {"p50": percentile(times, 0.5), "p99": percentile(times, 0.99), "daemon": mine, "child": child_cpu}
 
