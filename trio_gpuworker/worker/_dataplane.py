@@ -177,8 +177,7 @@ class WorkerDataPlane(IngressPlane):
 
     def release(self, msg: ReleaseDeviceObject) -> DeviceObjectReleased | ReleaseFailed:
         handle = msg.device_handle
-        obj = self.objects.pop(handle["id"], None) if handle["worker_generation"] == self.generation else None
-        if obj is None:
+        if (obj := self._take(handle)) is None:
             return ReleaseFailed(req_id=msg.req_id, device_handle=handle, reason="invalid_device_handle",
                                  msg=f"no live device object {handle}")
         self.bridge.free_device(obj.alloc)
@@ -189,6 +188,12 @@ class WorkerDataPlane(IngressPlane):
         if handle["worker_generation"] != self.generation:
             return None
         return self.objects.get(handle["id"])
+
+    def _take(self, handle: dict[str, int]) -> DeviceObject | None:
+        """_lookup, and the handle dies: a released or consumed object is gone from the table at once."""
+        if handle["worker_generation"] != self.generation:
+            return None
+        return self.objects.pop(handle["id"], None)
 
     async def execute_step(self, msg: ExecuteStep, progress: Callable[[int, str, bool], None],
                            compute: Any) -> StepCompleted | wire.StepFailed:
@@ -233,8 +238,7 @@ class WorkerDataPlane(IngressPlane):
         """Event loop: the consumed inputs' handles die now; their memory is freed on the compute thread, ahead of
         any later work there (the bridge's pool is not thread-safe)."""
         for binding in consumed:
-            if (obj := self._lookup(binding["device_handle"])) is not None:
-                del self.objects[binding["device_handle"]["id"]]
+            if (obj := self._take(binding["device_handle"])) is not None:
                 compute.submit(functools.partial(_quietly, self.bridge.free_device, obj.alloc))
 
     def _after_step(self, plan: list[_Output], consumed: list[dict[str, Any]] | tuple[()]) -> None:
@@ -244,9 +248,7 @@ class WorkerDataPlane(IngressPlane):
             if out.owned is not None:
                 self.bridge.free_device(out.owned)
         for binding in consumed:
-            obj = self._lookup(binding["device_handle"])
-            if obj is not None:
-                del self.objects[binding["device_handle"]["id"]]
+            if (obj := self._take(binding["device_handle"])) is not None:
                 self.bridge.free_device(obj.alloc)
 
     def _prepare(self, msg: ExecuteStep) -> list[_Output]:
