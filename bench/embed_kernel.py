@@ -47,7 +47,7 @@ def main() -> None:
     weights = pack_weights(cfg, bert_fused.FusedBert.read(md / "model.safetensors", cfg.shapes()))
     wp = [ptr(a) for a in weights]
     out, scr = np.zeros((CAP, 768), np.float32), np.zeros(cap.scratch, np.float32)
-    tables = {n: ckernel.thread_table(n) for n in (1, 2)}
+    tables = {n: ckernel.host_table(n) for n in (1, 2)}
     model = BertModel.from_pretrained(str(md)).eval()
     rng = np.random.default_rng(0)
     print(f"{'rows x tokens':<14}{'kernel cpu ms':>14}{'BertModel cpu ms':>18}{'ratio':>7}"

@@ -4,6 +4,7 @@ command and flags tinygrad's CPU device uses (models/ckernel.compile_object), th
 from __future__ import annotations
 
 import ctypes
+import struct
 import subprocess
 import tempfile
 from dataclasses import make_dataclass
@@ -22,11 +23,30 @@ def build(name: str, *specs: Any) -> ctypes.CDLL:
     """Kernel file `name` (tests/kernels first, then the package's) with the defines of `specs`, as a library."""
     src = csource.source(name, *specs, dirs=(TEST_KERNELS,))
     obj = ckernel.compile_object(src)
+    assert not imports(obj), f"{name} calls outside itself: {imports(obj)} (kernels/threads.h host_table)"
     with tempfile.TemporaryDirectory(prefix="ckernel-") as tmp:
         o, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
         o.write_bytes(obj)
         subprocess.run(["clang", "-shared", "-nostdlib", "-o", str(so), str(o)], check=True)
         return ctypes.CDLL(str(so))  # the mapping outlives the file
+
+
+def imports(obj: bytes) -> set[str]:
+    """The symbols an ELF64 object leaves undefined: what tinygrad's loader would link against libc or libm
+    (kernels/threads.h says why a kernel must leave none)."""
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize) for i in range(shnum)]
+    out = set()
+    for _, kind, _, _, off, size, link, _, _, entsize in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strtab = sections[link][4]
+        for at in range(off + entsize, off + size, entsize):  # entry 0 is the null symbol
+            name, _, _, shndx = struct.unpack_from("<IBBH", obj, at)
+            if shndx == 0 and name:
+                out.add(obj[strtab + name: obj.index(b"\0", strtab + name)].decode())
+    return out
 
 
 def ptr(a: np.ndarray) -> ctypes.c_void_p:

@@ -106,7 +106,7 @@ def test_whole_encoder_matches_the_numpy_reference(threads: int, wide: int) -> N
     pack_rows(inp, rows, types)
     out = np.full((CAP, 2 * 64), np.nan, np.float32)
     scr = np.zeros(cap.scratch, np.float32)
-    table = ckernel.thread_table(threads)
+    table = ckernel.host_table(threads)
     weights = pack_weights(cfg, w)
     lib.encode(ptr(out), ptr(scr), ptr(inp), ptr(table), *[ptr(a) for a in weights])
     for i, (r, t) in enumerate(zip(rows, types, strict=True)):

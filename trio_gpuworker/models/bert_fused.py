@@ -141,10 +141,10 @@ class FusedBert:
                                  scratch=scratch_floats(self.spec, CAP, maxlp, MB, threads))
         self.weights = [Tensor(a) for a in pack_weights(cfg, w)]
         # Persistent inputs, written in place before each replay: sequence count, token count, offsets, ids and
-        # token types; and the thread table (addresses of this process's pthread functions).
+        # token types; and the host table (addresses of this process's pthread functions and expf).
         self._in = Tensor.zeros(IN_INTS, dtype=dtypes.int32).contiguous()
-        self._threads = Tensor.zeros(4, dtype=dtypes.uint64).contiguous()
-        Tensor.realize(self._in, self._threads, *self.weights)
+        self._host = Tensor.zeros(ckernel.HOST_TABLE_WORDS, dtype=dtypes.uint64).contiguous()
+        Tensor.realize(self._in, self._host, *self.weights)
         self._jit = TinyJit(self._forward)
         self.call_tokens = CAP  # rows per call are packed up to this many tokens
 
@@ -173,7 +173,7 @@ class FusedBert:
         d, toks = self.spec, CAP
         macs = toks * d.nl * d.h * (4 * d.h + 2 * d.ff)
         mem = sum(w.nbytes() for w in self.weights[4:])
-        return ckernel.kernel("encode", src, [out, scr], [inp, self._threads, *self.weights],
+        return ckernel.kernel("encode", src, [out, scr], [inp, self._host, *self.weights],
                               ops=2 * macs, mem=mem)[0].realize()
 
     def warmup(self, progress: Progress = None) -> None:
@@ -188,8 +188,8 @@ class FusedBert:
         at most CAP tokens, in order; `progress(rows done)` after each call."""
         h = self.spec.h
         out = np.zeros((len(rows), 2 * h), np.float32)
-        np.frombuffer(self._threads.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[:] = \
-            ckernel.thread_table(self.threads)
+        np.frombuffer(self._host.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[:] = \
+            ckernel.host_table(self.threads)
         view = np.frombuffer(self._in.uop.buffer.as_memoryview(force_zero_copy=True), np.int32)
         done = 0
         while done < len(rows):

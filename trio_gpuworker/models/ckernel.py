@@ -8,6 +8,7 @@ compiles C (the CPU device). Sources come from models/csource.py.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 
 import numpy as np
@@ -42,18 +43,24 @@ def compile_object(src: str, cpu: str | None = None) -> bytes:
     return compiler.compile(src)
 
 
+HOST_TABLE_WORDS = 5  # kernels/threads.h host_table: four function addresses, then the threads wanted
+_HOST_FUNCTIONS = (("pthread_create", "c"), ("pthread_join", "c"), ("sched_yield", "c"), ("expf", "m"))
+
+
 @functools.cache
-def _thread_functions() -> tuple[int, ...]:
-    libc = ctypes.CDLL(None)
-    fns = tuple(ctypes.cast(getattr(libc, f), ctypes.c_void_p).value or 0
-                for f in ("pthread_create", "pthread_join", "sched_yield"))
+def _host_functions() -> tuple[int, ...]:
+    libs = {"c": ctypes.CDLL(None), "m": ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")}
+    fns = tuple(ctypes.cast(getattr(libs[lib], f), ctypes.c_void_p).value or 0 for f, lib in _HOST_FUNCTIONS)
     if not all(fns):
-        raise RuntimeError("pthread_create, pthread_join or sched_yield is not in this process")
+        raise RuntimeError(f"{', '.join(f for f, _ in _HOST_FUNCTIONS)} are not all in this process")
     return fns
 
 
-def thread_table(threads: int) -> np.ndarray:
-    """kernels/threads.h's thread_table: the addresses of pthread_create, pthread_join and sched_yield, then
-    the threads wanted. A freestanding kernel links nothing, so it calls these through the table; the
-    addresses hold for this process only, so the table is written where it runs, never stored."""
-    return np.array([*_thread_functions(), threads], dtype=np.uint64)
+def host_table(threads: int) -> np.ndarray:
+    """kernels/threads.h's host_table: the addresses of pthread_create, pthread_join, sched_yield and expf,
+    then the threads wanted. A kernel calls these through the table and links nothing: tinygrad's loader
+    resolves a libc or libm call as a 32-bit displacement, wrong once the kernel lands over 2 GiB from the
+    library. The addresses hold for this process only, so the table is written where it runs, never stored."""
+    table = np.array([*_host_functions(), threads], dtype=np.uint64)
+    assert table.shape == (HOST_TABLE_WORDS,)
+    return table

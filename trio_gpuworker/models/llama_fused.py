@@ -125,10 +125,11 @@ class FusedLlamaLM(GreedyDecoder):
         self.cache = Tensor.empty((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim)
         self.weights = [self.tok_embd, self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.wgu, self.wd,
                         self.rope, self.out_norm, self.output]
-        # The kernel's thread table (kernels/threads.h): this process's pthread functions, written before each step.
+        # The kernel's host table (kernels/threads.h): this process's pthread functions and expf, written before
+        # each step.
         self.threads = threads
-        self._threads = Tensor.zeros(4, dtype=dtypes.uint64).contiguous()
-        Tensor.realize(self.cache, self._threads, *self.weights)
+        self._host = Tensor.zeros(ckernel.HOST_TABLE_WORDS, dtype=dtypes.uint64).contiguous()
+        Tensor.realize(self.cache, self._host, *self.weights)
         self._prefill = TinyJit(self._forward)
         self._decode = TinyJit(self._forward)
         self._batched = TinyJit(self._forward)
@@ -174,8 +175,8 @@ class FusedLlamaLM(GreedyDecoder):
         view[:] = 0
         n = len(tokens)
         view[:n], view[t : t + n], view[2 * t : 2 * t + n], view[3 * t] = tokens, positions, slots, used
-        np.frombuffer(self._threads.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[:] = \
-            ckernel.thread_table(self.threads)
+        np.frombuffer(self._host.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[:] = \
+            ckernel.host_table(self.threads)
         out = self._jits[t](ids).uop.buffer.as_memoryview(force_zero_copy=True)
         return [int(v) for v in np.frombuffer(out, np.int32)[: used if STEPS[t].heads > 1 else 1]]
 
@@ -184,19 +185,21 @@ class FusedLlamaLM(GreedyDecoder):
         heads = STEPS[self._last_t].heads
         return np.frombuffer(scratch, np.float32)[-self.vocab_size * heads:].reshape(heads, -1)[row]
 
+    def source(self, t: int) -> str:
+        """The C source of the T = `t` step (kernels/llama_forward.c with this model's dimensions)."""
+        H, KV, HD, ty = self.n_heads, self.n_kv, self.head_dim, self.types
+        dims = LlamaDims(d=self.dim, h=H, kv=KV, hd=HD, ff=self.ff, v=self.vocab_size, s=self.slots,
+                         nl=self.n_layers, eps=self.eps, g=quant.G, type_embd=self.embd_type, type_out=self.out_type,
+                         type_qkv=ty["q"], type_o=ty["o"], type_gu=ty["gu"], type_down=ty["d"])
+        return csource.source("llama_forward.c", dims, STEPS[t])
+
     def _forward(self, ids: Tensor) -> Tensor:
         """ids (3T + 1,) int32: T tokens, their positions, their cache slots, the rows in use -> next ids (HEADS,)."""
-        T, D, H, KV, HD = (ids.shape[0] - 1) // 3, self.dim, self.n_heads, self.n_kv, self.head_dim
-        FF, V = self.ff, self.vocab_size
-        nqkv, ty = (H + 2 * KV) * HD, self.types
-        dims = LlamaDims(d=D, h=H, kv=KV, hd=HD, ff=FF, v=V, s=self.slots, nl=self.n_layers, eps=self.eps,
-                         g=quant.G, type_embd=self.embd_type, type_out=self.out_type, type_qkv=ty["q"],
-                         type_o=ty["o"], type_gu=ty["gu"], type_down=ty["d"])
-        step = STEPS[T]
-        src = csource.source("llama_forward.c", dims, step)
-        scratch = self._scratch[T]
+        T, D, FF, V = (ids.shape[0] - 1) // 3, self.dim, self.ff, self.vocab_size
+        nqkv, step, scratch = (self.n_heads + 2 * self.n_kv) * self.head_dim, STEPS[T], self._scratch[T]
         assert scratch.shape[0] == T * 2 * D + T * max(nqkv + D, 3 * FF) + step.heads * V
         macs = T * self.n_layers * D * (nqkv + D + 3 * FF) + D * V
         mem = sum(w.nbytes() for w in (self.wqkv, self.wo, self.wgu, self.wd, self.output))
-        return ckernel.kernel("forward", src, [Tensor.empty(step.heads, dtype=dtypes.int32), scratch, self.cache],
-                              [ids, self._threads, *self.weights], inout=(2,), ops=2 * macs, mem=mem)[0].realize()
+        return ckernel.kernel("forward", self.source(T), [Tensor.empty(step.heads, dtype=dtypes.int32), scratch,
+                              self.cache], [ids, self._host, *self.weights], inout=(2,), ops=2 * macs,
+                              mem=mem)[0].realize()

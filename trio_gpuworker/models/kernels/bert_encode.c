@@ -21,7 +21,7 @@ typedef struct {
   float *out, *scr;
   const int *in;
   const float *word, *pos, *type, *eln, *wqkv, *bqkv, *wo, *bo, *ln1, *wi, *bi, *wf, *bf, *ln2;
-  const thread_table *tt;
+  const host_table *tt;
   barrier_t bar;
   int nt, go;
 } job;
@@ -87,7 +87,7 @@ INL void run(job *j, int tid) {
 /* weights (models/bert_fused.py): word, position and type embeddings, the embedding LayerNorm's w|b, then
    per kind every layer's back to back: packed Q|K|V and its bias, packed output projection and bias, the
    attention LayerNorm's w|b, packed FFN up and bias, packed FFN down and bias, the output LayerNorm's w|b */
-void encode(float *restrict out, float *restrict scr, const int *restrict in, const thread_table *restrict tt,
+void encode(float *restrict out, float *restrict scr, const int *restrict in, const host_table *restrict tt,
             const float *restrict word, const float *restrict pos, const float *restrict type,
             const float *restrict eln, const float *restrict wqkv, const float *restrict bqkv,
             const float *restrict wo, const float *restrict bo, const float *restrict ln1,

@@ -2,8 +2,9 @@
    packed weights, appends each row's K and V to its sequence's cache slot, and writes the greedy next ids.
    A prefill chunk is T tokens of one sequence at consecutive positions (HEADS 1: the next id after its last
    row); a batched decode step is one token of each of up to T sequences, each at its own position in its own
-   slot (HEADS == T: a next id per row), so the weights are read once for all of them. The host's thread table
-   (kernels/threads.h) says how many threads share the step.
+   slot (HEADS == T: a next id per row), so the weights are read once for all of them. The host's table
+   (kernels/threads.h) says how many threads share the step and gives the SiLU's expf (libm's, called through
+   the table: the kernel links nothing).
    Defines (models/llama_fused.py LlamaDims and Step): T, NT, SPLIT, HEADS, D, H, KV, HD, FF, V, S, NL, EPS, G
    and the GGML type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU, TYPE_DOWN. */
 #include "llama_math.h"
@@ -56,7 +57,7 @@
    row's position, each row's cache slot, then n, the rows in use (the rest, up to the matmul tile, are
    padding: computed, never attended to, cached or predicted from). */
 typedef struct {
-  int *out; float *scr, *cache; const int *ids; const thread_table *tt;
+  int *out; float *scr, *cache; const int *ids; const host_table *tt;
   const unsigned char *embd; const float *an; const unsigned char *wqkv, *wo; const float *fn;
   const unsigned char *wgu, *wd; const double *rope; const float *on; const unsigned char *wout;
   barrier_t bar;
@@ -76,6 +77,7 @@ INL void run(job *j, int tid) {
   const unsigned char *restrict wd = j->wd, *restrict wout = j->wout;
   const float *restrict an = j->an, *restrict fn = j->fn, *restrict on = j->on; const double *restrict rope = j->rope;
   const int nt = j->nt;
+  const expf_fn ex = j->tt->expf;
   int sense = 0, o0, o1;
   #define SYNC barrier(&j->bar, nt, &sense, j->tt->yield)
   const int *ps = ids + T, *sl = ids + 2 * T;
@@ -153,7 +155,7 @@ INL void run(job *j, int tid) {
     mmgu(gu + o0, 2 * FF, h, D, wgu + l * SZGU + (long)o0 * (D / 32) * BS(TYPE_GU), o1 - o0, D / 32, n);
     /* gate and up rows alternate, so this thread's rows are whole pairs: their products are its own */
     for (int t = 0; t < n; t++) for (int c = o0 / 2; c < o1 / 2; c++) {
-      float g = gu[t * 2 * FF + 2 * c]; a[t * FF + c] = g / (1.0f + __builtin_expf(-g)) * gu[t * 2 * FF + 2 * c + 1];
+      float g = gu[t * 2 * FF + 2 * c]; a[t * FF + c] = g / (1.0f + ex(-g)) * gu[t * 2 * FF + 2 * c + 1];
     }
     SYNC;
     share(D, tid, nt, &o0, &o1);
@@ -178,9 +180,9 @@ INL void run(job *j, int tid) {
 
 static void *helper(void *arg);
 
-/* tt: the host's thread table (kernels/threads.h); the threads it asks for, at most MAXT, run the step */
+/* tt: the host's table (kernels/threads.h); the threads it asks for, at most MAXT, run the step */
 void forward(int *restrict out, float *restrict scr, float *restrict cache, const int *restrict ids,
-    const thread_table *restrict tt, const unsigned char *restrict embd, const float *restrict an,
+    const host_table *restrict tt, const unsigned char *restrict embd, const float *restrict an,
     const unsigned char *restrict wqkv, const unsigned char *restrict wo, const float *restrict fn,
     const unsigned char *restrict wgu, const unsigned char *restrict wd, const double *restrict rope,
     const float *restrict on, const unsigned char *restrict wout) {

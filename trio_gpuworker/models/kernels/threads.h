@@ -1,7 +1,10 @@
-/* Fork/join threads for a kernel that tinygrad runs: the kernel is freestanding (no libc), so the host
-   passes the addresses of pthread_create, pthread_join and sched_yield in a buffer (models/ckernel.py
-   thread_table). A barrier spins briefly, then yields its core: the other thread may be descheduled
-   (another process on the core), and a spinning waiter must not keep it from running. */
+/* Fork/join threads for a kernel that tinygrad runs, and the host's table of functions. The kernel is
+   freestanding and must link nothing: tinygrad's loader would resolve a call to libc or libm as a 32-bit
+   displacement from the kernel's pages, which is wrong (a jump to anywhere) once those pages land over 2 GiB
+   from the library, as they do in a process with large mappings. So the host passes the addresses of
+   pthread_create, pthread_join, sched_yield and expf in a buffer (models/ckernel.py host_table). A barrier
+   spins briefly, then yields its core: the other thread may be descheduled (another process on the core),
+   and a spinning waiter must not keep it from running. */
 #ifndef TG_THREADS_H
 #define TG_THREADS_H
 
@@ -11,9 +14,10 @@
 typedef int (*create_fn)(unsigned long *, const void *, void *(*)(void *), void *);
 typedef int (*join_fn)(unsigned long, void **);
 typedef int (*yield_fn)(void);
+typedef float (*expf_fn)(float);
 
-/* the host's table: the three functions, then the threads wanted */
-typedef struct { create_fn create; join_fn join; yield_fn yield; long nthreads; } thread_table;
+/* the host's table: its functions, then the threads wanted */
+typedef struct { create_fn create; join_fn join; yield_fn yield; expf_fn expf; long nthreads; } host_table;
 
 typedef struct { int count, sense; } barrier_t;
 
