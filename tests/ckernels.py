@@ -31,22 +31,34 @@ def build(name: str, *specs: Any) -> ctypes.CDLL:
         return ctypes.CDLL(str(so))  # the mapping outlives the file
 
 
-def imports(obj: bytes) -> set[str]:
-    """The symbols an ELF64 object leaves undefined: what tinygrad's loader would link against libc or libm
-    (kernels/threads.h says why a kernel must leave none)."""
+def _symbols(obj: bytes) -> tuple[list[tuple[str, int, int]], list[int]]:
+    """An ELF64 object's symbols as (name, section index, value), and the indices of its PROGBITS sections."""
     shoff, = struct.unpack_from("<Q", obj, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize) for i in range(shnum)]
-    out = set()
+    syms = []
     for _, kind, _, _, off, size, link, _, _, entsize in sections:
         if kind != 2:  # SHT_SYMTAB
             continue
         strtab = sections[link][4]
         for at in range(off + entsize, off + size, entsize):  # entry 0 is the null symbol
-            name, _, _, shndx = struct.unpack_from("<IBBH", obj, at)
-            if shndx == 0 and name:
-                out.add(obj[strtab + name: obj.index(b"\0", strtab + name)].decode())
-    return out
+            name, _, _, shndx, value = struct.unpack_from("<IBBHQ", obj, at)
+            if name:
+                syms.append((obj[strtab + name: obj.index(b"\0", strtab + name)].decode(), shndx, value))
+    return syms, [i for i, sh in enumerate(sections) if sh[1] == 1]  # SHT_PROGBITS
+
+
+def imports(obj: bytes) -> set[str]:
+    """The symbols an ELF64 object leaves undefined: what tinygrad's loader would link against libc or libm
+    (kernels/threads.h says why a kernel must leave none)."""
+    return {name for name, shndx, _ in _symbols(obj)[0] if shndx == 0}
+
+
+def entry_first(obj: bytes, name: str) -> bool:
+    """Whether function `name` starts the object's first PROGBITS section: tinygrad's CPU device lays those out in
+    order and calls the first byte of the image, whatever the kernel's name."""
+    syms, progbits = _symbols(obj)
+    return (name, progbits[0], 0) in syms
 
 
 def ptr(a: np.ndarray) -> ctypes.c_void_p:

@@ -1,7 +1,8 @@
-"""The fused kernels link nothing (kernels/threads.h host_table). tinygrad's loader resolves a call to libm as a
-32-bit displacement from the kernel's pages, so a kernel that called expf directly jumped to anywhere once
-those pages landed over 2 GiB from libm: CI's pytest process, with torch and several models mapped, crashed
-with SIGSEGV in tests/test_llama_batched.py. Both checks here failed on that kernel."""
+"""The fused decoder runs wherever its kernels are mapped (kernels/threads.h host_table). tinygrad's loader
+resolves a call to libm as a 32-bit displacement from the kernel's pages, so a kernel that called expf directly
+jumped to anywhere once those pages landed over 2 GiB from libm: CI's pytest process, with torch and several models
+mapped, crashed with SIGSEGV in tests/test_llama_batched.py, and so does this test on that kernel (exit -11). That
+no kernel object imports a symbol is checked in tests/test_bert_kernels.py."""
 
 from __future__ import annotations
 
@@ -11,20 +12,9 @@ import textwrap
 
 import pytest
 
-from tests.ckernels import imports
 from tests.reference_llama import gguf_path
-from trio_gpuworker.models import ckernel
-from trio_gpuworker.models.llama_fused import STEPS, FusedLlamaLM
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.mark.parametrize("cpu", [None, "x86-64-v3", "x86-64-v4"], ids=["native", "avx2", "avx512"])
-def test_every_decoder_step_compiles_to_an_object_that_imports_nothing(cpu: str | None) -> None:
-    """On this host's ISA and on both vector paths of the kernels (a CI host may have AVX-512 when this has not)."""
-    lm = FusedLlamaLM.load(gguf_path(), max_context=512, warmup=False)
-    for t in STEPS:
-        assert imports(ckernel.compile_object(lm.source(t), cpu)) == set(), f"step T={t}"
 
 
 # Reserves address space right below what is mapped once tinygrad has loaded libm, so the kernels compiled after

@@ -21,14 +21,8 @@ typedef struct {
   float *out, *scr;
   const int *in;
   const float *word, *pos, *type, *eln, *wqkv, *bqkv, *wo, *bo, *ln1, *wi, *bi, *wf, *bf, *ln2;
-  const host_table *tt;
-  barrier_t bar;
-  int nt, go;
 } job;
 
-typedef struct { job *j; int tid; } part;
-
-static void *worker(void *arg);
 
 /* rows [r0, r1) after attention: output projection, residual, LayerNorm, FFN, residual, LayerNorm, then
    the next layer's Q|K|V (l + 1 < NL) */
@@ -44,9 +38,9 @@ INL void row_block(job *j, int l, int r0, int r1, float *ffn) {
   if (l + 1 < NL) gemm_bias(m, H3, H, x, H, j->wqkv + (long)(l + 1) * H * H3, qkv, H3, j->bqkv + (l + 1) * H3);
 }
 
-INL void run(job *j, int tid) {
+INL void run(job *j, team_t *tm, int tid) {
   const int n_seq = j->in[0], n_tok = j->in[1], *off = j->in + 2, *ids = j->in + 2 + CAP + 1, *tys = ids + CAP;
-  const int nt = j->nt;
+  const int nt = tm->nt;
   float *x = j->scr, *qkv = x + (long)CAP * H, *ctx = qkv + (long)CAP * H3;
   float *mine = ctx + (long)CAP * H + tid * THREAD_SCRATCH, *kv = mine + (long)MB * FF, *sc = kv + 2L * HD * MAXLP;
   /* this thread's tokens: an even share, in whole micro tiles */
@@ -66,15 +60,15 @@ INL void run(job *j, int tid) {
     gemm_bias(m, H3, H, x + (long)r * H, H, j->wqkv, qkv + (long)r * H3, H3, j->bqkv);
   }
   for (int l = 0; l < NL; l++) {
-    barrier(&j->bar, nt, &sense, j->tt->yield);
+    team_sync(tm, &sense);
     for (int s = 0; s < n_seq; s++) for (int h = tid; h < NH; h += nt) {
       const float *q = qkv + (long)off[s] * H3 + h * HD;
       attend(off[s + 1] - off[s], q, q + H, q + 2 * H, H3, ctx + (long)off[s] * H + h * HD, H, kv, sc);
     }
-    barrier(&j->bar, nt, &sense, j->tt->yield);
+    team_sync(tm, &sense);
     for (int r = t0; r < t1; r += MB) row_block(j, l, r, r + MB < t1 ? r + MB : t1, mine);
   }
-  barrier(&j->bar, nt, &sense, j->tt->yield);
+  team_sync(tm, &sense);
   for (int s = tid; s < n_seq; s += nt) {
     float *o = j->out + (long)s * 2 * H;
     int n = off[s + 1] - off[s];
@@ -83,6 +77,8 @@ INL void run(job *j, int tid) {
     for (int i = 0; i < H; i++) { o[i] /= n; o[H + i] = x[(long)off[s] * H + i]; }
   }
 }
+
+static void body(team_t *tm, int tid) { run((job *)tm->job, tm, tid); }
 
 /* weights (models/bert_fused.py): word, position and type embeddings, the embedding LayerNorm's w|b, then
    per kind every layer's back to back: packed Q|K|V and its bias, packed output projection and bias, the
@@ -93,26 +89,6 @@ void encode(float *restrict out, float *restrict scr, const int *restrict in, co
             const float *restrict wo, const float *restrict bo, const float *restrict ln1,
             const float *restrict wi, const float *restrict bi, const float *restrict wf,
             const float *restrict bf, const float *restrict ln2) {
-  job j = {out, scr, in, word, pos, type, eln, wqkv, bqkv, wo, bo, ln1, wi, bi, wf, bf, ln2, tt, {0, 0}, 1, 0};
-  int want = tt->nthreads < 1 ? 1 : tt->nthreads > THREADS ? THREADS : (int)tt->nthreads;
-  unsigned long th[MAXT];
-  part parts[MAXT];
-  /* the team's size must be known before anyone starts: threads wait for the go signal */
-  int started = 1;
-  for (int t = 1; t < want; t++) {
-    parts[t] = (part){&j, t};
-    if (tt->create(&th[t], 0, worker, &parts[t]) != 0) break;
-    started++;
-  }
-  j.nt = started;
-  __atomic_store_n(&j.go, 1, __ATOMIC_RELEASE);
-  run(&j, 0);
-  for (int t = 1; t < started; t++) tt->join(th[t], 0);
-}
-
-static void *worker(void *arg) {
-  part *p = (part *)arg;
-  while (!__atomic_load_n(&p->j->go, __ATOMIC_ACQUIRE)) p->j->tt->yield();
-  run(p->j, p->tid);
-  return 0;
+  job j = {out, scr, in, word, pos, type, eln, wqkv, bqkv, wo, bo, ln1, wi, bi, wf, bf, ln2};
+  team_run(tt, THREADS, body, &j);
 }

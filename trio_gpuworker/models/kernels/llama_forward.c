@@ -57,29 +57,25 @@
    row's position, each row's cache slot, then n, the rows in use (the rest, up to the matmul tile, are
    padding: computed, never attended to, cached or predicted from). */
 typedef struct {
-  int *out; float *scr, *cache; const int *ids; const host_table *tt;
+  int *out; float *scr, *cache; const int *ids;
   const unsigned char *embd; const float *an; const unsigned char *wqkv, *wo; const float *fn;
   const unsigned char *wgu, *wd; const double *rope; const float *on; const unsigned char *wout;
-  barrier_t bar;
-  int nt, go;
 } job;
-
-typedef struct { job *j; int tid; } part;
 
 /* this thread's share of a matmul's O output rows, in whole groups of G: [*o0, *o1) */
 INL void share(int O, int tid, int nt, int *o0, int *o1) { *o0 = O / G * tid / nt * G; *o1 = O / G * (tid + 1) / nt * G; }
 
 /* Threads split each matmul by output rows (each row's sums unchanged, so the result is bit for bit one thread's),
    the attention by rows of the chunk; the row-wise rest runs on thread 0. Barriers between the phases. */
-INL void run(job *j, int tid) {
+INL void run(job *j, team_t *tm, int tid) {
   int *restrict out = j->out; float *restrict scr = j->scr, *restrict cache = j->cache; const int *restrict ids = j->ids;
   const unsigned char *restrict embd = j->embd, *restrict wqkv = j->wqkv, *restrict wo = j->wo, *restrict wgu = j->wgu;
   const unsigned char *restrict wd = j->wd, *restrict wout = j->wout;
   const float *restrict an = j->an, *restrict fn = j->fn, *restrict on = j->on; const double *restrict rope = j->rope;
-  const int nt = j->nt;
-  const expf_fn ex = j->tt->expf;
+  const int nt = tm->nt;
+  const expf_fn ex = tm->tt->expf;
   int sense = 0, o0, o1;
-  #define SYNC barrier(&j->bar, nt, &sense, j->tt->yield)
+  #define SYNC team_sync(tm, &sense)
   const int *ps = ids + T, *sl = ids + 2 * T;
   /* at least one row in use: the JIT cache's probe replays every graph on all-zero ids */
   int used = ids[3 * T] < 1 ? 1 : ids[3 * T] > T ? T : ids[3 * T], n = (used + NT - 1) / NT * NT;
@@ -178,7 +174,7 @@ INL void run(job *j, int tid) {
   #undef SYNC
 }
 
-static void *helper(void *arg);
+static void body(team_t *tm, int tid) { run((job *)tm->job, tm, tid); }
 
 /* tt: the host's table (kernels/threads.h); the threads it asks for, at most MAXT, run the step */
 void forward(int *restrict out, float *restrict scr, float *restrict cache, const int *restrict ids,
@@ -186,26 +182,6 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
     const unsigned char *restrict wqkv, const unsigned char *restrict wo, const float *restrict fn,
     const unsigned char *restrict wgu, const unsigned char *restrict wd, const double *restrict rope,
     const float *restrict on, const unsigned char *restrict wout) {
-  job j = {out, scr, cache, ids, tt, embd, an, wqkv, wo, fn, wgu, wd, rope, on, wout, {0, 0}, 1, 0};
-  int want = tt->nthreads < 1 ? 1 : tt->nthreads > MAXT ? MAXT : (int)tt->nthreads;
-  unsigned long th[MAXT];
-  part parts[MAXT];
-  /* the team's size must be known before anyone starts: helpers wait for the go signal */
-  int started = 1;
-  for (int t = 1; t < want; t++) {
-    parts[t] = (part){&j, t};
-    if (tt->create(&th[t], 0, helper, &parts[t]) != 0) break;
-    started++;
-  }
-  j.nt = started;
-  __atomic_store_n(&j.go, 1, __ATOMIC_RELEASE);
-  run(&j, 0);
-  for (int t = 1; t < started; t++) tt->join(th[t], 0);
-}
-
-static void *helper(void *arg) {
-  part *p = (part *)arg;
-  while (!__atomic_load_n(&p->j->go, __ATOMIC_ACQUIRE)) p->j->tt->yield();
-  run(p->j, p->tid);
-  return 0;
+  job j = {out, scr, cache, ids, embd, an, wqkv, wo, fn, wgu, wd, rope, on, wout};
+  team_run(tt, MAXT, body, &j);
 }

@@ -36,4 +36,46 @@ static inline __attribute__((always_inline)) void barrier(barrier_t *b, int n, i
     else yield();
   }
 }
+
+/* A team: up to `most` threads (the host table's ask, at most MAXT) each run body(team, tid) on the team's job;
+   thread 0 is the caller. The team's size must be known before anyone starts, so members wait for go. */
+typedef struct team team_t;
+struct team {
+  const host_table *tt;
+  void *job;
+  void (*body)(team_t *tm, int tid);
+  barrier_t bar;
+  int nt, go;
+};
+
+typedef struct { team_t *tm; int tid; } member_t;
+
+/* every member of the team calls it; none returns before all have (sense: the caller's own flag) */
+static inline __attribute__((always_inline)) void team_sync(team_t *tm, int *sense) {
+  barrier(&tm->bar, tm->nt, sense, tm->tt->yield);
+}
+
+static void *team_member(void *arg) {
+  member_t *m = (member_t *)arg;
+  while (!__atomic_load_n(&m->tm->go, __ATOMIC_ACQUIRE)) m->tm->tt->yield();
+  m->tm->body(m->tm, m->tid);
+  return 0;
+}
+
+static void team_run(const host_table *tt, int most, void (*body)(team_t *, int), void *job) {
+  team_t tm = {tt, job, body, {0, 0}, 1, 0};
+  int want = tt->nthreads < 1 ? 1 : tt->nthreads > most ? most : (int)tt->nthreads;
+  unsigned long th[MAXT];
+  member_t ms[MAXT];
+  int started = 1;
+  for (int t = 1; t < want && t < MAXT; t++) {
+    ms[t] = (member_t){&tm, t};
+    if (tt->create(&th[t], 0, team_member, &ms[t]) != 0) break;
+    started++;
+  }
+  tm.nt = started;
+  __atomic_store_n(&tm.go, 1, __ATOMIC_RELEASE);
+  body(&tm, 0);
+  for (int t = 1; t < started; t++) tt->join(th[t], 0);
+}
 #endif
