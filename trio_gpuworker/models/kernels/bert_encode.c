@@ -23,7 +23,6 @@ typedef struct {
   const float *word, *pos, *type, *eln, *wqkv, *bqkv, *wo, *bo, *ln1, *wi, *bi, *wf, *bf, *ln2;
 } job;
 
-
 /* rows [r0, r1) after attention: output projection, residual, LayerNorm, FFN, residual, LayerNorm, then
    the next layer's Q|K|V (l + 1 < NL) */
 INL void row_block(job *j, int l, int r0, int r1, float *ffn) {
