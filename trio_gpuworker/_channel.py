@@ -49,10 +49,8 @@ class MessageReader:
             self._streak = 0
             await trio.lowlevel.cancel_shielded_checkpoint()
         while True:
-            if (fd := stream.socket.fileno()) < 0:  # asked each time: never a number reused since the close
-                raise trio.ClosedResourceError("this stream was already closed")
             try:
-                data = os.read(fd, RECV_CHUNK)
+                data = os.read(_fd(stream), RECV_CHUNK)
             except BlockingIOError:
                 self._streak = 0
                 await trio.lowlevel.wait_readable(stream.socket)
@@ -68,15 +66,32 @@ def encode_messages(conn: Connection, messages: list[tuple[Any, ...]]) -> bytes:
     return b"".join(bytes(chunk) for t, fields, *raw in messages for chunk in conn.send(t, fields, *raw))
 
 
-async def acquire(lock: trio.Lock) -> None:
-    """`lock.acquire()`, without its scheduler pass when the lock is free. With `send_chunks` a control message
-    written on a free lock costs no pass: trio's Lock.acquire and send_all yield once each, a third of an
-    EXECUTE_STEP echo's event-loop passes on each side."""
-    await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller writes nothing, as before
-    try:
-        lock.acquire_nowait()
-    except trio.WouldBlock:
-        await lock.acquire()
+def _fd(stream: trio.SocketStream) -> int:
+    """The socket's fd, asked for each time: a closed socket's is -1, never a number reused since."""
+    if (fd := stream.socket.fileno()) < 0:
+        raise trio.ClosedResourceError("this stream was already closed")
+    return fd
+
+
+class Held:
+    """`async with Held(lock)`: `async with lock`, without its scheduler pass when the lock is free. With
+    `send_chunks` a control message written on a free lock costs no pass: trio's Lock.acquire and send_all yield
+    once each, a third of an EXECUTE_STEP echo's event-loop passes on each side."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: trio.Lock) -> None:
+        self.lock = lock
+
+    async def __aenter__(self) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller writes nothing, as before
+        try:
+            self.lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.lock.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 async def send_chunks(stream: trio.abc.SendStream, chunks: Sequence[bytes | memoryview]) -> None:
@@ -88,13 +103,11 @@ async def send_chunks(stream: trio.abc.SendStream, chunks: Sequence[bytes | memo
 
 def _unsent(stream: trio.abc.SendStream, chunks: Sequence[bytes | memoryview]) -> list[bytes | memoryview]:
     """Write what the socket takes now without waiting; return the rest. Errors are trio's, as send_all raises
-    them. The fd is asked for each time: a closed socket's is -1, never a number reused since."""
+    them."""
     if not isinstance(stream, trio.SocketStream) or len(chunks) > WRITEV_CHUNKS:
         return list(chunks)
-    if (fd := stream.socket.fileno()) < 0:
-        raise trio.ClosedResourceError("this stream was already closed")
     try:
-        sent = os.writev(fd, chunks)
+        sent = os.writev(_fd(stream), chunks)
     except BlockingIOError:
         return list(chunks)
     except OSError as exc:

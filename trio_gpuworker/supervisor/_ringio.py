@@ -25,6 +25,7 @@ SLAB_BYTES = 1 << 20  # ... and at most this much memory, which lives while any 
 # A burst writes at most this share of the ring before it commits, so the worker drains one part while the daemon
 # writes the next instead of waiting for one commit of a whole ring's worth
 BURST_SHARE = 4
+BURST_ROWS = 4096  # ... and at most this many objects (tiny ones: the ring holds their headers too)
 # A producer short of space looks at the consume cursor again for up to this long (sched_yield, then an event-loop
 # checkpoint, between looks) before it waits for RING_WRITABLE: a worker that is draining frees space sooner than
 # its RING_WRITABLE crosses the socket (README "fourth pass")
@@ -106,14 +107,15 @@ class RingIO:
         buffers must stay alive and unchanged until this returns (it holds `objects`)."""
         assert end.direction == "ingress", "the daemon produces only into ingress rings"
         records = buffer_records(objects, first_object_id, first_sequence, flags)
-        extents = records[:, 3]
+        ends = np.cumsum(records[:, 3])  # where each object's bytes end, counted from the first
         burst = max(1, end.ring.capacity // BURST_SHARE)
         i = 0
         while i < len(objects):
             end.raise_if_faulted()
             end.hint = trio.Event()
-            # the rows of at most `burst` bytes (at least one: a larger object streams through the ring)
-            stop = i + max(1, int(np.searchsorted(np.cumsum(extents[i:i + 4096]), burst, "right")))
+            # the rows of at most `burst` bytes and BURST_ROWS rows (at least one: a larger object streams through)
+            start = int(ends[i - 1]) if i else 0
+            stop = max(i + 1, min(i + BURST_ROWS, int(np.searchsorted(ends, start + burst, "right"))))
             i, n, notify = write_egress_batch(end.ring, end.state, records[:stop], i)
             self._moved(end, "ingress", n)
             if notify:

@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from .._channel import MessageReader, acquire, send_chunks
+from .._channel import Held, MessageReader, send_chunks
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
 from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message, WireMessage
 from ._launcher import Launched, Launcher, WorkerSpec
@@ -47,7 +47,7 @@ class WorkerProcess:
         self.on_fault = on_fault  # called once, at the first fault, before anything is cancelled
         self.body: Launched | None = None
         self.stream: trio.abc.Stream | None = None
-        self._reader: MessageReader | None = None  # reads self.stream, made at its first read
+        self._reader: MessageReader | None = None  # reads self.stream
         self.conn = Connection(DAEMON, max_frame)
         self.fault: Fault | None = None
         self.ordered_stop = False  # set before we shut it down or kill it on purpose: no strike
@@ -93,6 +93,7 @@ class WorkerProcess:
             nursery.start_soon(self._watch_exit)
             with trio.move_on_after(setup_s) as scope:
                 self.stream = await self.body.connect()
+                self._reader = MessageReader(self.conn, self.stream)
                 await self._handshake()
             if scope.cancelled_caught:
                 self.fail("hang", f"no HELLO within the setup window of {setup_s:g} s")
@@ -151,9 +152,7 @@ class WorkerProcess:
             self._reader_done.set()
 
     async def _receive(self) -> Message | None:
-        assert self.stream is not None
-        if self._reader is None:
-            self._reader = MessageReader(self.conn, self.stream)
+        assert self._reader is not None
         return await self._reader.receive()
 
     # --- use -----------------------------------------------------------------------------------
@@ -171,14 +170,12 @@ class WorkerProcess:
 
     async def write(self, t: str, chunks: list[bytes | memoryview]) -> None:
         assert self.stream is not None
-        await acquire(self._send_lock)
-        try:
-            await send_chunks(self.stream, chunks)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self.fail("crash", f"control socket broke while sending {t}: {exc}", exc)
-            raise
-        finally:
-            self._send_lock.release()
+        async with Held(self._send_lock):
+            try:
+                await send_chunks(self.stream, chunks)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.fail("crash", f"control socket broke while sending {t}: {exc}", exc)
+                raise
 
     async def close(self, patience_s: float = 0.0) -> int:
         """Kill the process group and reap it (shielded); returns the exit status.

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from .._channel import MessageReader, acquire, encode_messages, send_chunks
+from .._channel import Held, MessageReader, encode_messages, send_chunks
 from .._errors import ArenaMapFailed, GpuWorkerError, OutgoingFrameTooLarge, RemoteProtocolError, WorkerError
 from .._lifeline import die_with_the_daemon
 from .._proto import (
@@ -101,15 +101,12 @@ class WorkerServer:
         await self._write(self.conn.send_message(msg))
 
     async def _write(self, chunks: list[bytes | memoryview]) -> None:
-        await acquire(self._send_lock)
-        try:
+        async with Held(self._send_lock):
             queued = self._take_outbox()
             if sum(map(len, chunks)) <= COALESCE_BYTES:  # a small reply rides in the queued notices' write
                 await send_chunks(self.stream, [b"".join([queued, *chunks])])
             else:
                 await send_chunks(self.stream, [queued, *chunks] if queued else chunks)
-        finally:
-            self._send_lock.release()
 
     def _take_outbox(self) -> bytes:
         self._kicked = False
@@ -120,13 +117,10 @@ class WorkerServer:
 
     async def send_many(self, messages: list[tuple[Any, ...]]) -> None:
         """Several small messages in one write: a drain that finished many objects costs one syscall."""
-        await acquire(self._send_lock)
-        try:
+        async with Held(self._send_lock):
             data = self._take_outbox() + (encode_messages(self.conn, messages) if messages else b"")
             if data:
                 await send_chunks(self.stream, [data])
-        finally:
-            self._send_lock.release()
 
     async def receive(self) -> Message | None:
         return await self._reader.receive()
