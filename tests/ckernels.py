@@ -19,10 +19,11 @@ from trio_gpuworker.models import ckernel, csource
 TEST_KERNELS = resources.files("tests") / "kernels"
 
 
-def build(name: str, *specs: Any) -> ctypes.CDLL:
-    """Kernel file `name` (tests/kernels first, then the package's) with the defines of `specs`, as a library."""
+def build(name: str, *specs: Any, cpu: str | None = None) -> ctypes.CDLL:
+    """Kernel file `name` (tests/kernels first, then the package's) with the defines of `specs`, as a library;
+    `cpu` as in ckernel.compile_object (this host's by default)."""
     src = csource.source(name, *specs, dirs=(TEST_KERNELS,))
-    obj = ckernel.compile_object(src)
+    obj = ckernel.compile_object(src, cpu)
     assert not imports(obj), f"{name} calls outside itself: {imports(obj)} (kernels/threads.h host_table)"
     with tempfile.TemporaryDirectory(prefix="ckernel-") as tmp:
         o, so = Path(tmp) / "k.o", Path(tmp) / "k.so"

@@ -62,32 +62,53 @@ def test_packed_blocks_dequantise_to_the_reference_weights(raw: dict, reader: gg
     assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()  # bit for bit, not approximately
 
 
-@pytest.mark.parametrize("n, nt", [(1, 1), (8, 4)])
-def test_matvec_tiles(raw: dict, reader: gguf.GGUFReader, n: int, nt: int) -> None:
+def _host_has(*flags: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return all(flag in have for flag in flags)
+
+
+# the AVX2 path runs here too when this CPU has AVX-512 (and the AVX-512 path is this host's, when it has it)
+ISAS = [pytest.param(None, id="native"),
+        pytest.param("x86-64-v3", id="avx2", marks=pytest.mark.skipif(not _host_has("avx2", "fma"),
+                                                                   reason="this CPU runs no AVX2"))]
+
+
+@pytest.mark.parametrize("cpu", ISAS)
+@pytest.mark.parametrize("n, nt", [(1, 1), (8, 4), (5, 4), (6, 4), (7, 4)])
+def test_matvec_tiles(raw: dict, reader: gguf.GGUFReader, n: int, nt: int, cpu: str | None) -> None:
+    """One row of x, and the prefill's 4-row tiles with a shorter last tile, against float64 numpy."""
     name = "blk.3.ffn_gate.weight"
     t = raw[name]
     rows, cols = t.shape
     x = np.random.default_rng(0).standard_normal((n, cols)).astype(np.float32)
     got, w = np.empty((n, rows), np.float32), _packed(t, rows)
-    _probe(t.typ, rows, cols, n, nt).matvec(ptr(got), ptr(x), ptr(w))
+    build("quant_probe.c", spec(rows=rows, cols=cols, nx=n, nt=nt, g=quant.G, type=t.typ), cpu=cpu).matvec(
+        ptr(got), ptr(x), ptr(w))
     want = x.astype(np.float64) @ _reference(reader, name).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("cpu", ISAS)
+@pytest.mark.parametrize("nx", [1, 2, 3, 4, 7])
 @pytest.mark.parametrize("name", ["blk.3.ffn_gate.weight", "blk.5.ffn_down.weight", "output.weight"])
-def test_batched_tiles_compute_each_row_as_one_row_does(raw: dict, name: str) -> None:
-    """The batched decode's matmul (2-row tiles, split accumulators, staged weights) gives every row bit for bit
-    what the one-token decode's gives it: what makes a sequence in a batch equal to the sequence alone."""
+def test_batched_tiles_compute_each_row_as_one_row_does(raw: dict, reader: gguf.GGUFReader, name: str, nx: int,
+                                                        cpu: str | None) -> None:
+    """The batched decode's matmul (4-row tiles with split accumulators, a shorter last tile) gives every row bit
+    for bit what the one-token decode's gives it, for any number of rows: what makes a sequence in a batch of
+    any size equal to the sequence alone."""
     t = raw[name if name in raw else "token_embd.weight"]
     rows, cols = t.shape
     rows = min(rows, 4096)
-    x = np.random.default_rng(1).standard_normal((4, cols)).astype(np.float32)
+    x = np.random.default_rng(nx).standard_normal((nx, cols)).astype(np.float32)
     w = _packed(t, rows)
-    probe = _probe(t.typ, rows, cols, 4, 1)
-    alone, batched = np.empty((4, rows), np.float32), np.empty((4, rows), np.float32)
+    probe = build("quant_probe.c", spec(rows=rows, cols=cols, nx=nx, nt=1, g=quant.G, type=t.typ), cpu=cpu)
+    alone, batched = np.empty((nx, rows), np.float32), np.empty((nx, rows), np.float32)
     probe.matvec(ptr(alone), ptr(x), ptr(w))
     probe.matvec_split(ptr(batched), ptr(x), ptr(w))
     assert batched.view(np.uint32).tolist() == alone.view(np.uint32).tolist()
+    ref = _reference(reader, name if name in raw else "token_embd.weight")[:rows]
+    np.testing.assert_allclose(alone, x.astype(np.float64) @ ref.astype(np.float64).T, rtol=1e-4, atol=1e-4)
 
 
 def test_rmsnorm_and_exp_match_numpy() -> None:

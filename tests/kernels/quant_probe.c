@@ -6,12 +6,11 @@
 #define QMM_TYPE TYPE
 #define QMM_NT NT
 #include "qmatmul.h"
-/* the batched decode's instance: tiles of 2 rows, split accumulators, the group staged once */
+/* the batched decode's instance (models/llama_fused.py BATCHED): tiles of 4 rows, split accumulators */
 #define QMM_NAME mms
 #define QMM_TYPE TYPE
-#define QMM_NT 2
+#define QMM_NT 4
 #define QMM_SPLIT 1
-#define QMM_STAGE (COLS / 32)
 #include "qmatmul.h"
 
 /* every packed block of a ROWS x COLS matrix, dequantised in place of the float32 matrix */

@@ -63,10 +63,11 @@ class Step:
 
 
 # The captured graphs: a prefill chunk, one token, and one token of each of BATCH sequences. The last two split
-# their accumulators alike, so a sequence decoded in a batch is bit for bit the sequence decoded alone.
+# their accumulators alike, so a sequence decoded in a batch is bit for bit the sequence decoded alone; the batched
+# step's tile takes all its rows, so each weight is dequantised once a step.
 PREFILL = Step(t=PREFILL_CHUNK, nt=4, split=0, heads=1)
 DECODE = Step(t=1, nt=1, split=1, heads=1)
-BATCHED = Step(t=BATCH, nt=2, split=1, heads=BATCH)
+BATCHED = Step(t=BATCH, nt=BATCH, split=1, heads=BATCH)
 STEPS = {s.t: s for s in (PREFILL, DECODE, BATCHED)}
 
 

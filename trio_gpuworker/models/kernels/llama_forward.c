@@ -22,31 +22,26 @@
 #define SLOT ((long)NL * 2 * KV * S * HD)  /* cache floats of one sequence */
 
 #define QMM_NAME mmq
-#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
 #define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_QKV
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmo
-#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
 #define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_O
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmgu
-#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
 #define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_GU
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmd
-#define QMM_STAGE (HEADS > 1 ? FF / 32 : 0)
 #define QMM_SPLIT SPLIT
 #define QMM_TYPE TYPE_DOWN
 #define QMM_NT NT
 #include "qmatmul.h"
 #define QMM_NAME mmh
-#define QMM_STAGE (HEADS > 1 ? D / 32 : 0)
 #define QMM_TYPE TYPE_OUT
 #define QMM_NT (HEADS == 1 ? 1 : NT)
 #define QMM_SPLIT 1
@@ -54,8 +49,8 @@
 
 /* Layer weights are stacked: layer l's block of a kind starts at l * its size. Scratch: x, h, then either
    q|k|v + attention output, or gate/up pairs + their product; HEADS rows of logits last. ids: T tokens, each
-   row's position, each row's cache slot, then n, the rows in use (the rest, up to the matmul tile, are
-   padding: computed, never attended to, cached or predicted from). */
+   row's position, each row's cache slot, then n, the rows in use (the rest are padding, never read: a matmul's
+   last tile takes fewer rows, kernels/qmatmul.h). */
 typedef struct {
   int *out; float *scr, *cache; const int *ids;
   const unsigned char *embd; const float *an; const unsigned char *wqkv, *wo; const float *fn;
@@ -78,7 +73,7 @@ INL void run(job *j, team_t *tm, int tid) {
   #define SYNC team_sync(tm, &sense)
   const int *ps = ids + T, *sl = ids + 2 * T;
   /* at least one row in use: the JIT cache's probe replays every graph on all-zero ids */
-  int used = ids[3 * T] < 1 ? 1 : ids[3 * T] > T ? T : ids[3 * T], n = (used + NT - 1) / NT * NT;
+  const int n = ids[3 * T] < 1 ? 1 : ids[3 * T] > T ? T : ids[3 * T];
   float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
   float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
   double sc[GQ][S + 8];
@@ -95,7 +90,7 @@ INL void run(job *j, team_t *tm, int tid) {
     share(NQKV, tid, nt, &o0, &o1);
     mmq(qkv + o0, NQKV, h, D, wqkv + l * SZQKV + (long)o0 * (D / 32) * BS(TYPE_QKV), o1 - o0, D / 32, n);
     SYNC;
-    for (int t = tid; t < used; t += nt) {
+    for (int t = tid; t < n; t += nt) {
       int pos = ps[t]; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD, *kc = KC(t), *vc = VC(t);
       const double *cs = rope + (long)pos * HD;
       /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
@@ -110,7 +105,7 @@ INL void run(job *j, team_t *tm, int tid) {
     }
     SYNC;  /* a prefill chunk's rows attend to the rows cached before them */
     /* the H / KV query heads sharing a KV head go together: each cached K and V row is read once */
-    for (int tg = tid; tg < used * KV; tg += nt) {
+    for (int tg = tid; tg < n * KV; tg += nt) {
       int t = tg / KV, g = tg % KV;
       int pos = ps[t]; const float *kc = KC(t), *vc = VC(t), *q = qkv + t * NQKV + g * GQ * HD;
       /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
@@ -160,13 +155,13 @@ INL void run(job *j, team_t *tm, int tid) {
     SYNC;
   }
   /* a prefill chunk predicts from its last row only; a batched step from every row in use */
-  int first = HEADS == 1 ? used - 1 : 0, nh = HEADS == 1 ? 1 : n;
+  int first = HEADS == 1 ? n - 1 : 0, nh = HEADS == 1 ? 1 : n;
   if (tid == 0) for (int t = 0; t < nh; t++) rmsnorm(h + t * D, x + (first + t) * D, on, D, EPS);
   SYNC;
   share(V, tid, nt, &o0, &o1);
   mmh(lg + o0, V, h, D, wout + (long)o0 * (D / 32) * BS(TYPE_OUT), o1 - o0, D / 32, nh);
   SYNC;
-  if (tid == 0) for (int t = 0; t < (HEADS == 1 ? 1 : used); t++) {
+  if (tid == 0) for (int t = 0; t < (HEADS == 1 ? 1 : n); t++) {
     const float *l = lg + (long)t * V;
     int best = 0; for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;  /* first max, like numpy */
     out[t] = best;

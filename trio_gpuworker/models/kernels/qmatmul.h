@@ -1,56 +1,60 @@
 /* A template, included once per instance: defines QMM_NAME(y, ys, x, xs, w, O, nb, n), which computes
-   y[t*ys + o] = x[t] . W[o] for t < n (a multiple of QMM_NT) and o < O (a multiple of G), W packed in
-   GGML type QMM_TYPE with its rows grouped G at a time (models/quant.py group()). A G x QMM_NT tile of
-   accumulators hides the FMA latency; each dequantised block is reused for QMM_NT rows of x.
-   QMM_SPLIT (default: QMM_NT == 1) gives each row of x two accumulators, as a single row has: a multi-row
-   tile with it computes every row bit for bit as a one-row call does (kernels/llama_forward.c's batched decode).
-   QMM_STAGE (default 0), when at least nb, dequantises each group of G rows once into a stack buffer that every
-   tile of QMM_NT rows then reads (a batched step's rows in tiles of 2: 4 rows x 2 accumulators would spill).
-   Without AVX-512 (16 registers of 8 floats: a v16 takes two) a G-row tile spills its accumulators (measured 1.5x
-   slower), so each pass takes one row of W against up to 4 rows of x, whatever QMM_NT, dequantising as it goes
-   (staging measured slower there; QMM_STAGE is ignored). Which rows go together never changes a row's sums: every
-   output is bit for bit the same on either path.
-   Needs: G; QMM_NAME, QMM_TYPE, QMM_NT (undefined again at the end, with QMM_SPLIT and QMM_STAGE). */
+   y[t*ys + o] = x[t] . W[o] for t < n and o < O (a multiple of G), W packed in GGML type QMM_TYPE with its rows
+   grouped G at a time (models/quant.py group()). Rows of x go QMM_NT at a time (fewer in a last tile), so each
+   dequantised block serves up to QMM_NT rows; a tile of W rows x rows of x accumulators hides the FMA latency.
+   QMM_SPLIT (default: QMM_NT == 1) gives each row of x two accumulators, as a single row has: a multi-row tile
+   with it computes every row bit for bit as a one-row call does (kernels/llama_forward.c's batched decode).
+   With AVX-512 (32 registers of 16 floats) a tile takes a group of G rows of W, or half a group for a split tile
+   of more than 2 rows of x (4 x 4 x 2 accumulators would take every register). Without it (16 registers of 8
+   floats: a v16 takes two) a G-row tile spills its accumulators (measured 1.5x slower), so each pass takes one
+   row of W against up to 4 rows of x, dequantising as it goes. Which rows go together never changes a row's
+   sums: every output is bit for bit the same on either path and in any tile.
+   Needs: G; QMM_NAME, QMM_TYPE, QMM_NT (undefined again at the end, with QMM_SPLIT). */
 #include "quant.h"
 #ifndef QMM_SPLIT
 #define QMM_SPLIT (QMM_NT == 1)
 #endif
-#ifndef QMM_STAGE
-#define QMM_STAGE 0
-#endif
+/* rows of W per AVX-512 tile: a 4-row split tile over a whole group would need 32 accumulators (all the
+   registers), so it takes half a group */
+#define QMM_GR (QMM_SPLIT && QMM_NT > 2 ? G / 2 : G)
 
 #ifdef __AVX512F__
+/* rows x[t..t+k) against W rows r0..r0+GR of the group at g (k a constant wherever this is inlined): a tile of
+   GR x k accumulators (x2 with QMM_SPLIT), each dequantised block used for all k rows */
+INL void CAT(QMM_NAME, _tile)(float *restrict y, int ys, const float *restrict x, int xs,
+                              const unsigned char *restrict g, int r0, int nb, int k) {
+  v16 acc[QMM_GR][QMM_NT], acc2[QMM_GR][QMM_NT];
+  for (int r = 0; r < QMM_GR; r++) for (int j = 0; j < k; j++) acc[r][j] = acc2[r][j] = (v16)0;
+  for (int b = 0; b < nb; b++) {
+    v16 wl[QMM_GR], wh[QMM_GR];
+    for (int r = 0; r < QMM_GR; r++) DQ(QMM_TYPE)(g + (b * G + r0 + r) * BS(QMM_TYPE), &wl[r], &wh[r]);
+    for (int j = 0; j < k; j++) {
+      const float *xp = x + j * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
+      /* one row of x: lo and hi halves get their own accumulators, for twice the independent FMA chains */
+      for (int r = 0; r < QMM_GR; r++) if (QMM_SPLIT) { acc[r][j] += wl[r] * xl; acc2[r][j] += wh[r] * xh; }
+                                       else { acc[r][j] += wl[r] * xl; acc[r][j] += wh[r] * xh; }
+    }
+  }
+  for (int r = 0; r < QMM_GR; r++) for (int j = 0; j < k; j++) y[j * ys + r0 + r] = hsum(acc[r][j] + acc2[r][j]);
+}
+
 INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
                   const unsigned char *restrict w, int O, int nb, int n) {
   for (int o = 0; o < O; o += G) {
     const unsigned char *g = w + (long)o * nb * BS(QMM_TYPE);
-#if QMM_STAGE
-    v16 st[QMM_STAGE][G][2];
-    for (int b = 0; b < nb; b++) for (int r = 0; r < G; r++) DQ(QMM_TYPE)(g + (b * G + r) * BS(QMM_TYPE), &st[b][r][0], &st[b][r][1]);
-#endif
-    for (int t = 0; t < n; t += QMM_NT) {
-    v16 acc[G][QMM_NT], acc2[G][QMM_NT];
-    for (int r = 0; r < G; r++) for (int j = 0; j < QMM_NT; j++) acc[r][j] = acc2[r][j] = (v16)0;
-    for (int b = 0; b < nb; b++) {
-      v16 wl[G], wh[G];
-#if QMM_STAGE
-      for (int r = 0; r < G; r++) { wl[r] = st[b][r][0]; wh[r] = st[b][r][1]; }
-#else
-      for (int r = 0; r < G; r++) DQ(QMM_TYPE)(g + (b * G + r) * BS(QMM_TYPE), &wl[r], &wh[r]);
-#endif
-      for (int j = 0; j < QMM_NT; j++) {
-        const float *xp = x + (t + j) * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
-        /* one row of x: lo and hi halves get their own accumulators, for twice the independent FMA chains */
-        for (int r = 0; r < G; r++) if (QMM_SPLIT) { acc[r][j] += wl[r] * xl; acc2[r][j] += wh[r] * xh; }
-                                    else { acc[r][j] += wl[r] * xl; acc[r][j] += wh[r] * xh; }
-      }
-    }
-    for (int r = 0; r < G; r++) for (int j = 0; j < QMM_NT; j++) y[(t + j) * ys + o + r] = hsum(acc[r][j] + acc2[r][j]);
+    for (int r0 = 0; r0 < G; r0 += QMM_GR) {
+      int t = 0;
+      for (; t + QMM_NT <= n; t += QMM_NT) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, QMM_NT);
+      /* a tail of fewer rows (a batched step with fewer sequences than its tile) in one tile: each call with a
+         constant k, so its accumulators stay in registers */
+      if (QMM_NT > 3 && n - t == 3) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, 3);
+      if (QMM_NT > 2 && n - t == 2) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, 2);
+      if (QMM_NT > 1 && n - t == 1) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, 1);
     }
   }
 }
 #else
-/* rows x[t..t+k) against W row wr: k (1, 2 or 4) a constant wherever this is inlined */
+/* rows x[t..t+k) against W row wr: k (1 to 4) a constant wherever this is inlined */
 INL void CAT(QMM_NAME, _rows)(float *restrict y, int ys, const float *restrict x, int xs,
                               const unsigned char *restrict wr, int nb, int k) {
   v16 acc[4], acc2[4];
@@ -89,8 +93,10 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
     const unsigned char *wr = w + ((long)o * nb + r) * BS(QMM_TYPE);
     int t = 0;
     for (; t + 4 <= n; t += 4) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 4);
-    for (; t + 2 <= n; t += 2) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 2);
-    for (; t < n; t++) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 1);
+    /* the tail in one pass, so each W row is dequantised once for it */
+    if (n - t == 3) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 3);
+    if (n - t == 2) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 2);
+    if (n - t == 1) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 1);
   }
 }
 #endif
@@ -99,4 +105,4 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
 #undef QMM_TYPE
 #undef QMM_NT
 #undef QMM_SPLIT
-#undef QMM_STAGE
+#undef QMM_GR
