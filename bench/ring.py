@@ -188,7 +188,7 @@ def thread_cpu(pid: int | None) -> np.ndarray:
 
 async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[Any, Any]:
     """size -> (ingress bytes/s, ingress objects/s, echo round trip bytes/s, daemon CPU s per ingress object,
-    seconds of each echo step, the first timed lap's objects/s); "cpu" -> the 4 KiB CPU split (seconds: daemon,
+    seconds of each echo step, each timed lap's objects/s); "cpu" -> the 4 KiB CPU split (seconds: daemon,
     worker loop, worker other threads per ingress object, then the same per echo round)."""
     cfg = SupervisorConfig(lanes=(LaneConfig("bench", ()),), models=(), state_dir=ROOT / ".state",
                            runtime_dir=Path(tempfile.mkdtemp(prefix="gw-ring-")), arena_bytes=256 * MiB)
@@ -206,7 +206,7 @@ async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[Any, Any]:
             await dp.release_handle("bench", await dp.load(ingress, data, object_id=0, sequence=seq))  # warm
             seq += 1
             pid = sup.lanes["bench"].pid
-            t_ingress, cpu, w_ingress, t_first = await steady_ingress(dp, ingress, data, n, seq, pid)
+            t_ingress, cpu, w_ingress, laps = await steady_ingress(dp, ingress, data, n, seq, pid)
             seq += (1 + INGRESS_LAPS) * n
             rounds = max(2, n // 4)
             t0, c0, w0 = time.perf_counter(), time.process_time(), thread_cpu(pid)
@@ -235,7 +235,7 @@ async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[Any, Any]:
             if size == MiB:
                 out["l3"] = await ingress_in_l3(dp, data)
             out[size] = (size * n / t_ingress, n / t_ingress, size * rounds / t_echo, cpu / n, steps[1:],
-                         n / t_first)
+                         [n / t for t in laps])
     return out
 
 
@@ -248,13 +248,13 @@ async def timed_lap(dp, ingress, data, n: int, first: int) -> tuple[float, float
 
 
 async def steady_ingress(dp, ingress, data, n: int, first: int, pid: int | None
-                         ) -> tuple[float, float, np.ndarray, float]:
+                         ) -> tuple[float, float, np.ndarray, list[float]]:
     """Ingress once device memory is recycled, as in a running pipeline: a first lap of n objects is loaded
     and released untimed (freed buffers go to the worker's pool), then INGRESS_LAPS laps are timed, each
     released before the next. Returns the median lap's wall seconds (the native drain it is compared with is a
     median too), the daemon's CPU seconds and the worker's (loop, other threads) per lap, averaged over the
-    timed laps, and the first timed lap's wall seconds (one lap of 4 KiB objects lasts a few ms, so a single
-    lap moves with whatever else the machine does). Releases stay outside the timing: a pipeline frees inputs
+    timed laps, and every timed lap's wall seconds (one lap of 4 KiB objects lasts a few ms, so a single lap
+    moves with whatever else the machine does). Releases stay outside the timing: a pipeline frees inputs
     with EXECUTE_STEP's release_inputs_after."""
     walls, cpu, worker = [], 0.0, np.zeros(2)
     for lap in range(-1, INGRESS_LAPS):
@@ -266,7 +266,7 @@ async def steady_ingress(dp, ingress, data, n: int, first: int, pid: int | None
             worker += thread_cpu(pid) - w0
         for h in handles:
             await dp.release_handle("bench", h)
-    return statistics.median(walls), cpu / INGRESS_LAPS, worker / INGRESS_LAPS, walls[0]
+    return statistics.median(walls), cpu / INGRESS_LAPS, worker / INGRESS_LAPS, walls
 
 
 async def ingress_in_l3(dp, data) -> float:
@@ -326,10 +326,11 @@ def main() -> None:
     mem1m = memcpy_two_copy(MiB, count_for(MiB, args.quick))
     print(f"1 MiB ingress in L3 (2 MiB ring, {L3_LAP}-object laps on recycled destinations): "
           f"{rings['l3'] / 1e9:.2f} GB/s = {rings['l3'] / mem1m:.2f}x the in-cache two-copy memcpy ({mem1m / 1e9:.2f})")
-    objs4k, steps4k, first4k = rings[4 * KiB][1], rings[4 * KiB][4], rings[4 * KiB][5]
+    objs4k, steps4k, laps4k = rings[4 * KiB][1], rings[4 * KiB][4], rings[4 * KiB][5]
     print(f"native drain, 4 KiB: {native:.0f} objects/s; end to end {objs4k:.0f} objects/s = "
-          f"{objs4k / native:.2f}x native, median of {INGRESS_LAPS} laps (the first lap alone: {first4k:.0f} = "
-          f"{first4k / native:.2f}x; drain_batch into a pool, the worker's CPU path: {batch:.0f} objects/s)")
+          f"{objs4k / native:.2f}x native, the median of {INGRESS_LAPS} laps (laps in order: "
+          f"{', '.join(f'{r / 1e3:.0f} k' for r in laps4k)}; drain_batch into a pool, the worker's CPU path: "
+          f"{batch:.0f} objects/s)")
     p50, p99, u50, u99 = (percentile(steps4k, 0.5), percentile(steps4k, 0.99), percentile(uds, 0.5),
                           percentile(uds, 0.99))
     print(f"echo step, 4 KiB: p50 {p50 * 1e6:.0f} us, p99 {p99 * 1e6:.0f} us; bare trio UDS round trip: p50 "
