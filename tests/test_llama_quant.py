@@ -39,8 +39,8 @@ def _reference(reader: gguf.GGUFReader, name: str) -> np.ndarray:
     return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
 
 
-def _probe(typ: int, rows: int, cols: int, nx: int = 1, nt: int = 1) -> ctypes.CDLL:
-    return build("quant_probe.c", spec(rows=rows, cols=cols, nx=nx, nt=nt, g=quant.G, type=typ))
+def _probe(typ: int, rows: int, cols: int, nx: int = 1, nt: int = 1, cpu: str | None = None) -> ctypes.CDLL:
+    return build("quant_probe.c", spec(rows=rows, cols=cols, nx=nx, nt=nt, g=quant.G, type=typ), cpu=cpu)
 
 
 def _packed(t: GGUFTensor, rows: int) -> np.ndarray:
@@ -83,8 +83,7 @@ def test_matvec_tiles(raw: dict, reader: gguf.GGUFReader, n: int, nt: int, cpu: 
     rows, cols = t.shape
     x = np.random.default_rng(0).standard_normal((n, cols)).astype(np.float32)
     got, w = np.empty((n, rows), np.float32), _packed(t, rows)
-    build("quant_probe.c", spec(rows=rows, cols=cols, nx=n, nt=nt, g=quant.G, type=t.typ), cpu=cpu).matvec(
-        ptr(got), ptr(x), ptr(w))
+    _probe(t.typ, rows, cols, n, nt, cpu).matvec(ptr(got), ptr(x), ptr(w))
     want = x.astype(np.float64) @ _reference(reader, name).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
@@ -97,17 +96,18 @@ def test_batched_tiles_compute_each_row_as_one_row_does(raw: dict, reader: gguf.
     """The batched decode's matmul (4-row tiles with split accumulators, a shorter last tile) gives every row bit
     for bit what the one-token decode's gives it, for any number of rows: what makes a sequence in a batch of
     any size equal to the sequence alone."""
-    t = raw[name if name in raw else "token_embd.weight"]
+    name = name if name in raw else "token_embd.weight"  # a tied head is the embedding
+    t = raw[name]
     rows, cols = t.shape
     rows = min(rows, 4096)
     x = np.random.default_rng(nx).standard_normal((nx, cols)).astype(np.float32)
     w = _packed(t, rows)
-    probe = build("quant_probe.c", spec(rows=rows, cols=cols, nx=nx, nt=1, g=quant.G, type=t.typ), cpu=cpu)
+    probe = _probe(t.typ, rows, cols, nx, 1, cpu)
     alone, batched = np.empty((nx, rows), np.float32), np.empty((nx, rows), np.float32)
     probe.matvec(ptr(alone), ptr(x), ptr(w))
     probe.matvec_split(ptr(batched), ptr(x), ptr(w))
     assert batched.view(np.uint32).tolist() == alone.view(np.uint32).tolist()
-    ref = _reference(reader, name if name in raw else "token_embd.weight")[:rows]
+    ref = _reference(reader, name)[:rows]
     np.testing.assert_allclose(alone, x.astype(np.float64) @ ref.astype(np.float64).T, rtol=1e-4, atol=1e-4)
 
 

@@ -45,8 +45,8 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
     for (int r0 = 0; r0 < G; r0 += QMM_GR) {
       int t = 0;
       for (; t + QMM_NT <= n; t += QMM_NT) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, QMM_NT);
-      /* a tail of fewer rows (a batched step with fewer sequences than its tile) in one tile: each call with a
-         constant k, so its accumulators stay in registers */
+      /* the rows left (a batched step with fewer sequences than its tile, a prefill chunk's last rows) in one
+         tile: each call with a constant k, so its accumulators stay in registers */
       if (QMM_NT > 3 && n - t == 3) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, 3);
       if (QMM_NT > 2 && n - t == 2) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, 2);
       if (QMM_NT > 1 && n - t == 1) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, 1);
