@@ -17,6 +17,7 @@
 /* rows of W per AVX-512 tile: a 4-row split tile over a whole group would need 32 accumulators (all the
    registers), so it takes half a group */
 #define QMM_GR (QMM_SPLIT && QMM_NT > 2 ? G / 2 : G)
+_Static_assert(QMM_NT >= 1 && QMM_NT <= 4, "qmatmul.h: a last tile takes at most 3 rows, so QMM_NT is 1 to 4");
 
 #ifdef __AVX512F__
 /* rows x[t..t+k) against W rows r0..r0+GR of the group at g (k a constant wherever this is inlined): a tile of
