@@ -22,6 +22,7 @@ from tests.ckernels import build, ptr, spec  # noqa: E402
 from tests.reference_llama import gguf_path  # noqa: E402
 from trio_gpuworker.gguf_file import BLOCKS, F16, Q4_1, Q8_0, GGUFTensor, read_tensors  # noqa: E402
 from trio_gpuworker.models import quant  # noqa: E402
+from trio_gpuworker.models.llama_fused import BATCHED  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,8 @@ def _reference(reader: gguf.GGUFReader, name: str) -> np.ndarray:
 
 
 def _probe(typ: int, rows: int, cols: int, nx: int = 1, nt: int = 1, cpu: str | None = None) -> ctypes.CDLL:
-    return build("quant_probe.c", spec(rows=rows, cols=cols, nx=nx, nt=nt, g=quant.G, type=typ), cpu=cpu)
+    return build("quant_probe.c", spec(rows=rows, cols=cols, nx=nx, nt=nt, g=quant.G, type=typ,
+                                       batched_nt=BATCHED.nt, batched_split=BATCHED.split), cpu=cpu)
 
 
 def _packed(t: GGUFTensor, rows: int) -> np.ndarray:

@@ -1,16 +1,16 @@
 /* Test entry points over kernels/quant.h and kernels/qmatmul.h (tests/test_llama_quant.py).
-   Defines: ROWS, COLS, NX (rows of x), NT, G, TYPE. */
+   Defines: ROWS, COLS, NX (rows of x), NT, G, TYPE, BATCHED_NT, BATCHED_SPLIT. */
 #include "quant.h"
 
 #define QMM_NAME mm
 #define QMM_TYPE TYPE
 #define QMM_NT NT
 #include "qmatmul.h"
-/* the batched decode's instance (models/llama_fused.py BATCHED): tiles of 4 rows, split accumulators */
+/* the batched decode's instance, as models/llama_fused.py BATCHED has it (BATCHED_NT, BATCHED_SPLIT) */
 #define QMM_NAME mms
 #define QMM_TYPE TYPE
-#define QMM_NT 4
-#define QMM_SPLIT 1
+#define QMM_NT BATCHED_NT
+#define QMM_SPLIT BATCHED_SPLIT
 #include "qmatmul.h"
 
 /* every packed block of a ROWS x COLS matrix, dequantised in place of the float32 matrix */
