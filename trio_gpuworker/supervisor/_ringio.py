@@ -25,6 +25,8 @@ SLAB_BYTES = 1 << 20  # ... and at most this much memory, which lives while any 
 # A burst writes at most this share of the ring before it commits, so the worker drains one part while the daemon
 # writes the next instead of waiting for one commit of a whole ring's worth
 BURST_SHARE = 4
+# ... and the first one this share of that, so the worker starts draining (and reporting) while the rest is written
+FIRST_BURST_SHARE = 8
 BURST_ROWS = 4096  # ... and at most this many objects (tiny ones: the ring holds their headers too)
 # A producer short of space looks at the consume cursor again for up to this long (sched_yield, then an event-loop
 # checkpoint, between looks) before it waits for RING_WRITABLE: a worker that is draining frees space sooner than
@@ -115,7 +117,8 @@ class RingIO:
             end.hint = trio.Event()
             # the rows of at most `burst` bytes and BURST_ROWS rows (at least one: a larger object streams through)
             start = int(ends[i - 1]) if i else 0
-            stop = max(i + 1, min(i + BURST_ROWS, int(np.searchsorted(ends, start + burst, "right"))))
+            size = burst if i else max(1, burst // FIRST_BURST_SHARE)
+            stop = max(i + 1, min(i + BURST_ROWS, int(np.searchsorted(ends, start + size, "right"))))
             i, n, notify = write_egress_batch(end.ring, end.state, records[:stop], i)
             self._moved(end, "ingress", n)
             if notify:

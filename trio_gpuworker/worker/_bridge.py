@@ -207,6 +207,10 @@ class DeviceBridge:
             raise
         return bufs, np.array(addresses, np.uint64)
 
+    def pooled(self, nbytes: int) -> int:
+        """How many recycled buffers of nbytes the pool holds."""
+        return len(self._pool.get(nbytes) or ())
+
     def adopt(self, nbytes: int, buf: Any) -> DeviceAlloc:
         """The allocation over a buffer alloc_mapped_many handed out (once per buffer: it owns it from here)."""
         return DeviceAlloc(nbytes, self.device, buf)

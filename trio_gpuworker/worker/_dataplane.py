@@ -40,7 +40,7 @@ from ._ingress import STREAM_WINDOW, DataPlaneError, IngressPlane, RingSlot, sha
 from ._objects import DeviceObject, DeviceObjects
 from ._roles import EchoRole
 
-Emit = Callable[[str, dict[str, Any]], None]
+Emit = Callable[..., None]  # (t, fields[, raw frame])
 
 
 @dataclass(eq=False)

@@ -23,8 +23,12 @@ from ._objects import DeviceObject, DeviceObjects, LoadedRun
 
 # ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
 # objects per native drain call: a long burst goes back in parts, so the daemon resolves (and refills the
-# ring) while the rest is drained
-DRAIN_CHUNK = 256
+# ring) while the rest is drained (512 4 KiB objects: a daemon burst's worth on an 8 MiB ring)
+DRAIN_CHUNK = 512
+# chunks one compute-thread call drains while the ring stays full: each chunk's completions are posted as it ends
+# (the event loop writes them while the next chunk drains), so a burst pays one thread hand-off, not one a chunk;
+# then the call returns and other work on the compute thread gets its turn
+DRAIN_CALL_CHUNKS = 8
 STREAM_WINDOW = 4 << 20  # bytes of host memory a large ingress object streams through off CPU
 _RING_REASON = {"sequence_violation": "sequence_violation", "device_allocation_failed": "device_out_of_memory",
                 "device_copy_failed": "device_copy_failed"}
@@ -91,7 +95,7 @@ class IngressPlane:
     stream_window: int
     _next_handle: int
     bridge: Any
-    emit: Callable[[str, dict[str, Any]], None]  # thread-safe: queues a message for the control socket
+    emit: Callable[..., None]  # thread-safe: queues (t, fields[, raw]) for the control socket
 
     def more(self, ring_id: int) -> bool:
         """Whether the last drain of this ring stopped early with objects possibly left to drain."""
@@ -103,7 +107,15 @@ class IngressPlane:
         slot = self.rings.get(ring_id)
         if slot is None:
             return None
-        return self._drain(slot) if slot.direction == "ingress" and not slot.faulted else []
+        if slot.direction != "ingress" or slot.faulted:
+            return []
+        for _ in range(DRAIN_CALL_CHUNKS - 1):
+            notices = self._drain(slot)
+            if not slot.more or slot.faulted:
+                return notices
+            for notice in notices:  # a full chunk: its completions go out now, while the next one drains
+                self.emit(*notice)
+        return self._drain(slot)
 
     def _drain(self, slot: RingSlot) -> list[tuple[Any, ...]]:
         return self._drain_pooled(slot) if self.bridge.direct else self._drain_staged(slot)
@@ -176,6 +188,10 @@ class IngressPlane:
             for _ in range(pool.clear()):
                 self.bridge.free_device(self.bridge.adopt(slot.dest_bytes, slot.dests.pop()))
         want = max(1, min(DRAIN_CHUNK, slot.ring.capacity // (extent + 40) + 1) - len(pool))
+        # Recycled buffers only, while the bridge holds any of this size: a steady stream's released objects come
+        # back there, and a fresh allocation costs ~20 us (a tinygrad Buffer), so topping each refill up with fresh
+        # ones would allocate a few every lap until the pool had grown a chunk's worth of slack
+        want = min(want, self.bridge.pooled(extent) or want)
         try:
             buffers, addresses = self.bridge.alloc_mapped_many(extent, want)
         except DeviceError as exc:

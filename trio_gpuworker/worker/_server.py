@@ -66,17 +66,17 @@ class WorkerServer:
         self._send_lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         self._drain_wakeups: dict[int, trio.Event] = {}
-        self._outbox: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+        self._outbox: collections.deque[tuple[Any, ...]] = collections.deque()
         self._kicked = False
         self._loop_thread: int | None = None  # the event loop's thread, known from the handshake on
         self.stopping: str | None = None
 
-    def post(self, t: str, fields: dict[str, Any]) -> None:
+    def post(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> None:
         """Queue a message without waiting for the event loop (a thread round trip per wake hint, PROGRESS and
         OBJECT_PRODUCED cost a step milliseconds). Every send flushes the queue first, in the same write, so a
         step's messages still precede its terminal reply. From another thread the loop is kicked to flush it; on
         the loop the task that posts writes next (a step's reply), or calls `flush_soon` before it waits."""
-        self._outbox.append((t, fields))
+        self._outbox.append((t, fields) if raw is None else (t, fields, raw))
         if threading.get_ident() != self._loop_thread:
             self.flush_soon()
 
