@@ -32,7 +32,7 @@ def test_a_run_makes_each_record_once_and_releases_by_handle() -> None:
     assert [o.object_id for o in rest] == [40, 41] and rest[1] is first
     for obj in rest:
         bridge.free_device(obj.alloc)
-    again, _ = bridge.alloc_mapped_many(16, 3)  # the three buffers came back to the pool
-    assert {id(b) for b in again} == {id(b) for b in buffers}
+    again, _ = bridge.alloc_mapped_many(16, 5)  # the three buffers came back to the pool: only they go out
+    assert len(again) == 3 and {id(b) for b in again} == {id(b) for b in buffers}
     for buf in again:
         bridge.free_device(bridge.adopt(16, buf))

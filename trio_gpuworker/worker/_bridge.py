@@ -187,12 +187,12 @@ class DeviceBridge:
         return DeviceAlloc(nbytes, self.device, buf)
 
     def alloc_mapped_many(self, nbytes: int, k: int) -> tuple[list[Any], np.ndarray]:
-        """k allocations of nbytes (direct only) as bare buffers, each to become a DeviceAlloc with `adopt` when
-        it is used or freed, and their host addresses as uint64, for the ingress drain's DestPool. Recycled
-        buffers go out in bulk, with the addresses kept for them. All or none: on an error the ones made are freed
-        first."""
+        """Up to k allocations of nbytes (direct only) as bare buffers, each to become a DeviceAlloc with `adopt`
+        when it is used or freed, and their host addresses as uint64, for the ingress drain's DestPool. While the
+        pool holds buffers of this size only those go out (a steady stream's released objects come back there, and
+        a fresh one costs ~20 us), in bulk with their addresses; else k fresh ones, all or none."""
         pooled, addrs = self._pool.get(nbytes) or [], self._pool_addr.get(nbytes) or []
-        take = min(k, len(pooled))
+        take = k = min(k, len(pooled) or k)
         bufs, addresses = pooled[len(pooled) - take:], addrs[len(addrs) - take:]
         del pooled[len(pooled) - take:], addrs[len(addrs) - take:]
         self._pooled_bytes -= take * nbytes
@@ -206,10 +206,6 @@ class DeviceBridge:
                 self.free_device(self.adopt(nbytes, buf))
             raise
         return bufs, np.array(addresses, np.uint64)
-
-    def pooled(self, nbytes: int) -> int:
-        """How many recycled buffers of nbytes the pool holds."""
-        return len(self._pool.get(nbytes) or ())
 
     def adopt(self, nbytes: int, buf: Any) -> DeviceAlloc:
         """The allocation over a buffer alloc_mapped_many handed out (once per buffer: it owns it from here)."""

@@ -188,10 +188,8 @@ class IngressPlane:
             for _ in range(pool.clear()):
                 self.bridge.free_device(self.bridge.adopt(slot.dest_bytes, slot.dests.pop()))
         want = max(1, min(DRAIN_CHUNK, slot.ring.capacity // (extent + 40) + 1) - len(pool))
-        # Recycled buffers only, while the bridge holds any of this size: a steady stream's released objects come
-        # back there, and a fresh allocation costs ~20 us (a tinygrad Buffer), so topping each refill up with fresh
-        # ones would allocate a few every lap until the pool had grown a chunk's worth of slack
-        want = min(want, self.bridge.pooled(extent) or want)
+        # (the bridge hands out recycled buffers only while it holds any: topping each refill up with fresh ones
+        # would allocate a few every lap, at ~20 us each, until the pool had grown a chunk's worth of slack)
         try:
             buffers, addresses = self.bridge.alloc_mapped_many(extent, want)
         except DeviceError as exc:
