@@ -190,8 +190,13 @@ async def ring_paths(sizes: tuple[int, ...], quick: bool) -> dict[Any, Any]:
     """size -> (ingress bytes/s, ingress objects/s, echo round trip bytes/s, daemon CPU s per ingress object,
     seconds of each echo step, each timed lap's objects/s); "cpu" -> the 4 KiB CPU split (seconds: daemon,
     worker loop, worker other threads per ingress object, then the same per echo round)."""
+    with tempfile.TemporaryDirectory(prefix="gw-ring-") as run:  # the worker's socket: gone with the run
+        return await _ring_paths(sizes, quick, Path(run))
+
+
+async def _ring_paths(sizes: tuple[int, ...], quick: bool, run: Path) -> dict[Any, Any]:
     cfg = SupervisorConfig(lanes=(LaneConfig("bench", ()),), models=(), state_dir=ROOT / ".state",
-                           runtime_dir=Path(tempfile.mkdtemp(prefix="gw-ring-")), arena_bytes=256 * MiB)
+                           runtime_dir=run, arena_bytes=256 * MiB)
     out = {}
     async with Supervisor(cfg) as sup:
         dp = sup.dataplane
