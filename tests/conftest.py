@@ -1,7 +1,7 @@
 import os
 import shutil
 
-from tests.state import SESSION_CACHE, SESSION_STATE
+from tests.state import SESSION_CACHE, SESSION_STATE, SHORT_DIRS
 
 # Workers and in-process model tests run tinygrad on the CPU here; set before anything imports it.
 os.environ.setdefault("DEV", "CPU")
@@ -13,4 +13,5 @@ os.environ.setdefault("CACHEDB", str(SESSION_CACHE / "tinygrad.db"))
 
 
 def pytest_sessionfinish(session: object, exitstatus: int) -> None:
-    shutil.rmtree(SESSION_STATE, ignore_errors=True)
+    for path in (SESSION_STATE, *SHORT_DIRS):
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,12 +1,28 @@
 """The test session's own state directory: the compiled-kernel cache (CACHEDB) and the JIT cache that tests share, so
 kernels compile once per session. Created at first import, removed when the session ends (tests/conftest.py); the
-checkout's own `.state/` is never written."""
+checkout's own `.state/` is never written. A child process of the session that imports this (a multiprocessing
+"spawn" child imports its test module) shares the session's directory instead of making one nobody removes.
+
+Also the session's short-lived directories with short paths (`short_dir`: a Unix socket's path must stay under 108
+bytes, which pytest's tmp_path does not promise), removed with it."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
-SESSION_STATE = Path(tempfile.mkdtemp(prefix="gw-tests-state-"))
+_ENV = "GPUWORKER_TESTS_SESSION_STATE"
+SESSION_STATE = Path(os.environ.get(_ENV) or tempfile.mkdtemp(prefix="gw-tests-state-"))
+os.environ[_ENV] = str(SESSION_STATE)
 SESSION_CACHE = SESSION_STATE / "cache"  # what a worker gets under its state directory (supervisor/_spawn.py)
-SESSION_CACHE.mkdir()
+SESSION_CACHE.mkdir(exist_ok=True)
+SHORT_DIRS: list[Path] = []
+
+
+def short_dir(prefix: str) -> Path:
+    """A fresh directory directly under the system's temporary directory (a daemon's runtime directory, where its
+    workers' sockets go), removed when the session ends."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    SHORT_DIRS.append(path)
+    return path

@@ -8,13 +8,13 @@ from __future__ import annotations
 import io
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import trio
 
+from tests.state import short_dir
 from trio_gpuworker import ConfigError, Supervisor, SupervisorConfig
 from trio_gpuworker.daemon import ctl
 from trio_gpuworker.daemon.config import load_config, parse_config
@@ -72,7 +72,7 @@ def tiny_daemon_config(tmp_path: Path, beam: int) -> Path:
     conf.write_text(f"""
 [daemon]
 state_dir = "{tmp_path / "state"}"
-runtime_dir = "{tempfile.mkdtemp(prefix="gw-beam-")}"
+runtime_dir = "{short_dir("gw-beam-")}"
 [models.tiny]
 path = "{model}"
 beam = {beam}

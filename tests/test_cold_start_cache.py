@@ -9,14 +9,13 @@ import importlib.metadata
 import json
 import multiprocessing
 import sqlite3
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.reference_llama import gguf_path
-from tests.state import SESSION_STATE
+from tests.state import SESSION_STATE, short_dir
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.worker import _jitcache as jc
@@ -217,7 +216,7 @@ async def test_warm_cache_start_and_corruption_rebuild(tmp_path: Path) -> None:
         lanes=(LaneConfig("gen", ("m",), env={jf.ENV: str(jit_dir)}),),
         models=(ModelConfig("m", gguf_path(), kind="generate", format="gguf"),),
         state_dir=SESSION_STATE,  # shares the session's compiled-kernel cache; the JIT cache is this test's own
-        runtime_dir=Path(tempfile.mkdtemp(prefix="gw-jit-")))
+        runtime_dir=short_dir("gw-jit-"))
     cold, log = await start_and_generate(cfg)
     assert "jit cache miss" in log and len(cold) == 8
     (entry,) = jit_dir.glob("*.jit")

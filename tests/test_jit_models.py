@@ -5,7 +5,6 @@ MiniLM has six) and the decoder's generated tokens are compared bit for bit with
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import trio
 
 from tests.reference_llama import gguf_path
-from tests.state import SESSION_STATE
+from tests.state import SESSION_STATE, short_dir
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker._proto import EmbedBatch, Generate
 
@@ -32,7 +31,7 @@ def config(jit_dir: Path, order: tuple[str, ...]) -> SupervisorConfig:
               ModelConfig("lm", gguf_path(), kind="generate", format="gguf"))
     return SupervisorConfig(lanes=(LaneConfig("duo", order, env={"GPUWORKER_JIT_CACHE": str(jit_dir)}),),
                             models=models, state_dir=SESSION_STATE,  # the session's kernels; this test's JITs
-                            runtime_dir=Path(tempfile.mkdtemp(prefix="gw-duo-")), arena_bytes=16 << 20)
+                            runtime_dir=short_dir("gw-duo-"), arena_bytes=16 << 20)
 
 
 async def dataplane_step(sup: Supervisor) -> np.ndarray:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 import trio
 
 from tests.helpers import embedded_default
-from tests.state import SESSION_STATE
+from tests.state import SESSION_STATE, short_dir
 from trio_gpuworker import InvalidRequest, Supervisor, WorkerError
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DEFAULT_LM, DEFAULT_MODEL
@@ -21,7 +20,7 @@ STATE = SESSION_STATE  # the session's shared kernel and JIT caches
 
 @pytest.fixture
 async def sup() -> AsyncIterator[Supervisor]:
-    env = {"GPUWORKER_STATE_DIR": str(STATE), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-serve-")}
+    env = {"GPUWORKER_STATE_DIR": str(STATE), "GPUWORKER_RUNTIME_DIR": str(short_dir("gw-serve-"))}
     async with Supervisor(embedded_default(env).supervisor) as s:
         yield s
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 
 import numpy as np
 import pytest
 
 from tests.helpers import embedded_default
-from tests.state import SESSION_STATE
+from tests.state import SESSION_STATE, short_dir
 from trio_gpuworker import Supervisor, WorkerError
 from trio_gpuworker._proto import EmbedBatch
 from trio_gpuworker.daemon.config import DEFAULT_MODEL
@@ -20,7 +19,7 @@ MAX_FRAME = 64 * 1024
 
 
 async def test_oversized_vectors_reply_is_a_typed_error_and_no_strike() -> None:
-    env = {"GPUWORKER_STATE_DIR": str(STATE), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-reply-")}
+    env = {"GPUWORKER_STATE_DIR": str(STATE), "GPUWORKER_RUNTIME_DIR": str(short_dir("gw-reply-"))}
     cfg = embedded_default(env).supervisor
     lanes = tuple(lane for lane in cfg.lanes if DEFAULT_MODEL in lane.models)
     cfg = dataclasses.replace(cfg, lanes=lanes, models=tuple(m for m in cfg.models if m.id == DEFAULT_MODEL),
