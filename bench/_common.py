@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -45,6 +47,14 @@ def table(title: str, rows: list[tuple[str, float, str]], baseline: str) -> str:
     return "\n".join(out)
 
 
+def scratch_dir(prefix: str) -> Path:
+    """A fresh directory directly under the system's temporary directory (a daemon's runtime directory keeps its
+    sockets' paths short), removed when the benchmark's process exits."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def minilm_daemon_config(listen: str, lane_extra: str = "", model_extra: str = "") -> Any:
     """One MiniLM lane table on `listen` (replicas: the config default unless `lane_extra` says), state under
     the repo's .state, a fresh runtime directory."""
@@ -53,7 +63,7 @@ def minilm_daemon_config(listen: str, lane_extra: str = "", model_extra: str = "
     text = f"""
 [daemon]
 state_dir = "{STATE}"
-runtime_dir = "{tempfile.mkdtemp(prefix="gw-bench-")}"
+runtime_dir = "{scratch_dir("gw-bench-")}"
 [http]
 listen = "{listen}"
 [models."{DEFAULT_MODEL}"]

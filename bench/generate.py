@@ -12,7 +12,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ os.environ.setdefault("DEV", "CPU")
 
 import numpy as np
 import trio
+from _common import scratch_dir
 
 from tests.reference_llama import NumpyLlama, gguf_path
 from trio_gpuworker import Supervisor
@@ -43,7 +43,7 @@ async def daemon_run(ids: list[np.ndarray], max_tokens: int) -> tuple[list[tuple
     """(seconds to first token, seconds total, tokens) per prompt, through the lane's worker process: GENERATE on
     the lane (first PROGRESS), then Supervisor.generate streamed (its first text delta, as an SSE client sees
     it, chat template and tokenization included)."""
-    env = {"GPUWORKER_STATE_DIR": str(ROOT / ".state"), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-gen-")}
+    env = {"GPUWORKER_STATE_DIR": str(ROOT / ".state"), "GPUWORKER_RUNTIME_DIR": str(scratch_dir("gw-gen-"))}
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor
     cfg = type(cfg)(**{**cfg.__dict__, "lanes": tuple(ln for ln in cfg.lanes if DEFAULT_LM in ln.models)})
     out = []

@@ -17,7 +17,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ os.environ.setdefault("DEV", "CPU")
 
 import numpy as np
 import trio
+from _common import scratch_dir
 
 from trio_gpuworker import Supervisor
 from trio_gpuworker._proto import Generate
@@ -87,7 +87,7 @@ async def clients(sup: Supervisor, n: int, rounds: int, max_tokens: int, mode: s
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    env = {"GPUWORKER_STATE_DIR": str(ROOT / ".state"), "GPUWORKER_RUNTIME_DIR": tempfile.mkdtemp(prefix="gw-genb-")}
+    env = {"GPUWORKER_STATE_DIR": str(ROOT / ".state"), "GPUWORKER_RUNTIME_DIR": str(scratch_dir("gw-genb-"))}
     cfg = parse_config(EMBEDDED_DEFAULT, Path.cwd(), env).supervisor
     models = tuple(dataclasses.replace(m, runtime_config={**m.runtime_config.to_map(), "threads": args.threads})
                    if args.threads and m.id == DEFAULT_LM else m for m in cfg.models)

@@ -33,7 +33,7 @@ sys.path.append(str(ROOT / "bench"))
 
 import numpy as np
 import trio
-from _common import free_port
+from _common import free_port, scratch_dir
 
 from tests.fakes import fake_command
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
@@ -46,7 +46,7 @@ IDS = [np.array([101, 7592, 2088, 102], dtype=np.int32)]
 def config(worker_command: tuple[str, ...] | None, artifact: Path) -> SupervisorConfig:
     return SupervisorConfig(lanes=(LaneConfig("bench-0", ("m",), worker_command=worker_command),),
                             models=(ModelConfig("m", artifact),), state_dir=ROOT / ".state",
-                            runtime_dir=Path(tempfile.mkdtemp(prefix="gw-rec-")))
+                            runtime_dir=scratch_dir("gw-rec-"))
 
 
 async def first_reply_s(cfg: SupervisorConfig) -> float:
@@ -113,7 +113,7 @@ SENTENCE = "The daemon supervises tinygrad workers and restarts them when they c
 
 
 def http_config(state: Path, beam: int, standby: bool, port: int) -> Path:
-    conf = Path(tempfile.mkdtemp(prefix="gw-rec-http-")) / "gpuworkerd.toml"
+    conf = scratch_dir("gw-rec-http-") / "gpuworkerd.toml"
     conf.write_text(f"""
 [daemon]
 state_dir = "{state}"
@@ -212,7 +212,7 @@ def main() -> None:
     if args.http:
         main_http(args.http, args.state_dir, args.beam)
         return
-    fake_artifact = Path(tempfile.mkdtemp()) / "fake.bin"
+    fake_artifact = scratch_dir("gw-rec-fake-") / "fake.bin"
     fake_artifact.write_bytes(b"x")
     print(f"{'worker':<30}{'spawn+import+LOAD+1st reply':>30}{'SIGKILL -> next reply':>24}{'ratio':>8}")
     for name, cmd, artifact in (("fake (protocol only)", fake_command(), fake_artifact),
