@@ -16,6 +16,7 @@ from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config, wait_until
 from tests.supervision_helpers import MODEL
 from trio_gpuworker import Supervisor
+from trio_gpuworker.daemon.http_body import DISCARD_MAX_BYTES
 from trio_gpuworker.daemon.main import Daemon
 
 HTTP = {"max_body_bytes": 16 << 20, "body_timeout_s": 0.5, "max_connections_per_client": 3}
@@ -90,6 +91,54 @@ async def test_route_regex_does_not_match_a_trailing_newline(daemon: tuple[httpx
     assert (await http.get("/v1/lanes/lane0")).status_code == 200
     r = await http.get("/v1/lanes/lane0%0a")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+async def read_whole(stream: trio.SocketStream) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One whole response (its body by content-length): status, headers (lower-case names), body."""
+    data = await read_response(stream)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
+    with trio.fail_after(5):
+        while len(body) < int(headers[b"content-length"]):
+            body += await stream.receive_some(65536)
+    return status_of(data), headers, body
+
+
+@pytest.mark.parametrize(("path", "status"), [("/v1/nope", 404), ("/healthz", 405),
+                                              ("/v1/embeddings?x=1", 400)])
+async def test_an_answer_before_the_body_keeps_the_connection(daemon: tuple[httpx.AsyncClient, Daemon],
+                                                              path: str, status: int) -> None:
+    """Refused before its body is read, a POST's body is still read and dropped: the answer leaves the
+    connection usable, so a keep-alive client's next request on it is served (hypercorn used to close it
+    silently right after the answer, and a request sent in that instant was lost)."""
+    http, _ = daemon
+    stream = await raw(http)
+    body = b'{"model":"fake-embed","input":["a"]}'
+    await stream.send_all(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: %d\r\n\r\n" % (path.encode(), len(body)))
+    await trio.sleep(0.1)  # the body comes after the route was already refused
+    await stream.send_all(body)
+    got, headers, _ = await read_whole(stream)
+    assert got == status and b"connection" not in headers
+    await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert (await read_whole(stream))[0] == 200
+    await stream.aclose()
+
+
+async def test_a_large_unread_body_closes_the_connection(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
+    """An unread body larger than DISCARD_MAX_BYTES is not drained: the answer comes at once and says the
+    connection closes, so no client sends another request on it."""
+    http, _ = daemon
+    stream = await raw(http)
+    await stream.send_all(b"POST /v1/nope HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n{"
+                          % (DISCARD_MAX_BYTES + 1))
+    got, headers, _ = await read_whole(stream)
+    assert got == 404 and headers[b"connection"] == b"close"
+    with trio.fail_after(2):
+        while await stream.receive_some(4096):
+            pass
+    await stream.aclose()
 
 
 async def test_absurd_content_length_is_refused_before_the_body(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:

@@ -28,6 +28,7 @@ from .admin import LaneAdmin
 from .config import HttpConfig
 from .http_admin import AdminRoutes
 from .http_auth import bearer_token, challenge, key_matches
+from .http_body import decode_json, discard_body, read_body
 from .http_common import (
     DRAIN_RETRY_AFTER_S,
     ClientGone,
@@ -173,7 +174,7 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
         t0 = time.perf_counter()
         method, path = scope["method"], scope["path"]
         label, model, outcome, tracked = "other", "", "ok", False
-        started = False
+        started = received = False  # received: something has read the request's body (the route, or its watcher)
         server_send = send
 
         async def send_once(message: dict[str, Any]) -> None:
@@ -215,6 +216,7 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
             if route.tracked and not self.admitting:
                 raise HttpError(503, "shutting_down", "gpuworkerd is draining; no new requests are admitted",
                                 {"retry-after": str(DRAIN_RETRY_AFTER_S), "connection": "close"})
+            received = True  # from here the body is read whole, or the answer closes the connection
             body = await self._json_body(scope, receive) if method == "POST" else None
             model = self._model_label(body)
             if route.fields is not None and body is not None:
@@ -231,12 +233,14 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
             outcome = getattr(exc, "code", "internal")
             if status >= 500 and not isinstance(exc, ModelLoading):  # the startup report says what loads
                 log.warning("%s %s -> %d %s", method, path, status, exc)
+            if not received:
+                headers = await self._after_unread_body(scope, receive, headers)
             await self._respond(send, status, error_body(exc), headers)
         except Exception as exc:  # the daemon must answer, whatever broke
             log.exception("%s %s failed", method, path)
             outcome = "internal"
             await self._respond(send, 500, {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}},
-                                {})
+                                {} if received else await self._after_unread_body(scope, receive, {}))
         finally:
             if tracked:
                 self._exit()
@@ -247,6 +251,13 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
         if self.metrics is not None:
             self.metrics.observe(label, model, outcome, time.perf_counter() - t0)
         log.debug("%s %s %s %.1f ms", method, path, outcome, (time.perf_counter() - t0) * 1000)
+
+    async def _after_unread_body(self, scope: Scope, receive: Receive, headers: dict[str, str]) -> dict[str, str]:
+        """Before an early answer: drop the body nobody read (http_body says why), or say the connection closes."""
+        if "connection" in headers or await discard_body(scope, receive, self.http.max_body_bytes,
+                                                         self.http.body_timeout_s):
+            return headers
+        return {**headers, "connection": "close"}
 
     async def _run(self, route: Route, params: dict[str, str], body: Any, receive: Receive, send: Send) -> int:
         """Run the handler and send its answer while watching for the client's disconnect, which cancels both."""
@@ -283,38 +294,13 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
         return status
 
     async def _json_body(self, scope: Scope, receive: Receive) -> dict[str, Any]:
-        limit = self.http.max_body_bytes
-        declared = _content_length(scope)
-        if declared is not None and declared > limit:  # refused before a byte of it is read
-            raise HttpError(413, "request_too_large", f"request body of {declared} bytes exceeds {limit} bytes "
-                                                      "(http.max_body_bytes)", {"connection": "close"})
-        chunks: list[bytes] = []
-        size = 0
-        try:
-            with trio.fail_after(self.http.body_timeout_s):
-                while True:
-                    msg = await receive()
-                    if msg["type"] == "http.disconnect":
-                        raise ClientGone
-                    chunk = msg.get("body", b"")
-                    size += len(chunk)
-                    if size > limit:
-                        raise HttpError(413, "request_too_large", f"request body exceeds {limit} bytes "
-                                                                  "(http.max_body_bytes)", {"connection": "close"})
-                    chunks.append(chunk)
-                    if not msg.get("more_body"):
-                        break
-        except trio.TooSlowError:
-            raise HttpError(408, "request_timeout", f"the request body did not arrive within "
-                                                    f"{self.http.body_timeout_s:g} s (http.body_timeout_s)",
-                            {"connection": "close"}) from None
-        data = b"".join(chunks)
+        data = await read_body(scope, receive, self.http.max_body_bytes, self.http.body_timeout_s)
         if not data.strip():
             return {}
         if len(data) > JSON_INLINE_BYTES:  # a large body decodes in a thread, never on the loop
-            body = await trio.to_thread.run_sync(_decode_json, data, limiter=self._json_cpu)
+            body = await trio.to_thread.run_sync(decode_json, data, limiter=self._json_cpu)
         else:
-            body = _decode_json(data)
+            body = decode_json(data)
         if not isinstance(body, dict):
             raise HttpError(400, "invalid_request", "request body must be a JSON object")
         return body
@@ -367,24 +353,3 @@ def _query(scope: Scope, route: Route) -> dict[str, str]:
             raise HttpError(400, "invalid_request", f"query parameter {name!r} is given twice")
         out[name] = value
     return out
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name.lower() == b"content-length":
-            try:
-                n = int(value)
-            except ValueError:
-                raise HttpError(400, "invalid_request", "Content-Length is not an integer",
-                                {"connection": "close"}) from None
-            return n if n >= 0 else None
-    return None
-
-
-def _decode_json(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise HttpError(400, "invalid_json", f"request body is not valid JSON: {exc}") from exc
-    except RecursionError:
-        raise HttpError(400, "invalid_json", "request body is nested too deeply") from None
