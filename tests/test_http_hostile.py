@@ -141,6 +141,27 @@ async def test_a_large_unread_body_closes_the_connection(daemon: tuple[httpx.Asy
     await stream.aclose()
 
 
+async def test_idle_keep_alive_closes_after_keep_alive_s(tmp_path: Path) -> None:
+    """http.keep_alive_s reaches hypercorn: a connection stays usable while requests come, and is closed once
+    it has been idle that long (here 1 s; 5 s by default)."""
+    async with trio.open_nursery() as nursery:
+        client, _ = await client_for(nursery, daemon_config(tmp_path, fake_command(), http={"keep_alive_s": 1.0}))
+        async with client:
+            stream = await raw(client)
+            for i in range(3):  # each well within the window: the same connection serves them all
+                if i:
+                    await trio.sleep(0.1)
+                await stream.send_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+                assert (await read_whole(stream))[0] == 200
+            t0 = trio.current_time()
+            with trio.fail_after(4):  # well before hypercorn's default of 5 s: the setting took effect
+                while await stream.receive_some(4096):
+                    pass
+            assert trio.current_time() - t0 >= 0.5  # closed by the idle timer, not at once
+            await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
 async def test_absurd_content_length_is_refused_before_the_body(daemon: tuple[httpx.AsyncClient, Daemon]) -> None:
     http, _ = daemon
     stream = await raw(http)

@@ -151,6 +151,7 @@ def test_engine_crashed_carries_the_log_tail_on_the_wire() -> None:
     ("[daemon]\nmax_frame_mib = 1\nmax_batch_items = 2048", "daemon.max_batch_items"),
     ("[daemon]\nmax_frame_mib = 1\nmax_batch_items = 1024\n[models.m]\nmax_tokens = 512", "models.m.max_tokens"),
     ("[http]\nbody_timeout_s = 0", "http.body_timeout_s"),
+    ("[http]\nkeep_alive_s = 0", "http.keep_alive_s"),
     ("[http]\nmax_connections_per_client = 0", "http.max_connections_per_client"),
 ])
 def test_toml_config_cross_checks(text: str, key: str) -> None:

@@ -28,6 +28,10 @@ class HttpConfig:
     request_timeout_s: float = 120.0
     max_inputs: int = 2048
     body_timeout_s: float = 30.0  # the whole request body must arrive within this (408 and close otherwise)
+    # an idle keep-alive connection is closed after this (hypercorn's default). Behind a proxy or load balancer
+    # that reuses connections, set it above the balancer's idle timeout: else the balancer may send a request on
+    # a connection the daemon is closing, and its client gets a 502
+    keep_alive_s: float = 5.0
     max_connections_per_client: int = 128  # POST requests in flight per client address on TCP (429 beyond)
     api_keys_file: str = ""  # one bearer token per line; with $GPUWORKER_API_KEYS, TCP requests need one
     insecure_no_auth: bool = False  # allow_remote without keys, said explicitly
@@ -89,7 +93,7 @@ def parse_http(raw: Any, base: Path, env: Mapping[str, str],
     for name, lo in (("max_body_bytes", 1024), ("max_inputs", 1), ("max_connections_per_client", 1)):
         if getattr(http, name) < lo:
             raise ConfigError(f"http.{name}: must be >= {lo}, got {getattr(http, name)}")
-    for name in ("request_timeout_s", "body_timeout_s"):
+    for name in ("request_timeout_s", "body_timeout_s", "keep_alive_s"):
         if getattr(http, name) <= 0:
             raise ConfigError(f"http.{name}: must be > 0, got {getattr(http, name)}")
     return http

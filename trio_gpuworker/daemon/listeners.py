@@ -26,6 +26,7 @@ def hypercorn_config(bind: str, graceful_timeout_s: float, http: HttpConfig | No
         # request is being served, so it must exceed the body timeout plus the longest request. Stalled and
         # dribbled bodies are cut by the app (http.body_timeout_s), idle keep-alive by keep_alive_timeout.
         hc.read_timeout = math.ceil(http.body_timeout_s + http.request_timeout_s + READ_TIMEOUT_SLACK_S)
+        hc.keep_alive_timeout = http.keep_alive_s
     if bind.startswith("unix:"):
         hc.umask = 0o117  # the API socket is 0660 from the moment it exists
     hc.accesslog = None
