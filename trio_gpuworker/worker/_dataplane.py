@@ -36,11 +36,9 @@ from .._proto import (
     UninstallRing,
 )
 from .._worker_env import ARENA_BYTES, ARENA_FD
-from ._ingress import STREAM_WINDOW, DataPlaneError, IngressPlane, RingSlot, shape_for
+from ._ingress import STREAM_WINDOW, DataPlaneError, Emit, IngressPlane, RingSlot, shape_for
 from ._objects import DeviceObject, DeviceObjects
 from ._roles import EchoRole
-
-Emit = Callable[..., None]  # (t, fields[, raw frame])
 
 
 @dataclass(eq=False)

@@ -29,6 +29,8 @@ DRAIN_CHUNK = 512
 # (the event loop writes them while the next chunk drains), so a burst pays one thread hand-off, not one a chunk;
 # then the call returns and other work on the compute thread gets its turn
 DRAIN_CALL_CHUNKS = 8
+# queues one control message (t, fields[, raw frame]) for the control socket: WorkerServer.post
+Emit = Callable[..., None]
 STREAM_WINDOW = 4 << 20  # bytes of host memory a large ingress object streams through off CPU
 _RING_REASON = {"sequence_violation": "sequence_violation", "device_allocation_failed": "device_out_of_memory",
                 "device_copy_failed": "device_copy_failed"}
@@ -95,7 +97,7 @@ class IngressPlane:
     stream_window: int
     _next_handle: int
     bridge: Any
-    emit: Callable[..., None]  # thread-safe: queues (t, fields[, raw]) for the control socket
+    emit: Emit  # thread-safe: queues (t, fields[, raw]) for the control socket
 
     def more(self, ring_id: int) -> bool:
         """Whether the last drain of this ring stopped early with objects possibly left to drain."""
