@@ -43,6 +43,7 @@ os.environ.setdefault("DEV", "CPU")
 
 import numpy as np
 import trio
+from placement import core_to_core_ns, describe
 
 from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig
 from trio_gpuworker._proto import frame_prefix
@@ -312,10 +313,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="fewer bytes per size")
     args = p.parse_args()
+    before = core_to_core_ns()  # the CPUs' placement, at the start and the end (bench/placement.py)
     rings = trio.run(ring_paths, SIZES, args.quick)
     uds = uds_round_trips(500 if args.quick else 2000)
     native, batch = native_drain_objects_per_s(0.5 if args.quick else 2.0)
+    after = core_to_core_ns()
     print(f"{os.cpu_count()} CPUs; ring capacity {human(RING_CAPACITY)}; GB/s = 1e9 bytes/s")
+    print(f"core-to-core round trip (bench/placement.py): {describe(before)} at the start, "
+          f"{describe(after)} at the end")
     print(f"{'object':>8} {'memcpy x2':>10} {'x2 cold':>8} {'socket':>8} {'ingress':>8} {'obj/s':>9} "
           f"{'us cpu/obj':>10} {'echo rt':>8} {'step p50':>9} {'step p99':>9} "
           f"{'ingress/memcpy':>15} {'ingress/cold':>13} {'ingress/socket':>15} "

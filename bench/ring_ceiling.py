@@ -7,9 +7,12 @@ write_egress_batch from one reused source buffer; both share one anonymous mappi
 spin with sched_yield while the ring is full or empty, so no wake-up cost is counted (the daemon blocks on the
 socket instead: a wake-up across CPUs costs ~40 us here). Footprints: the ring's capacity plus `--dests`
 destinations of the object's size plus the source. With a 2 MiB ring and 2 destinations the 1 MiB case keeps
-both copies within L3; with an 8 MiB ring it is bench/ring.py's ingress ring.
+both copies within L3; with an 8 MiB ring it is bench/ring.py's ingress ring. `--case RING_MIB:DESTS` (repeatable)
+measures other footprints instead: bench/ring.py's 1 MiB laps keep 16 objects loaded at once, and its drain keeps up to
+a ring's worth of spares, so its 8 MiB ring cycles through about 24 destinations and its "in L3" case (2 MiB ring)
+through about 18.
 
-    .venv/bin/python bench/ring_ceiling.py [--seconds 2] [--size 1048576]
+    .venv/bin/python bench/ring_ceiling.py [--seconds 2] [--size 1048576] [--case 2:18 --case 8:24]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import numpy as np
+from placement import core_to_core_ns, describe
 from ring import memcpy_two_copy, page_aligned
 
 from cython_ring import (
@@ -112,16 +116,30 @@ def two_process(size: int, capacity: int, dests: int, seconds: float) -> float:
     return size * (int(got) - 1) / float(elapsed)  # the first object starts the clock
 
 
+def footprint(text: str) -> tuple[int, int]:
+    """`--case`: "RING_MIB:DESTS" as (ring bytes, destinations)."""
+    try:
+        ring, dests = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not RING_MIB:DESTS, e.g. 8:24") from None
+    if ring < 1 or dests < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the ring and the destinations must be at least 1")
+    return ring * MiB, dests
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=2.0, help="traffic per case")
     p.add_argument("--size", type=int, default=MiB, help="object bytes")
     p.add_argument("--rounds", type=int, default=3, help="runs per case; the median is printed")
+    p.add_argument("--case", action="append", type=footprint, metavar="RING_MIB:DESTS",
+                   help="a ring size in MiB and a count of recycled destinations (default 2:2, 8:2 and 8:16)")
     args = p.parse_args()
     size = args.size
-    cases = [(2 * MiB, 2), (8 * MiB, 2), (8 * MiB, 16)]
+    cases = args.case or [(2 * MiB, 2), (8 * MiB, 2), (8 * MiB, 16)]
     print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; objects of {size >> 10} KiB; "
           f"GB/s = 1e9 bytes/s; median of {args.rounds} round(s)")
+    print(f"core-to-core round trip (bench/placement.py) at the start: {describe(core_to_core_ns())}")
     mem = [memcpy_two_copy(size, max(4, int(2e9) // size)) for _ in range(args.rounds)]
     print(f"in-cache two-copy memcpy, one process: {statistics.median(mem) / 1e9:.2f} GB/s")
     for capacity, dests in cases:
@@ -130,7 +148,7 @@ def main() -> None:
         print(f"two processes, native halves only, ring {capacity >> 20} MiB, {dests} destinations: "
               f"{rate / 1e9:.2f} GB/s = {rate / statistics.median(mem):.2f}x the memcpy "
               f"(rounds {', '.join(f'{x / 1e9:.2f}' for x in rates)})")
-    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end; core-to-core round trip {describe(core_to_core_ns())}")
 
 
 if __name__ == "__main__":
