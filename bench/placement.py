@@ -33,19 +33,23 @@ def _compiled() -> Path:
 
 
 def core_to_core_ns(rounds: int = ROUNDS) -> float | None:
-    """Mean round trip between the first two CPUs this process may use; None with fewer than two."""
+    """Mean round trip between the first two CPUs this process may use; None with fewer than two, or when the
+    probe cannot be built or run (no clang): the benches print their figures without it."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None
-    out = subprocess.run([str(_compiled()), str(cpus[0]), str(cpus[1]), str(rounds)], check=True,
-                         capture_output=True, text=True, timeout=60)
+    try:
+        out = subprocess.run([str(_compiled()), str(cpus[0]), str(cpus[1]), str(rounds)], check=True,
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
     return float(out.stdout)
 
 
 def describe(ns: float | None) -> str:
     """'83 ns (a shared L3)': one core_to_core_ns figure and what it says."""
     if ns is None:
-        return "none (one CPU)"
+        return "not measured (one CPU, or no clang)"
     return f"{ns:.0f} ns ({'a shared L3' if ns < NEAR_NS else 'no shared L3'})"
 
 
