@@ -1,8 +1,8 @@
 """Where the two CPUs a data-plane bench runs on sit relative to each other, measured: the core-to-core round trip
-of bench/core_to_core.c (one cache line bounced between two pinned threads). On this VM it reads 50-65 ns while its
+of bench/core_to_core.c (one cache line bounced between two pinned threads). On this VM it reads 50-120 ns while its
 two vCPUs share an L3 and 300-400 ns while they do not; the host moves them between the two while the VM runs. A
-shared-memory ring's copies go through that L3 (or not), so bench/ring.py and bench/ring_ceiling.py print it at the
-start and the end of a run, and figures are compared only between runs of the same placement.
+shared-memory ring's copies and cross-CPU wake-ups go through it (or not), so bench/ring.py, bench/ring_step.py and
+bench/ring_ceiling.py print it at the start and the end of a run: compare figures only between runs of one placement.
 
     .venv/bin/python bench/placement.py
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "core_to_core.c"
 ROUNDS = 100_000
-NEAR_NS = 150.0  # below: the two CPUs share a last-level cache (this VM: 50-65 ns near, 300-400 ns far)
+NEAR_NS = 150.0  # below: the two CPUs share a last-level cache (this VM: 50-120 ns near, 300-400 ns far)
 _binary: list[Path] = []
 
 

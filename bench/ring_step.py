@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import trio
+from placement import core_to_core_ns, describe
 from ring import RING_CAPACITY, ROOT, SPEC, UDS_ECHO, MiB, page_aligned, percentile, thread_cpu, uds_echo_once
 
 from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig
@@ -105,10 +106,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=1000)
     args = p.parse_args()
+    before = core_to_core_ns()  # the CPUs' placement, at the start and the end (bench/placement.py)
     s = trio.run(steps, args.steps)
     u = uds(args.steps)
+    after = core_to_core_ns()
     us = lambda x: f"{x * 1e6:.0f}"  # noqa: E731
     print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.steps} steps of a 4 KiB echo")
+    print(f"core-to-core round trip (bench/placement.py): {describe(before)} at the start, "
+          f"{describe(after)} at the end")
     print(f"echo step: p50 {us(s['p50'])} us, p99 {us(s['p99'])} us; CPU per step: daemon {us(s['daemon'])} us, "
           f"worker event loop {us(s['loop'])} us, worker other threads {us(s['other'])} us; daemon per step "
           f"(cProfile): {s['calls']:.0f} Python calls, {s['polls']:.1f} event-loop passes")
