@@ -8,11 +8,11 @@ spin with sched_yield while the ring is full or empty, so no wake-up cost is cou
 socket instead: a wake-up across CPUs costs ~40 us here). Footprints: the ring's capacity plus `--dests`
 destinations of the object's size plus the source. With a 2 MiB ring and 2 destinations the 1 MiB case keeps
 both copies within L3; with an 8 MiB ring it is bench/ring.py's ingress ring. `--case RING_MIB:DESTS` (repeatable)
-measures other footprints instead: bench/ring.py's 1 MiB laps keep 16 objects loaded at once, and its drain keeps up to
-a ring's worth of spares, so its 8 MiB ring cycles through about 24 destinations and its "in L3" case (2 MiB ring)
-through about 18.
+measures other footprints instead. bench/ring.py's objects stay loaded until their lap ends, and its drain keeps up to
+a ring's worth of spares, so its main 1 MiB row (laps of 64 objects with --quick, 192 without, on an 8 MiB ring)
+cycles through about 72 destinations (200), and its "in L3" row (16-object laps, 2 MiB ring) through about 18.
 
-    .venv/bin/python bench/ring_ceiling.py [--seconds 2] [--size 1048576] [--case 2:18 --case 8:24]
+    .venv/bin/python bench/ring_ceiling.py [--seconds 2] [--size 1048576] [--case 2:18 --case 8:72]
 """
 
 from __future__ import annotations
