@@ -99,6 +99,20 @@ async def test_a_caller_that_leaves_frees_its_slot(sup: Supervisor) -> None:
     assert packer is not None and not packer.live
 
 
+async def test_a_lone_caller_that_drives_the_chunks_still_leaves_at_its_deadline(sup: Supervisor) -> None:
+    """Alone, the caller drives every chunk itself, and a chunk is shielded: its deadline must still end its wait at
+    the next chunk boundary, not when its 400 tokens are done (seconds later)."""
+    packer = packer_for(sup.lanes["gen"], LM, {})
+    assert packer is not None
+    with pytest.raises(DeadlineExceeded):
+        await sup.generate(PROMPTS[-1], model=LM, max_tokens=400, timeout=0.5)  # greedy: all 400 tokens, no EOS
+    assert not packer.live and not packer.pending
+    # its slot is dropped with the next chunk, and the batch goes on
+    want = await alone(sup, PROMPTS[0], {"max_tokens": 8})
+    assert await together(sup, [(PROMPTS[0], {"max_tokens": 8})]) == [want]
+    assert not packer.live and not packer.leaving
+
+
 async def test_a_worker_crash_fails_every_sequence_of_the_batch(sup: Supervisor) -> None:
     lane = sup.lanes["gen"]
     failures: list[BaseException] = []

@@ -83,6 +83,9 @@ class Packer:
         try:
             with trio.move_on_after(math.inf if timeout is None else timeout):
                 while not w.done.is_set():
+                    # A chunk is shielded, so a caller whose deadline passed while it drove one is cancelled only
+                    # here: without this look it would drive the next chunk too, and wait out its whole sequence.
+                    await trio.lowlevel.checkpoint_if_cancelled()
                     if not self.busy and (self.pending or self.live):
                         await self._chunk()
                     else:
