@@ -1,5 +1,6 @@
-"""bench/core_to_core.c, the placement probe bench/ring.py and bench/ring_ceiling.py print: it measures a round
-trip, and a CPU it may not run on is refused at once (a thread left unpinned would leave the other spinning)."""
+"""bench/core_to_core.c, the placement probe bench/ring.py, bench/ring_step.py and bench/ring_ceiling.py print: it
+measures a round trip, and a CPU it may not run on is refused at once (a thread left unpinned would leave the other
+spinning)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ def test_cpu_outside_the_affinity_is_refused(probe: Path) -> None:
 
 
 def test_bad_arguments_are_refused(probe: Path) -> None:
-    for args in ([], ["0", "1"], ["0", "1", "0"], ["-1", "0", "10"]):
+    for args in ([], ["0", "1"], ["0", "1", "0"], ["-1", "0", "10"], ["x", "0", "10"], ["0", "1x", "10"],
+                 ["0", "0", "ten"]):
         done = subprocess.run([str(probe), *args], capture_output=True, text=True, timeout=10)
         assert done.returncode == 2 and done.stderr
