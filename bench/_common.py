@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import random
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,6 +55,15 @@ def scratch_dir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, path, True)
     return path
+
+
+@functools.cache
+def compiled_c(source: Path) -> Path:
+    """A bench's C probe (bench/*.c), built with clang once per process into a scratch directory removed at exit;
+    CalledProcessError or OSError (no clang) when it cannot be built here."""
+    exe = scratch_dir(f"gw-{source.stem}-") / source.stem
+    subprocess.run(["clang", "-O2", "-pthread", str(source), "-o", str(exe)], check=True, capture_output=True)
+    return exe
 
 
 def minilm_daemon_config(listen: str, lane_extra: str = "", model_extra: str = "") -> Any:

@@ -8,13 +8,11 @@ this, say how far a step is from the hardware's ceiling (bench/decode_steps.py p
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from _common import compiled_c
 
 SOURCE = Path(__file__).resolve().parent / "fma_peak.c"
 ITERATIONS = 20_000_000  # per thread: about 0.2 s of one core at 12 FMAs of 8 lanes per iteration
@@ -22,21 +20,11 @@ RUNS = 5  # the figure is the fastest run: a run a busy machine preempted reads 
 WIDTHS = (256, 512)
 
 
-@functools.cache
-def _compiled() -> Path:
-    """The probe, built once per process into a directory removed at exit."""
-    tmp = Path(tempfile.mkdtemp(prefix="gw-fma-"))
-    atexit.register(shutil.rmtree, tmp, True)
-    exe = tmp / "fma_peak"
-    subprocess.run(["clang", "-O2", "-pthread", str(SOURCE), "-o", str(exe)], check=True, capture_output=True)
-    return exe
-
-
 def fma_peak(cpus: list[int], iterations: int = ITERATIONS, runs: int = RUNS) -> float | None:
     """Multiply-adds per second of one thread on each of `cpus` together (the fastest run of the faster width);
     None when the probe cannot be built or run here (no clang, no x86 FMA)."""
     try:
-        exe = _compiled()
+        exe = compiled_c(SOURCE)
     except (OSError, subprocess.SubprocessError):
         return None
     best = None

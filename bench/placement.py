@@ -9,27 +9,15 @@ bench/ring_ceiling.py print it at the start and the end of a run: compare figure
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
+
+from _common import compiled_c
 
 SOURCE = Path(__file__).resolve().parent / "core_to_core.c"
 ROUNDS, BATCHES = 20_000, 5  # the figure is the fastest batch's mean: a batch a busy machine preempted reads high
 NEAR_NS = 200.0  # below: the two CPUs share a last-level cache (this VM: 50-150 ns near, 300-400 ns far)
-
-
-@functools.cache
-def _compiled() -> Path:
-    """The probe, built once per process into a directory removed at exit."""
-    tmp = Path(tempfile.mkdtemp(prefix="gw-c2c-"))
-    atexit.register(shutil.rmtree, tmp, True)
-    exe = tmp / "core_to_core"
-    subprocess.run(["clang", "-O2", "-pthread", str(SOURCE), "-o", str(exe)], check=True, capture_output=True)
-    return exe
 
 
 def core_to_core_ns(rounds: int = ROUNDS, batches: int = BATCHES) -> float | None:
@@ -39,7 +27,7 @@ def core_to_core_ns(rounds: int = ROUNDS, batches: int = BATCHES) -> float | Non
     if len(cpus) < 2:
         return None
     try:
-        exe = _compiled()
+        exe = compiled_c(SOURCE)
         return min(float(subprocess.run([str(exe), str(cpus[0]), str(cpus[1]), str(rounds)], check=True,
                                         capture_output=True, text=True, timeout=60).stdout) for _ in range(batches))
     except (OSError, subprocess.SubprocessError):
