@@ -1,7 +1,8 @@
 """The worker's CPU ingress drain over a long burst: one compute-thread call drains several chunks, posting each full
 chunk's completions as it ends (in stream order, ahead of the call's own reply), and hands the thread back after
 DRAIN_CALL_CHUNKS chunks; a refill takes recycled buffers only while the bridge holds any of the object's size, so a
-steady stream allocates nothing once its first lap is released."""
+steady stream allocates nothing once its first lap is released. A drain on the event loop (while the compute thread is
+idle) stops at its byte budget, and only a small ring drains there."""
 
 from __future__ import annotations
 
@@ -108,4 +109,56 @@ async def test_a_steady_stream_allocates_nothing_once_its_first_lap_is_released(
                 assert fresh == []  # later laps land in the buffers the earlier ones released
             for handle in [r[3] for r in rows]:  # as RELEASE_DEVICE_OBJECT does
                 bridge.free_device(plane.objects.pop(handle).alloc)
+        _uninstall(plane, arena, lease, ring)
+
+
+async def test_a_drain_on_the_event_loop_stops_at_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the event loop a drain holds the loop, so once it has copied LOOP_DRAIN_BYTES it stops at the next refill
+    (the pool has nothing for the next object), with `more` set and nothing posted on the side; the drainer's next
+    calls take the rest, in stream order. Objects of two sizes make the pool run dry between native calls."""
+    from trio_gpuworker.worker._dataplane import WorkerDataPlane
+
+    small, large = 4096, 8192
+    monkeypatch.setattr(ingress, "LOOP_DRAIN_BYTES", 2 * small)
+    emitted: list[tuple[Any, ...]] = []
+    with ArenaManager(1 << 20) as arena:
+        plane = WorkerDataPlane(1, lambda *m: emitted.append(m), {}, arena=arena.mmap)
+        lease = await arena.lease(CAPACITY)
+        ring = arena.init_ring(lease)
+        _install(plane, arena, lease)
+        extents = [small, small, large, large, small, small, large, large]
+        objects = [np.full(n, k, np.uint8) for k, n in enumerate(extents)]
+        written, _, _ = write_egress_batch(ring, EgressState(ObjectSpec.from_wire(SPEC)),
+                                           buffer_records(objects, 0, 0, 0), 0)
+        assert written == len(objects)
+        first = plane.drain(lease.ring_id, on_loop=True)
+        # the two small objects make the budget; the first large one would need a refill: the drain stops there
+        assert [r[2] for r in _rows(first)] == [small, small]
+        assert plane.more(lease.ring_id) and emitted == []
+        notices = first
+        while plane.more(lease.ring_id):
+            notices += plane.drain(lease.ring_id, on_loop=True)
+        rows = _rows(notices)
+        assert [r[:3] for r in rows] == [[k, k, n] for k, n in enumerate(extents)]  # all, in order, none twice
+        for (_, _, extent, handle), data in zip(rows, objects, strict=True):
+            got = np.empty(extent, np.uint8)
+            plane.bridge.device_to_host(plane.objects[handle].alloc, 0, memoryview(got), extent)
+            np.testing.assert_array_equal(got, data)
+        _uninstall(plane, arena, lease, ring)
+
+
+async def test_only_a_small_ring_drains_on_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_gpuworker.worker._dataplane import WorkerDataPlane
+
+    with ArenaManager(1 << 20) as arena:
+        plane = WorkerDataPlane(1, lambda *m: None, {}, arena=arena.mmap)
+        lease = await arena.lease(CAPACITY)
+        ring = arena.init_ring(lease)
+        _install(plane, arena, lease)
+        assert not plane.drains_on_loop(lease.ring_id)  # no bridge yet: making one belongs on the compute thread
+        assert plane.bridge.direct  # made, as the first drain (on the compute thread) makes it
+        assert plane.drains_on_loop(lease.ring_id)
+        monkeypatch.setattr(ingress, "LOOP_DRAIN_BYTES", CAPACITY - 64)  # this ring is now over the limit
+        assert not plane.drains_on_loop(lease.ring_id)
+        assert not plane.drains_on_loop(lease.ring_id + 1)  # no such ring
         _uninstall(plane, arena, lease, ring)

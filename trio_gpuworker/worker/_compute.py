@@ -2,6 +2,8 @@
 
 tinygrad keeps per-process state that is not thread-safe (its CACHEDB sqlite connection refuses
 other threads), and trio's thread pool may pick any thread, so every engine call goes through here.
+The one exception is a CPU ingress drain while this thread is `idle` (worker/_server.py): it then runs
+on the event loop, and tinygrad's allocator is still touched by one thread at a time.
 """
 
 from __future__ import annotations
@@ -19,13 +21,28 @@ class ComputeThread:
     def __init__(self, name: str = "tinygrad") -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome], None]] | None] = (
             queue.SimpleQueue())
+        # jobs queued by the event loop (its thread alone submits) and jobs finished (this thread alone counts): each
+        # counter has one writer, so `idle` needs no lock
+        self._submitted = 0
+        self._finished = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        """Nothing runs on this thread and nothing waits for it. Asked on the thread that submits, the answer holds
+        until that thread submits again: work it then does itself cannot overlap a job here."""
+        return self._finished == self._submitted
+
+    def _put(self, job: tuple[Callable[[], Any], Callable[[outcome.Outcome], None]]) -> None:
+        self._submitted += 1
+        self._jobs.put(job)
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, done = job
             done(outcome.capture(fn))
+            self._finished += 1
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the compute thread; not cancellable once started (tinygrad cannot be interrupted)."""
@@ -37,14 +54,14 @@ class ComputeThread:
             box.append(result)
             token.run_sync_soon(finished.set)
 
-        self._jobs.put((lambda: fn(*args), done))
+        self._put((lambda: fn(*args), done))
         with trio.CancelScope(shield=True):
             await finished.wait()
         return box[0].unwrap()
 
     def submit(self, fn: Callable[[], Any]) -> None:
         """Queue fn() ahead of later work, without waiting: a failure is left for that work to meet again."""
-        self._jobs.put((fn, lambda result: None))
+        self._put((fn, lambda result: None))
 
     def close(self) -> None:
         self._jobs.put(None)

@@ -29,6 +29,11 @@ DRAIN_CHUNK = 512
 # (the event loop writes them while the next chunk drains), so a burst pays one thread hand-off, not one a chunk;
 # then the call returns and other work on the compute thread gets its turn
 DRAIN_CALL_CHUNKS = 8
+# A CPU drain runs on the event loop itself while the compute thread is idle (WorkerServer._drainer): no thread
+# hand-off each way (4 KiB ingress about 1.2x, bench/ring.py). It holds the loop, so it is kept short: only rings of
+# at most this many bytes, and it stops, with more to do, once it has copied this many (a producer refilling the ring
+# as fast as it drains would otherwise hold the loop for a whole chunk of objects).
+LOOP_DRAIN_BYTES = 8 << 20
 # queues one control message (t, fields[, raw frame]) for the control socket: WorkerServer.post
 Emit = Callable[..., None]
 STREAM_WINDOW = 4 << 20  # bytes of host memory a large ingress object streams through off CPU
@@ -97,6 +102,7 @@ class IngressPlane:
     stream_window: int
     _next_handle: int
     bridge: Any
+    _bridge: Any  # the bridge once made (None before): `bridge` makes it
     emit: Emit  # thread-safe: queues (t, fields[, raw]) for the control socket
 
     def more(self, ring_id: int) -> bool:
@@ -104,13 +110,24 @@ class IngressPlane:
         slot = self.rings.get(ring_id)
         return slot is not None and slot.more
 
-    def drain(self, ring_id: int) -> list[tuple[Any, ...]] | None:
-        """RING_READABLE: one native drain of an ingress ring (compute thread). None once the ring is gone."""
+    def drains_on_loop(self, ring_id: int) -> bool:
+        """Whether this ring's drain may run on the event loop (when the compute thread is idle): host-addressable
+        memory (CPU: the drain is native copies into pooled host buffers, no device call) and a small ring. The
+        bridge must exist already: making one opens tinygrad's device, which belongs on the compute thread."""
+        slot = self.rings.get(ring_id)
+        return (slot is not None and self._bridge is not None and self._bridge.direct
+                and slot.ring.capacity <= LOOP_DRAIN_BYTES)
+
+    def drain(self, ring_id: int, on_loop: bool = False) -> list[tuple[Any, ...]] | None:
+        """RING_READABLE: one native drain of an ingress ring (compute thread; `on_loop`: on the event loop, one
+        chunk of at most about LOOP_DRAIN_BYTES). None once the ring is gone."""
         slot = self.rings.get(ring_id)
         if slot is None:
             return None
         if slot.direction != "ingress" or slot.faulted:
             return []
+        if on_loop:
+            return self._drain_pooled(slot, LOOP_DRAIN_BYTES)
         for _ in range(DRAIN_CALL_CHUNKS - 1):
             notices = self._drain(slot)
             if not slot.more or slot.faulted:
@@ -122,27 +139,32 @@ class IngressPlane:
     def _drain(self, slot: RingSlot) -> list[tuple[Any, ...]]:
         return self._drain_pooled(slot) if self.bridge.direct else self._drain_staged(slot)
 
-    def _drain_pooled(self, slot: RingSlot) -> list[tuple[Any, ...]]:
+    def _drain_pooled(self, slot: RingSlot, budget: int | None = None) -> list[tuple[Any, ...]]:
         """Host-addressable device memory (CPU): the drain copies straight into pooled allocations. Each native
         call runs until the ring is empty, the chunk is full or the pool has nothing of the next object's size;
-        then the pool is refilled for that size and the drain goes on."""
+        then the pool is refilled for that size and the drain goes on, unless it has copied `budget` bytes."""
         out: list[tuple[Any, ...]] = []
         parts: list[Any] = []  # per native call: its OBJECTS_LOADED rows, or its LOADED_BLOCK bytes
         batch, pool, failed = slot.batch, slot.pool, None
-        writable, loaded = False, 0
+        writable, loaded, copied, spent = False, 0, 0, False
         while True:
             drain_batch(slot.ring, slot.state, slot.spec, pool, batch, DRAIN_CHUNK - loaded)
             writable |= batch.writable
             if batch.loaded:
                 loaded += batch.loaded
+                copied += batch.loaded_bytes
                 parts.append(self._loaded_batch(slot, batch))
             need = batch.need
             if need is None or batch.more or loaded == DRAIN_CHUNK:
                 break
+            if budget is not None and copied >= budget:
+                spent = True  # the next object waits for the pool: the drainer comes back for it
+                break
             failed = self._refill(slot, need.extent)
             if failed is not None:
                 break
-        slot.more = loaded == DRAIN_CHUNK  # committed objects may be left, and no hint will come for them
+        # committed objects may be left, and no hint will come for them
+        slot.more = loaded == DRAIN_CHUNK or spent
         ids = {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id}
         end = batch.end
         if loaded:

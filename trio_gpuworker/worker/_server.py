@@ -223,7 +223,12 @@ class WorkerServer:
             while True:
                 await self._drain_wakeups[ring_id].wait()
                 self._drain_wakeups[ring_id] = trio.Event()
-                notices = await self.compute.run(dataplane.drain, ring_id)
+                if self.compute.idle and dataplane.drains_on_loop(ring_id):
+                    # nothing runs on the compute thread, and nothing can start there before this returns (this
+                    # thread alone submits): the drain runs here, without a hand-off to the thread and back
+                    notices = dataplane.drain(ring_id, on_loop=True)
+                else:
+                    notices = await self.compute.run(dataplane.drain, ring_id)
                 if notices is None:
                     return  # the ring is gone
                 await self.send_many(notices)
