@@ -1,11 +1,13 @@
 """The worker's compute thread says when it is idle: nothing runs there and nothing waits for it. The worker's
-event loop then drains CPU ingress rings itself (worker/_server.py), so `idle` must never say yes while a job,
-queued by `run` or by `submit`, has not finished, a failed one included."""
+event loop then drains CPU ingress rings itself (worker/_server.py) and frees a host echo's consumed inputs
+(worker/_dataplane.py), so `idle` must never say yes while a job, queued by `run` or by `submit`, has not
+finished, a failed one included."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import trio
@@ -54,3 +56,38 @@ async def test_a_failed_job_still_counts_as_finished(compute: ComputeThread) -> 
     compute.submit(fail)  # its failure is dropped; the thread goes on
     await compute.run(lambda: None)
     assert compute.idle
+
+
+class _Busy:
+    """A compute thread that is never idle: what it is handed is only recorded."""
+
+    idle = False
+
+    def __init__(self) -> None:
+        self.submitted: list[Any] = []
+
+    def submit(self, fn: Any) -> None:
+        self.submitted.append(fn)
+
+
+async def test_a_consumed_input_is_freed_at_once_only_while_the_thread_is_idle(compute: ComputeThread) -> None:
+    from trio_gpuworker.worker._dataplane import WorkerDataPlane
+    from trio_gpuworker.worker._objects import DeviceObject
+
+    plane = WorkerDataPlane(1, lambda *m: None, {}, arena=None)
+    freed: list[Any] = []
+    free = plane.bridge.free_device
+    plane.bridge.free_device = lambda alloc: freed.append(alloc) or free(alloc)
+    for handle in (1, 2):
+        plane.objects[handle] = DeviceObject(plane.bridge.alloc_device(64), "uint8", (64,), 0, handle)
+    binding = lambda h: {"device_handle": {"worker_generation": 1, "id": h}}  # noqa: E731
+
+    busy = _Busy()
+    plane._consume([binding(1)], busy)  # the thread may be using the pool: the free waits its turn there
+    assert 1 not in plane.objects and freed == [] and len(busy.submitted) == 1
+    busy.submitted[0]()
+    assert len(freed) == 1
+
+    assert compute.idle
+    plane._consume([binding(2)], compute)  # nothing runs there: freed here, now, without a job
+    assert 2 not in plane.objects and len(freed) == 2 and compute.idle

@@ -2,8 +2,9 @@
 
 tinygrad keeps per-process state that is not thread-safe (its CACHEDB sqlite connection refuses
 other threads), and trio's thread pool may pick any thread, so every engine call goes through here.
-The one exception is a CPU ingress drain while this thread is `idle` (worker/_server.py): it then runs
-on the event loop, and tinygrad's allocator is still touched by one thread at a time.
+Two exceptions, on CPU and only while this thread is `idle`: an ingress drain (worker/_server.py) and
+the free of a host echo's consumed inputs (worker/_dataplane.py) run on the event loop, and tinygrad's
+allocator is still touched by one thread at a time.
 """
 
 from __future__ import annotations
