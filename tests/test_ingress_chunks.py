@@ -6,6 +6,8 @@ idle) stops at its byte budget, and only a small ring drains there."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -48,15 +50,25 @@ def _uninstall(plane: Any, arena: ArenaManager, lease: Any, ring: Any) -> None:
     arena.release(lease, NeverInstalled(lease.ring_id))
 
 
-async def test_one_call_drains_several_chunks_and_posts_each_as_it_ends(small_chunks: None) -> None:
+@contextlib.asynccontextmanager
+async def _installed(emit: Callable[..., None]) -> AsyncIterator[tuple[Any, Any, Any]]:
+    """A worker data plane on a fresh arena, one ingress ring of CAPACITY installed: (plane, lease, ring)."""
     from trio_gpuworker.worker._dataplane import WorkerDataPlane
 
-    emitted: list[tuple[Any, ...]] = []
     with ArenaManager(1 << 20) as arena:
-        plane = WorkerDataPlane(1, lambda *m: emitted.append(m), {}, arena=arena.mmap)
+        plane = WorkerDataPlane(1, emit, {}, arena=arena.mmap)
         lease = await arena.lease(CAPACITY)
         ring = arena.init_ring(lease)
         _install(plane, arena, lease)
+        try:
+            yield plane, lease, ring
+        finally:  # a failed assertion surfaces as itself, not as the arena's live lease
+            _uninstall(plane, arena, lease, ring)
+
+
+async def test_one_call_drains_several_chunks_and_posts_each_as_it_ends(small_chunks: None) -> None:
+    emitted: list[tuple[Any, ...]] = []
+    async with _installed(lambda *m: emitted.append(m)) as (plane, lease, ring):
         count = CHUNK * CALL_CHUNKS + 2
         objects = [np.full(8 + k, k, np.uint8) for k in range(count)]
         written, _, _ = write_egress_batch(ring, EgressState(ObjectSpec.from_wire(SPEC)),
@@ -76,22 +88,15 @@ async def test_one_call_drains_several_chunks_and_posts_each_as_it_ends(small_ch
             got = np.empty(extent, np.uint8)
             plane.bridge.device_to_host(obj.alloc, 0, memoryview(got), extent)
             np.testing.assert_array_equal(got, data)
-        _uninstall(plane, arena, lease, ring)
 
 
 async def test_a_steady_stream_allocates_nothing_once_its_first_lap_is_released(small_chunks: None) -> None:
-    from trio_gpuworker.worker._dataplane import WorkerDataPlane
-
-    with ArenaManager(1 << 20) as arena:
-        emitted: list[tuple[Any, ...]] = []
-        plane = WorkerDataPlane(1, lambda *m: emitted.append(m), {}, arena=arena.mmap)
+    emitted: list[tuple[Any, ...]] = []
+    async with _installed(lambda *m: emitted.append(m)) as (plane, lease, ring):
         bridge = plane.bridge
         fresh: list[int] = []
         alloc = bridge.alloc_device
         bridge.alloc_device = lambda n: fresh.append(n) or alloc(n)  # counts the allocations not recycled
-        lease = await arena.lease(CAPACITY)
-        ring = arena.init_ring(lease)
-        _install(plane, arena, lease)
         state, data, lap = EgressState(ObjectSpec.from_wire(SPEC)), np.ones(512, np.uint8), 2 * CHUNK + 3
         for k in range(4):
             written, _, _ = write_egress_batch(ring, state, buffer_records([data] * lap, k * lap, k * lap, 0), 0)
@@ -109,23 +114,16 @@ async def test_a_steady_stream_allocates_nothing_once_its_first_lap_is_released(
                 assert fresh == []  # later laps land in the buffers the earlier ones released
             for handle in [r[3] for r in rows]:  # as RELEASE_DEVICE_OBJECT does
                 bridge.free_device(plane.objects.pop(handle).alloc)
-        _uninstall(plane, arena, lease, ring)
 
 
 async def test_a_drain_on_the_event_loop_stops_at_its_byte_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """On the event loop a drain holds the loop, so once it has copied LOOP_DRAIN_BYTES it stops at the next refill
     (the pool has nothing for the next object), with `more` set and nothing posted on the side; the drainer's next
     calls take the rest, in stream order. Objects of two sizes make the pool run dry between native calls."""
-    from trio_gpuworker.worker._dataplane import WorkerDataPlane
-
     small, large = 4096, 8192
     monkeypatch.setattr(ingress, "LOOP_DRAIN_BYTES", 2 * small)
     emitted: list[tuple[Any, ...]] = []
-    with ArenaManager(1 << 20) as arena:
-        plane = WorkerDataPlane(1, lambda *m: emitted.append(m), {}, arena=arena.mmap)
-        lease = await arena.lease(CAPACITY)
-        ring = arena.init_ring(lease)
-        _install(plane, arena, lease)
+    async with _installed(lambda *m: emitted.append(m)) as (plane, lease, ring):
         extents = [small, small, large, large, small, small, large, large]
         objects = [np.full(n, k, np.uint8) for k, n in enumerate(extents)]
         written, _, _ = write_egress_batch(ring, EgressState(ObjectSpec.from_wire(SPEC)),
@@ -144,21 +142,13 @@ async def test_a_drain_on_the_event_loop_stops_at_its_byte_budget(monkeypatch: p
             got = np.empty(extent, np.uint8)
             plane.bridge.device_to_host(plane.objects[handle].alloc, 0, memoryview(got), extent)
             np.testing.assert_array_equal(got, data)
-        _uninstall(plane, arena, lease, ring)
 
 
 async def test_only_a_small_ring_drains_on_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
-    from trio_gpuworker.worker._dataplane import WorkerDataPlane
-
-    with ArenaManager(1 << 20) as arena:
-        plane = WorkerDataPlane(1, lambda *m: None, {}, arena=arena.mmap)
-        lease = await arena.lease(CAPACITY)
-        ring = arena.init_ring(lease)
-        _install(plane, arena, lease)
+    async with _installed(lambda *m: None) as (plane, lease, _):
         assert not plane.drains_on_loop(lease.ring_id)  # no bridge yet: making one belongs on the compute thread
         assert plane.bridge.direct  # made, as the first drain (on the compute thread) makes it
         assert plane.drains_on_loop(lease.ring_id)
         monkeypatch.setattr(ingress, "LOOP_DRAIN_BYTES", CAPACITY - 64)  # this ring is now over the limit
         assert not plane.drains_on_loop(lease.ring_id)
         assert not plane.drains_on_loop(lease.ring_id + 1)  # no such ring
-        _uninstall(plane, arena, lease, ring)
