@@ -42,8 +42,11 @@ class ComputeThread:
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, done = job
-            done(outcome.capture(fn))
+            result = outcome.capture(fn)
+            # counted before its caller hears of it: once `run` returns, the job no longer keeps this thread busy
+            # (what follows here, `done`, only hands the result over)
             self._finished += 1
+            done(result)
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn(*args) on the compute thread; not cancellable once started (tinygrad cannot be interrupted)."""
