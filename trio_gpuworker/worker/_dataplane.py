@@ -223,7 +223,7 @@ class WorkerDataPlane(IngressPlane):
         input's allocation, read at a stable host address, so it needs neither tinygrad nor the compute thread.
         Anything else (another role, other ports, a device without host addresses) takes the general path, which
         also types every failure."""
-        return (isinstance(self.roles.get(msg.role_id), EchoRole) and self._bridge is not None and self._bridge.direct
+        return (isinstance(self.roles.get(msg.role_id), EchoRole) and self.host_bridge
                 and not self.aborted and [b["port_id"] for b in msg.inputs] == ["in"]
                 and all(b["port_id"] == "out" for b in msg.outputs))
 

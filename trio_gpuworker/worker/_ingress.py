@@ -110,13 +110,18 @@ class IngressPlane:
         slot = self.rings.get(ring_id)
         return slot is not None and slot.more
 
+    @property
+    def host_bridge(self) -> bool:
+        """The bridge exists and its memory is host memory (CPU): work on its buffers needs no device call, so the
+        event loop may do it. Asking never makes the bridge: that opens tinygrad's device, which belongs on the
+        compute thread."""
+        return self._bridge is not None and self._bridge.direct
+
     def drains_on_loop(self, ring_id: int) -> bool:
-        """Whether this ring's drain may run on the event loop (when the compute thread is idle): host-addressable
-        memory (CPU: the drain is native copies into pooled host buffers, no device call) and a small ring. The
-        bridge must exist already: making one opens tinygrad's device, which belongs on the compute thread."""
+        """Whether this ring's drain may run on the event loop (when the compute thread is idle): a host bridge
+        (the drain is native copies into pooled host buffers) and a small ring."""
         slot = self.rings.get(ring_id)
-        return (slot is not None and self._bridge is not None and self._bridge.direct
-                and slot.ring.capacity <= LOOP_DRAIN_BYTES)
+        return slot is not None and self.host_bridge and slot.ring.capacity <= LOOP_DRAIN_BYTES
 
     def drain(self, ring_id: int, on_loop: bool = False) -> list[tuple[Any, ...]] | None:
         """RING_READABLE: one native drain of an ingress ring (compute thread; `on_loop`: on the event loop, one
