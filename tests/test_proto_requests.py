@@ -104,15 +104,6 @@ def test_progress_rules_are_enforced() -> None:
     assert tr.classify(progress(1, 4)).renews
 
 
-def test_salvage_keeps_replies_and_drops_strays() -> None:
-    tr = RequestTracker()
-    tr.begin("EMBED_BATCH")
-    assert tr.salvage(msg("PONG", req_id=7, rss_mb=1.0, models_loaded=[])).kind is ReplyKind.STRAY
-    assert tr.salvage(progress(1, 0, "setup")).kind is ReplyKind.PROGRESS
-    assert tr.salvage(progress(1, 0, "setup")).kind is ReplyKind.STRAY  # not increasing: dropped, not raised
-    assert tr.salvage(msg("VECTORS", req_id=1, dims=4, n=1)).kind is ReplyKind.TERMINAL
-
-
 @given(st.lists(st.tuples(st.sampled_from(["PROGRESS", "VECTORS", "ERR", "PONG", "OBJECT_PRODUCED"]),
                           st.integers(0, 3), st.integers(0, 5), st.sampled_from(["setup", "inference", "control"])),
                 max_size=20))

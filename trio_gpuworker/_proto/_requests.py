@@ -1,9 +1,9 @@
 """The request on one control connection: req_ids, which replies belong to it, and the progress rules.
 
-Both sides use it. The daemon's lane opens a request with `begin`, classifies every reply frame with
-`classify` (or `salvage` once the worker is gone), and learns from each verdict whether the silence
-window is renewed. The worker asks `is_request` for every frame it reads. Nothing here does I/O or
-reads a clock.
+Both sides use it. The daemon's lane opens a request with `begin`; its socket reader classifies every reply
+frame with `classify` as it reads it (what is salvaged once a worker is gone was classified then) and learns
+from each verdict whether the silence window is renewed. The worker asks `is_request` for every frame it
+reads. Nothing here does I/O or reads a clock.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .._errors import LocalProtocolError, ProgressViolation, RemoteProtocolError, UnexpectedFrame
+from .._errors import LocalProtocolError, ProgressViolation, UnexpectedFrame
 from ._connection import Message
 from ._progress import ProgressValidator
 from ._schema import INTERMEDIATE, TERMINAL
@@ -29,7 +29,6 @@ class Kind(Enum):
     INTERMEDIATE = "intermediate"  # a reply that precedes the terminal one (OBJECT_PRODUCED of EXECUTE_STEP)
     TERMINAL = "terminal"  # the reply that ends the open request
     ERROR = "error"  # ERR: ends the open request with a worker error
-    STRAY = "stray"  # salvage only: a frame of no use once the worker is gone
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,7 @@ class Verdict:
 class OpenRequest:
     t: str
     req_id: int
+    intermediates: int | None = None  # how many intermediate replies it may have (an EXECUTE_STEP: its outputs)
 
 
 class RequestTracker:
@@ -57,17 +57,19 @@ class RequestTracker:
         self.open: OpenRequest | None = None
         self._progress: ProgressValidator | None = None
         self._delta_tokens = 0  # n_gen of the open GENERATE's last TEXT_DELTA
+        self._intermediates = 0  # intermediate replies the open request has had
 
-    def begin(self, t: str, phase: str = "setup") -> int:
-        """Open a request of type `t`; returns its req_id."""
+    def begin(self, t: str, phase: str = "setup", intermediates: int | None = None) -> int:
+        """Open a request of type `t`; returns its req_id. `intermediates` bounds the intermediate replies it may
+        have (one OBJECT_PRODUCED per output of an EXECUTE_STEP): one more is the worker's fault."""
         if self.open is not None:
             raise LocalProtocolError(f"{t} while {self.open.t} (req_id {self.open.req_id}) is still open")
         if not is_request(t):
             raise LocalProtocolError(f"{t} is not a request")
         self.last_req_id += 1
-        self.open = OpenRequest(t, self.last_req_id)
+        self.open = OpenRequest(t, self.last_req_id, intermediates)
         self._progress = ProgressValidator(self.last_req_id, phase)
-        self._delta_tokens = 0
+        self._delta_tokens = self._intermediates = 0
         return self.last_req_id
 
     def abort(self) -> None:
@@ -100,6 +102,10 @@ class RequestTracker:
             self._delta_tokens = msg["n_gen"]
             return Verdict(Kind.PROGRESS, self.phase, renews=True)
         if msg.t in INTERMEDIATE.get(req.t, ()):
+            self._intermediates += 1
+            if req.intermediates is not None and self._intermediates > req.intermediates:
+                raise UnexpectedFrame(f"{msg.t} number {self._intermediates} for a {req.t} with "
+                                      f"{req.intermediates} outputs")
             return Verdict(Kind.INTERMEDIATE)
         if msg.t == "ERR":
             self.abort()
@@ -108,11 +114,3 @@ class RequestTracker:
             self.abort()
             return Verdict(Kind.TERMINAL)
         raise UnexpectedFrame(f"{msg.t} is not a reply to {req.t}")
-
-    def salvage(self, msg: Message) -> Verdict:
-        """Like `classify`, for frames read after the worker exited: a complete reply it wrote before exiting
-        still reaches its caller, and anything that is not a reply to the open request is dropped."""
-        try:
-            return self.classify(msg)
-        except RemoteProtocolError:
-            return Verdict(Kind.STRAY)

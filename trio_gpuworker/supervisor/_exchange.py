@@ -10,16 +10,16 @@ from typing import Any
 import trio
 
 from .._config import Windows
-from .._errors import InvalidRequest, LocalProtocolError, OutgoingFrameTooLarge, RemoteProtocolError, RequestTooLarge
+from .._errors import InvalidRequest, LocalProtocolError, OutgoingFrameTooLarge, RequestTooLarge
 from .._proto import (
     EXT_CANCEL,
     SERVING,
     Cancel,
+    ExecuteStep,
     Generate,
     Load,
     Message,
     ReplyKind,
-    RequestTracker,
     advertised,
     describe_extensions,
     required_extensions,
@@ -52,8 +52,8 @@ def rejected(t: str, exc: LocalProtocolError) -> InvalidRequest:
     return InvalidRequest(f"{t} rejected before it was sent: {exc}")
 
 
-async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows: Windows,
-                   on_progress: Callable[[], None] | None = None, extend: Callable[[], bool] | None = None) -> Message:
+async def exchange(wp: WorkerProcess, job: Job, windows: Windows, on_progress: Callable[[], None] | None = None,
+                   extend: Callable[[], bool] | None = None) -> Message:
     """Write one request and read until its terminal reply (or ERR, returned as a message).
 
     Raises InvalidRequest/RequestTooLarge when the request fails local validation: nothing was written and the
@@ -69,8 +69,10 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
     if missing := required_extensions(job.t, fields) - has:
         raise InvalidRequest(f"{job.t}: this worker does not support {describe_extensions(missing)} (its HELLO "
                              "did not advertise it)")
+    tracker = wp.tracker
     try:
-        req_id = tracker.begin(job.t)
+        outputs = job.request.outputs if isinstance(job.request, ExecuteStep) else None
+        req_id = tracker.begin(job.t, intermediates=None if outputs is None else len(outputs))
         chunks = wp.encode(job.t, numbered(fields, req_id), job.request.payload())
     except LocalProtocolError as exc:
         tracker.abort()
@@ -98,20 +100,15 @@ async def exchange(wp: WorkerProcess, job: Job, tracker: RequestTracker, windows
                     cancellable = False
                     await wp.send_message(Cancel(req_id=req_id))  # a broken socket: recorded, cancels us
                 try:  # replies that came in one read are taken without a scheduler pass each
-                    msg = wp.replies.receive_nowait()
+                    msg, verdict = wp.replies.get_nowait()
                 except trio.WouldBlock:
                     if not cancellable:
-                        msg = await wp.replies.receive()
+                        msg, verdict = await wp.replies.get()
                     else:
                         with trio.CancelScope() as interrupt:
-                            msg = await wp.replies.receive()
+                            msg, verdict = await wp.replies.get()
                         if interrupt.cancelled_caught:
                             continue
-                try:
-                    verdict = tracker.classify(msg)
-                except RemoteProtocolError as exc:
-                    wp.fail("protocol", str(exc), exc)
-                    await trio.sleep_forever()
                 if verdict.kind is ReplyKind.PROGRESS:
                     if verdict.renews:
                         watchdog.deadline = deadline = trio.current_time() + window

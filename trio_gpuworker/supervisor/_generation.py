@@ -21,7 +21,6 @@ from .._proto import (
     Message,
     Ping,
     ReplyKind,
-    RequestTracker,
     Shutdown,
     Unload,
     WireMessage,
@@ -42,7 +41,6 @@ class Generation:
         self.number = number
         self.role = role  # "active" or "standby" when spawned (a standby may be promoted later)
         self.wp = wp
-        self.tracker = RequestTracker()  # req_ids and the open request of this connection
         self.models: list[str] = []
         self.beams: dict[str, int] = {}  # the BEAM width each of its models loads with (its settings at spawn)
         self.load_errors: dict[str, str] = {}
@@ -96,7 +94,7 @@ async def host(gen: Generation, windows: Windows, on_hello: Callable[[], None],
             wp.stop_now("the lane stopped")
         with trio.CancelScope(shield=True):
             gen.rc = await wp.close(patience(wp, windows))
-        salvaged = salvage(wp, gen.tracker) if wp.fault is not None and wp.fault.cause in ("crash", "ordered") \
+        salvaged = salvage(wp) if wp.fault is not None and wp.fault.cause in ("crash", "ordered") \
             else None  # after a protocol fault or a hang nothing the worker sent is trusted
         try:
             on_reaped(salvaged)
@@ -113,18 +111,16 @@ def patience(wp: WorkerProcess, windows: Windows) -> float:
     return 0.0
 
 
-def salvage(wp: WorkerProcess, tracker: RequestTracker) -> Message | None:
+def salvage(wp: WorkerProcess) -> Message | None:
     """A worker may write its whole reply and exit before the exchange, cancelled with the generation, reads it:
     a complete terminal reply (or ERR) already received still goes to its caller."""
-    if tracker.open is None:
-        return None
     extras: list[Message] = []
     while True:
         try:
-            msg = wp.replies.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            msg, verdict = wp.replies.get_nowait()
+        except trio.WouldBlock:
             return None
-        kind = tracker.salvage(msg).kind
+        kind = verdict.kind
         if kind is ReplyKind.INTERMEDIATE:
             extras.append(msg)
         elif kind in (ReplyKind.ERROR, ReplyKind.TERMINAL):

@@ -145,7 +145,7 @@ class LaneRunner:
             machine.progress(n, t)
 
         try:
-            reply = await exchange(gen.wp, job, gen.tracker, self.windows, on_progress=progressed,
+            reply = await exchange(gen.wp, job, self.windows, on_progress=progressed,
                                    extend=self.report.step_waits_on_us if t.kind == ExecuteStep.T else None)
         except InvalidRequest as exc:  # failed local validation: this request alone, nothing was written
             self.feed(machine.replied(n, t, exc, success=False, refused=True, now=trio.current_time()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import signal
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,11 +14,52 @@ import trio
 
 from .._channel import Held, MessageReader, send_chunks
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
-from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message, WireMessage
+from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message, RequestTracker, Verdict, WireMessage
 from ._launcher import Launched, Launcher, WorkerSpec
 from ._logring import LogRing
 
-REPLY_BUFFER = 64
+# Replies read from the socket that their request's task has not taken yet. Past this many bytes the reader stops
+# reading (the worker's writes then block in the socket): backpressure, never a fault (docs/architecture.md,
+# "Replies are flow-controlled").
+REPLY_BUFFER_BYTES = 4 << 20
+MESSAGE_BYTES = 256  # what one decoded control map is counted as, beside its raw frame
+
+
+class Replies:
+    """The open request's replies, classified as they were read, waiting for the task that serves the request.
+    Bounded in bytes: `put` waits while the bound is reached (one reply always fits, however large)."""
+
+    def __init__(self, limit: int = REPLY_BUFFER_BYTES) -> None:
+        self.limit = limit
+        self.held = 0
+        self._items: deque[tuple[Message, Verdict, int]] = deque()
+        self._space = trio.lowlevel.ParkingLot()
+        self._arrived = trio.lowlevel.ParkingLot()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def put(self, msg: Message, verdict: Verdict) -> None:
+        while self.held >= self.limit:
+            await self._space.park()
+        size = MESSAGE_BYTES + (len(msg.raw) if msg.raw is not None else 0)
+        self._items.append((msg, verdict, size))
+        self.held += size
+        self._arrived.unpark_all()
+
+    def get_nowait(self) -> tuple[Message, Verdict]:
+        """The oldest reply and its verdict; trio.WouldBlock when none is waiting."""
+        if not self._items:
+            raise trio.WouldBlock
+        msg, verdict, size = self._items.popleft()
+        self.held -= size
+        self._space.unpark_all()
+        return msg, verdict
+
+    async def get(self) -> tuple[Message, Verdict]:
+        while not self._items:
+            await self._arrived.park()
+        return self.get_nowait()
 
 
 @dataclass
@@ -56,8 +98,8 @@ class WorkerProcess:
         self._reader_done: trio.Event | None = None
         self._scopes: list[trio.CancelScope] = []  # everything that runs on this generation's behalf
         self._send_lock = trio.Lock()
-        send, recv = trio.open_memory_channel[Message](REPLY_BUFFER)
-        self._reply_send, self.replies = send, recv
+        self.tracker = RequestTracker()  # req_ids and the open request of this connection
+        self.replies = Replies()
 
     @property
     def pid(self) -> int | None:
@@ -130,6 +172,9 @@ class WorkerProcess:
         self.fail("crash", f"worker exited ({describe_exit(self.returncode)})")
 
     async def _read_loop(self) -> None:
+        """Notifications go to `on_event`; a reply is classified against the open request as it is read (one no
+        request can own, or one that breaks its request's rules, is a protocol fault at once) and queued for the
+        request's task, waiting while the queue is full."""
         self._reader_done = trio.Event()
         try:
             while (msg := await self._receive()) is not None:
@@ -137,10 +182,7 @@ class WorkerProcess:
                     if self.on_event is not None:
                         self.on_event(self, msg.typed())
                     continue  # a reply stays a Message: the RequestTracker files it by its fields
-                try:
-                    self._reply_send.send_nowait(msg)
-                except trio.WouldBlock:
-                    raise UnexpectedFrame("worker floods replies nobody asked for") from None
+                await self.replies.put(msg, self.tracker.classify(msg))
             self.fail("crash", "worker closed the control socket")
         except TruncatedStream as exc:
             self.fail("crash", str(exc), exc)
