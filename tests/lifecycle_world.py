@@ -19,6 +19,7 @@ from trio_gpuworker._proto import (
     LaneLifecycle,
     LaneState,
     Outcome,
+    PlainSettings,
     Send,
     Spawn,
     StrikePolicy,
@@ -44,9 +45,9 @@ class World:
     counter: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
-        self.machine = LaneLifecycle(list(self.models), policy=StrikePolicy(self.strikes, 600.0),
-                                     new_generation=lambda: next(self.counter), standby=self.standby,
-                                     backoff=Backoff(0.1, 2.0, 1.0))
+        self.machine = LaneLifecycle(PlainSettings(tuple(self.models), self.standby),
+                                     policy=StrikePolicy(self.strikes, 600.0),
+                                     new_generation=lambda: next(self.counter), backoff=Backoff(0.1, 2.0, 1.0))
         self.apply(self.machine.start(self.now))
 
     # --- carrying effects out ------------------------------------------------------------------

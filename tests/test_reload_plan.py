@@ -40,8 +40,8 @@ def plan(old: DaemonConfig, new: DaemonConfig, running: tuple[str, ...] = ("lane
 def test_nothing_changed() -> None:
     p = plan(config(), config())
     assert (p.remove, p.add, p.reload, p.forget_tokenizers) == ((), (), (), ())
-    assert p.report().as_dict() == {k: [] for k in ("reloaded", "added", "removed", "models_changed", "applied",
-                                                    "restart_required", "errors")}
+    assert p.report().as_dict() == {k: [] for k in ("reloaded", "changes", "added", "removed", "models_changed",
+                                                    "applied", "restart_required", "errors")}
     assert p.report().summary() == "no changes" and p.config == config() and not p.logging_changed
 
 

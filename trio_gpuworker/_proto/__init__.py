@@ -39,8 +39,10 @@ from ._lifecycle_parts import (
     Finish,
     Kill,
     Outcome,
+    PlainSettings,
     Role,
     Send,
+    Settings,
     Spawn,
 )
 from ._lifecycle_parts import Ticket as LaneTicket
@@ -212,6 +214,7 @@ __all__ = [
     "ObjectsLoaded",
     "Outcome",
     "Ping",
+    "PlainSettings",
     "Pong",
     "Progress",
     "ProgressValidator",
@@ -233,6 +236,7 @@ __all__ = [
     "RoleFailed",
     "Scores",
     "Send",
+    "Settings",
     "Shutdown",
     "Spawn",
     "Spec",

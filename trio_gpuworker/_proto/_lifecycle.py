@@ -26,6 +26,7 @@ from ._lifecycle_parts import (
     Restarts,
     Role,
     Send,
+    Settings,
     Spawn,
     Stop,
     Ticket,
@@ -39,12 +40,11 @@ E, G, L = Event, GenState, LaneState
 
 
 class LaneLifecycle:
-    def __init__(self, models: list[str], *, policy: StrikePolicy, new_generation: Callable[[], int],
-                 standby: bool = False, backoff: Backoff | None = None) -> None:
-        self.models = list(models)  # what every new generation loads after HELLO
+    def __init__(self, settings: Settings, *, policy: StrikePolicy, new_generation: Callable[[], int],
+                 backoff: Backoff | None = None) -> None:
+        self.settings = settings  # what every new generation is spawned with (its models load after HELLO)
         self.policy = policy
         self.new_generation = new_generation  # daemon-unique numbers, so no handle resolves on another lane
-        self.standby_enabled = standby
         self.timing = Restarts(backoff or Backoff())
         self.tickets = Tickets()
         self.state = L.STARTING
@@ -100,11 +100,24 @@ class LaneLifecycle:
             self.tickets.finish(t, Outcome.ABANDONED)
         return self.tickets.take()
 
-    def reload(self, now: float) -> tuple[Ticket, list[Effect]]:
-        """Ordered restart of both workers after what is queued now. It lifts a quarantine at once; outside one it
-        forgives no strike (only drained serving work clears strikes)."""
+    @property
+    def models(self) -> list[str]:
+        return list(self.settings.models)
+
+    def retarget(self, settings: Settings) -> None:
+        """New settings at once, for the live generations too (an admin LOAD or UNLOAD, applied to them as well)
+        and for every later one."""
+        self.settings = settings
+        for g in self.live():
+            g.settings = settings
+
+    def reload(self, now: float, settings: Settings | None = None) -> tuple[Ticket, list[Effect]]:
+        """Ordered restart of both workers after what is queued now, the fresh ones with `settings` (None: the
+        lane's as they are then). Requests queued before it are served with the old settings, later ones with
+        the new. It lifts a quarantine at once; outside one it forgives no strike (only drained serving work
+        clears strikes)."""
         t = self.tickets.new(RELOAD)
-        t.after = self.generation
+        t.after, t.settings = self.generation, settings
         if self.closing:
             self.tickets.finish(t, Outcome.SHUTTING_DOWN)
         else:
@@ -185,7 +198,7 @@ class LaneLifecycle:
         """The roll-over's caller gave up: a successor that is not a configured standby stops."""
         if self.rolling:
             self.rolling = False
-            if not self.standby_enabled:
+            if not self.settings.standby:
                 rules.retire_standby(self)
         return self._settled(now)
 
@@ -318,7 +331,7 @@ class LaneLifecycle:
         self.state = step_lane(self.state, event)
 
     def spawn(self, role: Role) -> None:
-        g = Generation(self.new_generation(), role)
+        g = Generation(self.new_generation(), role, settings=self.settings)
         self.gens[g.number] = g
         if role is Role.ACTIVE:
             self.active, self.generation = g, g.number

@@ -4,12 +4,34 @@ the trio lane to carry out, and the restart timing."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, Protocol
 
 from ._lifecycle_table import Event, GenState, LifecycleError, step_generation
 
 RELOAD = "__RELOAD__"  # a queued reload: in order behind the requests queued before it
+
+
+class Settings(Protocol):
+    """What a lane's generations are started with. The machine reads the models each loads after HELLO and whether
+    a warm standby is kept; the rest (the worker's command, environment and device, each model's settings) belongs
+    to the trio lane, which reads it back from the generation that was spawned with it."""
+
+    @property
+    def models(self) -> Sequence[str]: ...
+
+    @property
+    def standby(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class PlainSettings:
+    """Settings that are only what the machine reads (its tests, the simulation of the machine alone)."""
+
+    models: tuple[str, ...] = ()
+    standby: bool = False
 
 
 class Role(StrEnum):
@@ -44,6 +66,7 @@ class Ticket:
     internal: bool = False  # the lane's own: model loads, standby applies, PING, SHUTDOWN
     model: str | None = None  # LOAD / UNLOAD of the lane's own
     after: int = 0  # RELOAD: served once a generation newer than this one has loaded
+    settings: Any = None  # RELOAD: the settings it brings, adopted when it reaches the head of the queue
     pinned: int | None = None  # only this generation may get it (it names that generation's rings or handles)
     gen: int | None = None  # the generation it was sent to
     open: bool = False
@@ -64,6 +87,7 @@ class Generation:
     loaded: bool = False
     served: bool = False  # drained a successful serving reply: the restart backoff starts over after it
     cause: str | None = None  # why it ended: crash | hang | protocol | ordered
+    settings: Any = None  # what it was spawned with (the lane's settings then, or an admin LOAD's since)
 
     def step(self, event: Event) -> None:
         self.state = step_generation(self.state, event)

@@ -7,7 +7,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Protocol
 
-from ._lifecycle_parts import RELOAD, Abort, Generation, Kill, Outcome, Restarts, Role, Stop, Ticket, Tickets
+from ._lifecycle_parts import (
+    RELOAD,
+    Abort,
+    Generation,
+    Kill,
+    Outcome,
+    Restarts,
+    Role,
+    Settings,
+    Stop,
+    Ticket,
+    Tickets,
+)
 from ._lifecycle_table import Event, GenState, LaneState
 from ._strikes import StrikePolicy
 
@@ -25,7 +37,7 @@ class LaneLifecycle(Protocol):
     timing: Restarts
     policy: StrikePolicy
     closing: bool
-    standby_enabled: bool
+    settings: Settings
     after_stop: Stop | None
     quarantine_pending: bool
     generation: int
@@ -114,7 +126,7 @@ def can_respawn(m: LaneLifecycle) -> bool:
 
 def wants_standby(m: LaneLifecycle) -> bool:
     """A standby to start: the configured one, or a roll-over's successor (which loads as a standby does)."""
-    return (m.standby_enabled or m.rolling) and m.standby is None and not m.closing \
+    return (m.settings.standby or m.rolling) and m.standby is None and not m.closing \
         and m.policy.quarantined_until is None and m.state in (L.READY, L.BUSY)
 
 
@@ -164,12 +176,14 @@ def _serve_next(m: LaneLifecycle) -> bool:
         if t.kind != RELOAD:
             m.send(a, t)
             return True
-        if a.number > t.after:  # this generation is fresher than the one the reload was asked of
-            m.tickets.finish(t, Outcome.RELOADED, a.number)
+        if a.number > t.after and (t.settings is None or a.settings == t.settings):
+            m.tickets.finish(t, Outcome.RELOADED, a.number)  # fresher than the one the reload was asked of
             continue
         if m.closing:  # no fresh generation will come
             m.tickets.finish(t, Outcome.SHUTTING_DOWN)
             continue
+        if t.settings is not None:  # what it brings applies from the generation it starts on
+            m.settings = t.settings
         m.tickets.reloads.append(t)
         _stop_active(m, a, Stop.RELOAD, E.RELOAD)
         return True

@@ -26,9 +26,18 @@ from pathlib import Path
 import trio
 from hypercorn.trio import serve
 
-from .._config import LaneConfig, SupervisorConfig
+from .._config import SupervisorConfig
 from .._errors import ConfigError
-from ..supervisor import SERVING_STATES, DigestCache, LaneState, LoadSpec, Supervisor, describe_progress, load_spec
+from ..supervisor import (
+    SERVING_STATES,
+    DigestCache,
+    LaneSettings,
+    LaneState,
+    LoadSpec,
+    Supervisor,
+    describe_progress,
+    load_spec,
+)
 from .config import DaemonConfig, load_config
 from .http import Api
 from .listeners import API_SOCKET_MODE, hypercorn_config, prepare_unix_socket
@@ -205,52 +214,68 @@ class Daemon:
             return report.as_dict()
 
     async def carry_out(self, plan: ReloadPlan) -> ReloadReport:
-        """Apply the settings at once, then remove, add and reload lanes in that order."""
+        """Apply the settings at once; then, while no new request of a changed model starts (those admitted before
+        finish first, with the old settings), remove and add lanes and queue the reloads of every lane that serves
+        a changed model, so each request is tokenized and served with one model's settings; the other lanes
+        reload one after the other, each drained while others serve its models."""
         report = plan.report()
         self.api.http = plan.http
         if plan.logging_changed:
             setup_logging(plan.config.log_format, plan.config.log_level)
-        for model in plan.forget_tokenizers:
-            self.sup.forget_tokenizer(model)  # cached per model
-        self.sup.reconfigure(dataclasses.replace(self.sup.config, models=plan.models, lanes=plan.lanes,
-                                                 max_batch_items=plan.config.supervisor.max_batch_items),
-                             admission=plan.config.admission, batching=plan.config.batching)
-        self.specs = dict(plan.specs)
-        for lane_id in plan.remove:
-            await self.remove_lane(lane_id)
-            report.removed.append(lane_id)
-        for lane_cfg in plan.add:
-            await self.sup.add_lane(lane_cfg, plan.loads(lane_cfg))
-            report.added.append(lane_cfg.id)
-        for lane_cfg in plan.reload:
-            try:
-                await self._reload_lane(lane_cfg, plan.loads(lane_cfg))
-                report.reloaded.append(lane_cfg.id)
-            except Exception as exc:  # one lane failing to reload must not stop the others
-                log.warning("reload of lane %s failed: %s", lane_cfg.id, exc, extra={"lane_id": lane_cfg.id})
-                report.errors.append(f"{lane_cfg.id}: {exc}")
+        async with trio.open_nursery() as reloads:
+            async with self.sup.gate.changing(plan.forget_tokenizers):
+                for model in plan.forget_tokenizers:
+                    self.sup.forget_tokenizer(model)  # cached per model
+                self.sup.reconfigure(dataclasses.replace(self.sup.config, models=plan.models, lanes=plan.lanes,
+                                                         max_batch_items=plan.config.supervisor.max_batch_items),
+                                     admission=plan.config.admission, batching=plan.config.batching)
+                self.specs = dict(plan.specs)
+                for lane_id in plan.remove:
+                    await self.remove_lane(lane_id)
+                    report.removed.append(lane_id)
+                for lane_cfg in plan.add:
+                    await self.sup.add_lane(lane_cfg, plan.loads(lane_cfg))
+                    report.added.append(lane_cfg.id)
+                changed = set(plan.forget_tokenizers) | set(plan.models_changed)
+                together = [ln for ln in plan.reload if changed & set(ln.models)]
+                for lane_cfg in together:
+                    await reloads.start(self._reload_lane, LaneSettings.of(lane_cfg, plan.loads(lane_cfg)), report)
+            for lane_cfg in plan.reload:
+                if lane_cfg not in together:
+                    await self._reload_lane(LaneSettings.of(lane_cfg, plan.loads(lane_cfg)), report)
+        order = [ln.id for ln in plan.reload]
+        report.reloaded.sort(key=order.index)
+        report.changes.sort(key=lambda line: order.index(line.split(":", 1)[0]))
         self.cfg = plan.config
         return report
 
-    async def _reload_lane(self, cfg: LaneConfig, loads: list[LoadSpec]) -> None:
-        """Point the lane at its new settings and restart its worker in order; drained meanwhile when other
-        lanes serve all of its models."""
-        lane = self.sup.lanes[cfg.id]
+    async def _reload_lane(self, settings: LaneSettings, report: ReloadReport, *,
+                           task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Restart the lane's worker in order with its new settings (reported started once the reload is queued);
+        drained meanwhile when other lanes serve all of its models. A lane that fails to reload is reported, and
+        the others go on."""
+        lane_id = settings.cfg.id
+        lane = self.sup.lanes[lane_id]
+        changes = lane.settings.changes(settings)
         drained = self.sup.router.drained
-        others = [ln for ln in self.sup.lanes.values() if ln.id != cfg.id and ln.id not in drained
+        others = [ln for ln in self.sup.lanes.values() if ln.id != lane_id and ln.id not in drained
                   and ln.state not in (LaneState.STOPPING, LaneState.STOPPED)]
-        drain = cfg.id not in drained and all(any(m in ln.loads for ln in others) for m in cfg.models)
-        lane.cfg = cfg
-        lane.loads = dict(zip(cfg.models, loads, strict=True))
+        drain = lane_id not in drained and all(any(m in ln.loads for ln in others) for m in settings.models)
         if drain:
-            self.sup.router.drain(cfg.id)
+            self.sup.router.drain(lane_id)
         try:
-            await self.sup.reload_lane(cfg.id)
+            await self.sup.reload_lane(lane_id, settings=settings, task_status=task_status)
+        except Exception as exc:
+            log.warning("reload of lane %s failed: %s", lane_id, exc, extra={"lane_id": lane_id})
+            report.errors.append(f"{lane_id}: {exc}")
+            return
         finally:
             if drain:
-                self.sup.router.resume(cfg.id)
-        log.info("lane %s reloaded: generation %d, models %s", cfg.id, lane.generation,
-                 ", ".join(lane.models_loaded), extra={"lane_id": cfg.id, "generation": lane.generation})
+                self.sup.router.resume(lane_id)
+        report.reloaded.append(lane_id)
+        report.changes.append(f"{lane_id}: {', '.join(changes) or 'nothing (a restart)'}")
+        log.info("lane %s reloaded (%s): generation %d, models %s", lane_id, ", ".join(changes), lane.generation,
+                 ", ".join(lane.models_loaded), extra={"lane_id": lane_id, "generation": lane.generation})
 
     async def remove_lane(self, lane_id: str) -> None:
         """A lane gone from the configuration: routed no more, finishes what is queued, stops its worker."""

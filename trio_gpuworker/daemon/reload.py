@@ -44,6 +44,7 @@ class ReloadReport:
     """What a reload did; the Daemon fills in the lanes as it carries out the plan."""
 
     reloaded: list[str] = field(default_factory=list)  # lanes restarted in order
+    changes: list[str] = field(default_factory=list)  # "lane: what changed", for each lane reloaded
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     models_changed: list[str] = field(default_factory=list)

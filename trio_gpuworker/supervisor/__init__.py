@@ -8,7 +8,8 @@ from ._batching import Batcher
 from ._dataplane import DataPlane, RingEnd
 from ._events import EventBus
 from ._exchange import silence_window
-from ._jobs import Job, LoadSpec
+from ._gate import ModelGate
+from ._jobs import Job, LaneSettings, LoadSpec
 from ._lane import Lane
 from ._launcher import Launched, Launcher, ProcessLauncher, WorkerSpec
 from ._logring import LogRing
@@ -27,11 +28,13 @@ __all__ = [
            "FirstStart",
            "Job",
            "Lane",
+           "LaneSettings",
            "LaneState",
            "Launched",
            "Launcher",
            "LoadSpec",
            "LogRing",
+           "ModelGate",
            "ProcessLauncher",
            "RingEnd",
            "Router",

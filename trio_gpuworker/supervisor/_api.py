@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ._admission import Scheduler
     from ._batching import Batcher
     from ._dispatch import EmbedDispatch
+    from ._gate import ModelGate
     from ._lane import Lane
 
 T = TypeVar("T")
@@ -46,6 +47,7 @@ class ServingApi:
     _tokenizers: dict[str, Any]
     _cpu: trio.CapacityLimiter  # CPU_THREADS tokens
     pick_lane: Callable[[str], Lane]  # the Supervisor's
+    gate: ModelGate  # orders each model's requests around a change of its settings
 
     async def _off_loop(self, fn: Callable[[], T]) -> T:
         """Tokenization never runs on the loop, however small: `tokenizers` shares one rayon pool, so even a
@@ -54,7 +56,7 @@ class ServingApi:
 
     def _flight(self, route: Route[Q, R], model: str) -> Flight[Q, R]:
         """One request of `route`'s kind on `model`: the model is looked up and its kind checked here."""
-        return Flight(route, self.config, self.scheduler, self.pick_lane, model)
+        return Flight(route, self.config, self.scheduler, self.pick_lane, model, self.gate)
 
     # --- tokenization --------------------------------------------------------------------------
 
@@ -186,7 +188,7 @@ class ServingApi:
                 rq.refuse_long_texts(items, [f"input[{i}]" for i in range(len(items))], rq.char_cap(mc), model)
             items = rq.cap_texts(items, rq.char_cap(mc))
             nbytes = rq.id_bytes_bound(items, mc.max_tokens)
-        with flight.admit(nbytes) as ticket:
+        async with flight.admit(nbytes) as ticket:
             await self._tokenizer_loaded(model)
             encode = self._id_rows if is_ids else self._text_rows
             rows = await self._off_loop(lambda: encode(items, model, mc.max_tokens, truncate))
@@ -220,7 +222,7 @@ class ServingApi:
         flight.start(timeout)
         if not rows:
             return np.zeros((0, self.dispatch.dims.get(model, 0)), dtype=np.float32)
-        with flight.admit(rq.ID_BYTES * sum(len(r) for r in rows)):
+        async with flight.admit(rq.ID_BYTES * sum(len(r) for r in rows)):
             return await self._embed_admitted(rows, flight, pooling, normalize)
 
     async def _embed_admitted(self, rows: list[np.ndarray], flight: Flight[EmbedBatch, Vectors], pooling: str,
@@ -293,7 +295,7 @@ class ServingApi:
             rq.refuse_long_texts(texts, ["query", *(f"documents[{i}]" for i in range(len(docs)))], rq.char_cap(mc),
                                  model)
         texts = rq.cap_texts(texts, rq.char_cap(mc))
-        with flight.admit(rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
+        async with flight.admit(rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
             await self._tokenizer_loaded(model)
             q, *ids = await self._off_loop(lambda: self._encode_rerank(model, mc, texts, truncate, per_doc))
             chunks = rq.plan_chunks([len(d) for d in ids], max_items=self.config.max_batch_items,

@@ -128,7 +128,7 @@ async def generate(api: GenerateHost, prompt: str | None, *, model: str, message
         raise rq.RequestTooLarge(f"the prompt has {n_chars} characters; model {model!r} takes at most {cap}")
     rq.check_unicode(texts, "messages" if messages is not None else "prompt")
     flight.start(timeout)
-    with flight.admit(rq.id_bytes_bound(texts) + rq.ID_BYTES * extra) as ticket:
+    async with flight.admit(rq.id_bytes_bound(texts) + rq.ID_BYTES * extra) as ticket:
         tok = await trio.to_thread.run_sync(api.chat_tokenizer, model, limiter=api._cpu)
 
         def encode() -> np.ndarray:

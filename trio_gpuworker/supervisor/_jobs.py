@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from .._config import LaneConfig
 from .._proto import Load, WireMessage
 
 
@@ -27,6 +28,40 @@ class LoadSpec:
         """The LOAD request (its req_id is the lane's to number)."""
         return Load(artifact_path=os.fspath(self.artifact_path), artifact_digest=self.digest, format=self.format,
                     runtime_config=self.runtime_config, model_ref=self.model_ref)
+
+
+@dataclass(frozen=True)
+class LaneSettings:
+    """Everything a lane starts a worker generation with, as one value: its configuration (command, environment,
+    device, standby) and each model's LOAD. The lane's lifecycle machine holds the current value and stamps each
+    generation with the one it was spawned with, so a worker, its LOADs and /v1/lanes always agree (see
+    docs/architecture.md, "Reload")."""
+
+    cfg: LaneConfig
+    loads: Mapping[str, LoadSpec]  # model id -> its LOAD, in the lane's order
+
+    @classmethod
+    def of(cls, cfg: LaneConfig, loads: list[LoadSpec]) -> LaneSettings:
+        return cls(cfg, {spec.model_ref: spec for spec in loads})
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return tuple(self.loads)
+
+    @property
+    def standby(self) -> bool:
+        return self.cfg.standby
+
+    def with_loads(self, loads: Mapping[str, LoadSpec]) -> LaneSettings:
+        return LaneSettings(self.cfg, dict(loads))
+
+    def changes(self, new: LaneSettings) -> list[str]:
+        """What moving to `new` changes, by name: the lane's fields, then each model whose LOAD differs."""
+        changed = [f.name for f in fields(LaneConfig) if f.name != "models"
+                   and getattr(self.cfg, f.name) != getattr(new.cfg, f.name)]
+        if tuple(self.loads) != tuple(new.loads):
+            changed.append("models")
+        return changed + [f"model {m}" for m, spec in new.loads.items() if m in self.loads and self.loads[m] != spec]
 
 
 Reply = WireMessage  # a request's terminal reply, as its class (never ERR: that is raised as WorkerError)

@@ -10,7 +10,7 @@ LaneReport says how all of it reads from outside.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from .._proto import (
     WireMessage,
 )
 from ._generation import Generation, numbering
-from ._jobs import Job, LoadSpec, Reply
+from ._jobs import Job, LaneSettings, LoadSpec, Reply
 from ._lane_report import LaneReport, StandbyView
 from ._lane_runner import Hook, LaneRunner
 from ._launcher import Launcher, ProcessLauncher
@@ -47,19 +47,18 @@ class Lane:
     def __init__(self, cfg: LaneConfig, sup: SupervisorConfig, runtime_dir: Path, loads: list[LoadSpec],
                  bus: Any, *, launcher: Launcher | None = None, generations: Callable[[], int] | None = None,
                  arena_env: dict[str, str] | None = None) -> None:
-        self.id, self.cfg, self.sup, self.windows = cfg.id, cfg, sup, sup.windows
+        self.id, self.sup, self.windows = cfg.id, sup, sup.windows
         self.log = LogRing(cfg.id, sup.log_ring_bytes)
-        self._loads = {spec.model_ref: spec for spec in loads}
         self.policy = StrikePolicy(sup.quarantine.strikes, sup.quarantine.cooldown_s)
         r = sup.restart
-        self.machine = LaneLifecycle(list(self._loads), policy=self.policy, standby=cfg.standby,
+        self.machine = LaneLifecycle(LaneSettings.of(cfg, loads), policy=self.policy,
                                      new_generation=generations or numbering(),
                                      backoff=Backoff(r.backoff_initial_s, r.backoff_factor, r.backoff_max_s))
         self.gens: dict[int, Generation] = {}
         self.step_waits: list[Callable[[], bool]] = []  # is an EXECUTE_STEP waiting on us (the data plane says)
-        self.report = LaneReport(cfg, sup, self.machine, self.gens, self.log, bus, self.step_waits)
-        self.runner = LaneRunner(self, cfg, sup, self.machine, self.report, launcher or ProcessLauncher(runtime_dir),
-                                 self.log, bus, lambda: self._loads, arena_env or {})
+        self.report = LaneReport(self.id, sup, self.machine, self.gens, self.log, bus, self.step_waits)
+        self.runner = LaneRunner(self, sup, self.machine, self.report, launcher or ProcessLauncher(runtime_dir),
+                                 self.log, bus, arena_env or {})
 
     # --- what callers read ----------------------------------------------------------------------
 
@@ -76,14 +75,22 @@ class Lane:
         return self.machine.closing
 
     @property
-    def loads(self) -> dict[str, LoadSpec]:
-        return self._loads
+    def settings(self) -> LaneSettings:
+        """The lane's settings now: what its next generation is spawned with (the machine holds them)."""
+        return self.machine.settings  # type: ignore[no-any-return]
+
+    @property
+    def cfg(self) -> LaneConfig:
+        return self.settings.cfg
+
+    @property
+    def loads(self) -> Mapping[str, LoadSpec]:
+        return self.settings.loads
 
     @loads.setter
-    def loads(self, value: dict[str, LoadSpec]) -> None:
-        """New settings (a reloaded configuration, a LOAD or UNLOAD): every later generation loads these."""
-        self._loads = dict(value)
-        self.machine.models = list(self._loads)
+    def loads(self, value: Mapping[str, LoadSpec]) -> None:
+        """An admin LOAD or UNLOAD: the live generations and every later one load these."""
+        self.machine.retarget(self.settings.with_loads(value))
 
     @property
     def hooks(self) -> list[Hook]:
@@ -246,12 +253,15 @@ class Lane:
         await self._wait(job, ticket, timeout, f"{t} on lane {self.id}")
         return job
 
-    async def reload(self, timeout: float | None = None) -> None:
-        """Restart both workers in order (no strike) after the requests queued before this one; lifts a
-        quarantine. Returns once the new generation has loaded its models."""
-        ticket, effects = self.machine.reload(trio.current_time())
+    async def reload(self, timeout: float | None = None, settings: LaneSettings | None = None, *,
+                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Restart both workers in order (no strike) after the requests queued before this one, the fresh ones
+        with `settings` (None: as they are); lifts a quarantine. Reports started once the reload is queued (later
+        requests are served after it); returns once the new generation has loaded its models."""
+        ticket, effects = self.machine.reload(trio.current_time(), settings)
         job = self.runner.register(ticket, Job(RELOAD, None))
         self.runner.feed(effects)
+        task_status.started()
         await self._wait(job, ticket, timeout, f"reload of lane {self.id}")
 
     async def _wait(self, job: Job, ticket: LaneTicket, timeout: float | None, what: str) -> None:
@@ -319,7 +329,7 @@ class Lane:
                 gen.load_errors[spec.model_ref] = f"{exc.code}: {exc.message}"
             raise
         assert isinstance(reply, Loaded)  # the RequestTracker lets no other reply end a LOAD
-        self.loads = {**self._loads, spec.model_ref: spec}
+        self.loads = {**self.loads, spec.model_ref: spec}
         if (gen := self.report.active()) is not None:
             gen.loaded(spec.model_ref, reply)
             gen.beams[spec.model_ref] = int(spec.runtime_config.get("beam", 0))
@@ -328,7 +338,7 @@ class Lane:
 
     async def unload_model(self, model_ref: str, *, timeout: float | None = None) -> None:
         """UNLOAD on both workers; later generations no longer load it. An unload lifts the lane's quarantine."""
-        self.loads = {m: s for m, s in self._loads.items() if m != model_ref}
+        self.loads = {m: s for m, s in self.loads.items() if m != model_ref}
         self.lift_quarantine()
         try:
             await self.call(Unload(model_ref=model_ref), timeout=timeout)

@@ -11,7 +11,7 @@ from typing import Any
 
 import trio
 
-from .._config import LaneConfig, SupervisorConfig
+from .._config import SupervisorConfig
 from .._errors import BrokenWorkerError, ClosedSupervisorError, EngineCrashed, WorkerError
 from .._proto import Err, Finish, GenState, LaneLifecycle, Message, Outcome, WireMessage
 from ._events import EventBus
@@ -59,9 +59,9 @@ class StandbyView:
 class LaneReport:
     """What a lane shows: kept here, read from its machine and its generations' shells."""
 
-    def __init__(self, cfg: LaneConfig, sup: SupervisorConfig, machine: LaneLifecycle, gens: dict[int, Generation],
+    def __init__(self, lane_id: str, sup: SupervisorConfig, machine: LaneLifecycle, gens: dict[int, Generation],
                  log_ring: LogRing, bus: EventBus, step_waits: list[Callable[[], bool]]) -> None:
-        self.id, self.cfg, self.sup, self.machine, self.gens = cfg.id, cfg, sup, machine, gens
+        self.id, self.sup, self.machine, self.gens = lane_id, sup, machine, gens
         self.log, self.bus, self.step_waits = log_ring, bus, step_waits
         self.policy = machine.policy
         self.standby = StandbyView(machine, gens)
@@ -152,6 +152,7 @@ class LaneReport:
 
     def status(self) -> dict[str, Any]:
         remaining, m, gen = self.cooldown_remaining(), self.machine, self.active()
+        cfg = m.settings.cfg  # the settings it runs (a reload's are adopted when it is carried out)
         return {
             "lane_id": self.id,
             "state": m.state.value,
@@ -169,9 +170,9 @@ class LaneReport:
             "beams": dict(gen.beams) if gen is not None else {},
             "last_exit": self.last_exit,
             "last_error": self.last_error,
-            "device": self.cfg.device,
-            "standby": self.standby.describe() if self.cfg.standby else None,
-            "standby_enabled": self.cfg.standby,
+            "device": cfg.device,
+            "standby": self.standby.describe() if cfg.standby else None,
+            "standby_enabled": cfg.standby,
             "starting": self.first.describe(m.state, trio.current_time()),  # None once the first start settled
             "ready_after_s": self.first.ready_after_s,
         }

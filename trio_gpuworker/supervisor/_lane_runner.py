@@ -15,7 +15,7 @@ from typing import Any
 
 import trio
 
-from .._config import LaneConfig, SupervisorConfig
+from .._config import SupervisorConfig
 from .._errors import InvalidRequest
 from .._proto import (
     FAILED_REPLIES,
@@ -39,7 +39,7 @@ from .._proto import (
 )
 from ._exchange import exchange
 from ._generation import Generation, host, own_request
-from ._jobs import Job, LoadSpec
+from ._jobs import Job, LaneSettings
 from ._lane_report import LaneReport
 from ._launcher import Launcher
 from ._logring import LogRing
@@ -50,12 +50,11 @@ Hook = Callable[[Any, int, WireMessage | None], None]
 
 
 class LaneRunner:
-    def __init__(self, owner: Any, cfg: LaneConfig, sup: SupervisorConfig, machine: LaneLifecycle,
-                 report: LaneReport, launcher: Launcher, log: LogRing, bus: Any,
-                 loads: Callable[[], dict[str, LoadSpec]], arena_env: dict[str, str]) -> None:
+    def __init__(self, owner: Any, sup: SupervisorConfig, machine: LaneLifecycle, report: LaneReport,
+                 launcher: Launcher, log: LogRing, bus: Any, arena_env: dict[str, str]) -> None:
         self.owner = owner  # what the hooks are told about (the Lane)
-        self.cfg, self.sup, self.windows, self.machine, self.report = cfg, sup, sup.windows, machine, report
-        self.launcher, self.log, self.bus, self._loads, self._arena_env = launcher, log, bus, loads, arena_env
+        self.lane_id, self.sup, self.windows, self.machine, self.report = report.id, sup, sup.windows, machine, report
+        self.launcher, self.log, self.bus, self._arena_env = launcher, log, bus, arena_env
         self.gens: dict[int, Generation] = report.gens
         # hook(lane, generation, msg) for worker notifications, hook(lane, generation, None) once that generation
         # is reaped (the data plane's crash fan-out and lease release)
@@ -83,7 +82,12 @@ class LaneRunner:
             gen.wp.ordered_stop = True
         if t.kind == Load.T:
             self._own[t.id] = self._record_load
-        return self._jobs.setdefault(t.id, Job(t.kind, own_request(t.kind, t.model, self._loads())))
+        return self._jobs.setdefault(t.id, Job(t.kind, own_request(t.kind, t.model, self._settings(t).loads)))
+
+    def _settings(self, t: LaneTicket) -> LaneSettings:
+        """The settings of the generation `t` is for: a LOAD loads what that generation was spawned with."""
+        g = self.machine.gens.get(t.gen or -1)
+        return g.settings if g is not None else self.machine.settings  # type: ignore[no-any-return]
 
     def _record_load(self, e: Finish) -> None:
         gen = self.gens.get(e.ticket.gen or -1)
@@ -164,15 +168,16 @@ class LaneRunner:
     # --- generations ---------------------------------------------------------------------------
 
     def _spawn(self, number: int, role: str) -> None:
-        wp = WorkerProcess(lane_id=self.cfg.id, generation=number, argv=worker_argv(self.cfg),
-                           env=worker_env(self.cfg, self.sup.state_dir, number, self._arena_env),
+        settings: LaneSettings = self.machine.gens[number].settings
+        wp = WorkerProcess(lane_id=self.lane_id, generation=number, argv=worker_argv(settings.cfg),
+                           env=worker_env(settings.cfg, self.sup.state_dir, number, self._arena_env),
                            launcher=self.launcher, max_frame=self.sup.max_frame,
                            kill_grace_s=self.windows.kill_grace_s, drain_s=self.windows.exit_status_s, log=self.log,
                            on_event=self._on_event,
                            on_fault=lambda fault: self.feed(self.machine.fault(number, fault.cause,
                                                                                trio.current_time())))
         gen = self.gens[number] = Generation(number, role, wp)
-        gen.beams = {m: int(spec.runtime_config.get("beam", 0)) for m, spec in self._loads().items()}
+        gen.beams = {m: int(spec.runtime_config.get("beam", 0)) for m, spec in settings.loads.items()}
         # if the lane task is being torn down this spawns nothing: the lane's cancel answers everything
         _start(self.nursery, host, gen, self.windows,
                lambda: self.feed(self.machine.hello(number, trio.current_time())),
@@ -195,7 +200,7 @@ class LaneRunner:
         if isinstance(msg, WorkerStopped):
             self.feed(self.machine.said_stopped(wp.generation, trio.current_time()))
         if not msg.HINT:
-            self.bus.publish({"t": msg.T, **msg.to_fields(), "lane_id": self.cfg.id, "generation": wp.generation})
+            self.bus.publish({"t": msg.T, **msg.to_fields(), "lane_id": self.lane_id, "generation": wp.generation})
 
 
 def _start(nursery: trio.Nursery | None, fn: Callable[..., Any], *args: Any) -> bool:

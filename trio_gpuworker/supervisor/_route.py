@@ -14,8 +14,8 @@ reach the lane through `send`, as the other kinds do.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -28,6 +28,7 @@ from .._proto import EmbedBatch, Generate, Rerank, Scores, Text, Vectors, WireMe
 if TYPE_CHECKING:
     from .._config import ModelConfig, SupervisorConfig
     from ._admission import Scheduler, Ticket, Timing
+    from ._gate import ModelGate
     from ._lane import Lane
 
 Q = TypeVar("Q", bound=WireMessage)
@@ -105,10 +106,10 @@ class Flight(Generic[Q, R]):
     when it is made), its deadline (from `start`), its admission ticket (`admit`) and its lane calls."""
 
     def __init__(self, route: Route[Q, R], config: SupervisorConfig, scheduler: Scheduler | None,
-                 pick_lane: Callable[[str], Lane], model: str) -> None:
+                 pick_lane: Callable[[str], Lane], model: str, gate: ModelGate) -> None:
         self.route, self.model = route, model
         self.mc = serving_model(config, model, route)
-        self._scheduler, self._pick = scheduler, pick_lane
+        self._scheduler, self._pick, self._gate = scheduler, pick_lane, gate
         self.deadline, self.timeout = math.inf, None
         self.ticket: Ticket | None = None
 
@@ -116,15 +117,17 @@ class Flight(Generic[Q, R]):
         """The deadline runs from now (once the arguments are checked)."""
         self.deadline, self.timeout = deadline(timeout), timeout
 
-    @contextmanager
-    def admit(self, nbytes: int) -> Iterator[Ticket | None]:
+    @asynccontextmanager
+    async def admit(self, nbytes: int) -> AsyncIterator[Ticket | None]:
         """Held against the model's byte budget (the daemon's scheduler; the bare Python API has none) until the
-        block exits and every lane job it started has settled."""
-        if self._scheduler is None:
-            yield None
-            return
-        with self._scheduler.admit(self.model, nbytes) as self.ticket:
-            yield self.ticket
+        block exits and every lane job it started has settled; not before a change of the model's settings that
+        is under way has been made (the gate)."""
+        async with self._gate.serving(self.model, self.deadline):
+            if self._scheduler is None:
+                yield None
+                return
+            with self._scheduler.admit(self.model, nbytes) as self.ticket:
+                yield self.ticket
 
     def left(self, what: str) -> float | None:
         return left(self.deadline, what, self.timeout)

@@ -26,8 +26,9 @@ from ._batching import Batcher
 from ._dataplane import DataPlane
 from ._dispatch import EmbedDispatch
 from ._events import EventBus
+from ._gate import ModelGate
 from ._generation import numbering
-from ._jobs import LoadSpec
+from ._jobs import LaneSettings, LoadSpec
 from ._lane import Lane
 from ._launcher import Launcher, ProcessLauncher
 from ._models import DigestCache, load_spec
@@ -62,6 +63,7 @@ class Supervisor(ServingApi):
         self.router = Router(config, self.lanes)
         self.scheduler = Scheduler(admission) if admission is not None else None
         self.dispatch = EmbedDispatch(self.router)
+        self.gate = ModelGate()
         self.batcher = Batcher(batching or BatchPolicy(max_delay_s=0.0), send=self.dispatch,
                                slots=self.router.serving)
         self.dataplane: DataPlane | None = None  # rings, objects and steps; None without an arena
@@ -189,12 +191,14 @@ class Supervisor(ServingApi):
         """Drop a cached tokenizer (its model's settings changed); the next request loads it again."""
         self._tokenizers.pop(model, None)
 
-    async def reload_lane(self, lane_id: str, timeout: float | None = None) -> None:
-        """Ordered restart of one lane's worker (no strike); lifts its quarantine at once."""
+    async def reload_lane(self, lane_id: str, timeout: float | None = None, settings: LaneSettings | None = None,
+                          *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Ordered restart of one lane's worker (no strike), with new `settings` if given (they take effect for
+        the worker it starts); lifts its quarantine at once. Reports started once the reload is queued."""
         lane = self.lanes.get(lane_id)
         if lane is None:
             raise LaneNotFound(f"no lane {lane_id!r}")
-        await lane.reload(timeout)
+        await lane.reload(timeout, settings, task_status=task_status)
 
     async def roll_over(self, model: str, *, timeout: float | None = None) -> list[str]:
         """Bring `model`'s configured settings (its tuned kernels, once a tuner has stored them) to every lane that
