@@ -8,7 +8,8 @@ lines the daemon wrote before it was ready (a first start is never minutes of si
     .venv/bin/python bench/startup.py [--warm-rounds 2]
     .venv/bin/python bench/startup.py --background-tune [--beam 1] [--clients 2]
 
-The targets (issue 18): listening at once, first embedding <= 20 s and first chat <= 60 s on a fresh state
+The targets (docs/performance.md, 'Startup'): listening at once, first embedding <= 20 s and first chat <= 60 s on a
+fresh state
 directory, ready <= 5 s on a warm one.
 
 `--background-tune` measures the tuner instead: MiniLM on its graph encoder (tinygrad-generated kernels, what

@@ -1,6 +1,7 @@
 # cython: annotation_typing=False
 # Annotations document the Python API; arguments are checked below so errors stay typed.
-"""The batch drain's two native halves (ARCHITECTURE §6): a pool of preallocated destinations the drain takes
+"""The batch drain's two native halves (see docs/architecture.md, 'The worker side'): a pool of preallocated
+destinations the drain takes
 from in order, and the completion batch it writes into. With both, one drain call moves every committed object
 without calling Python, and the caller's Python runs once per call, not once per object."""
 

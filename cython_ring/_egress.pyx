@@ -1,6 +1,7 @@
 # cython: annotation_typing=False
 # Annotations document the Python API; arguments are checked below so errors stay typed.
-"""The egress byte stream over a ring (spec §11.2, §16.3): the producer's state, the one-object writer
+"""The egress byte stream over a ring (see docs/architecture.md, 'Ingress and egress'): the producer's state, the
+one-object writer
 and the batch writer (many MO01 records per call, GIL released, one wake hint per burst)."""
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
@@ -40,7 +41,7 @@ from cython_ring._mo01 import ObjectHeader, _failure
 from cython_ring._ring import _STATE_NAMES
 
 
-# --- egress: header, then payload prefixes as space allows (spec §11.2, §16.3) -------------
+# --- egress: header, then payload prefixes as space allows (docs/architecture.md, 'Ingress and egress') -
 
 cdef enum:
     EG_IDLE = 0

@@ -10,7 +10,8 @@ cdef enum:
     MO01_FLAG_BEGIN_SEQUENCE = 2
     MO01_FLAGS_KNOWN = 3
 
-# Failure statuses, in the order §6 checks them; MO01_OK is zero so `if status:` means failed.
+# Failure statuses, in the order docs/architecture.md ('Object records') lists them; MO01_OK is zero so `if status:`
+# means failed.
 cdef enum Mo01Status:
     MO01_OK = 0
     MO01_SHORT

@@ -1,8 +1,9 @@
 # cython: annotation_typing=False
 # Annotations document the Python API; the typed checks below raise the domain errors instead.
-"""MO01 object-record header codec and ObjectSpec validation (ARCHITECTURE §6).
+"""MO01 object-record header codec and ObjectSpec validation (see docs/architecture.md, 'Object records').
 
-The checks run in the order §6 lists them, so a header with several faults always reports the
+The checks run in the order docs/architecture.md ('Object records') lists them, so a header with several faults always
+reports the
 same one: short buffer, magic, version, header_len, reserved, flags, then against the spec
 extent <= max_extent, extent % alignment, and the sequence policy.
 """
@@ -178,7 +179,7 @@ def _spec_problem(kind: object, max_extent: object, alignment: object, dtype: ob
 
 
 cdef class ObjectSpec:
-    """The role-known validation contract of one ring (ARCHITECTURE §6, spec §6.1)."""
+    """The role-known validation contract of one ring (docs/architecture.md, 'Object records')."""
 
     def __init__(self, kind: str, max_extent: int, alignment: int, dtype: str, shape: tuple[int, ...],
                  sequence_policy: str = "strict") -> None:

@@ -1,6 +1,7 @@
 # cython: annotation_typing=False
 # Annotations document the Python API; arguments are checked below so errors stay typed.
-"""Ring header ABI v2 (ARCHITECTURE §6): cursors, spans, wake bits and range copies.
+"""Ring header ABI v2 (see docs/architecture.md, 'Ring header' and 'Wake bits'): cursors, spans, wake bits and range
+copies.
 
 Every cursor, state and wake access goes through atomics.h; Python never touches ring atomics.
 Span offsets are offsets into the buffer the Ring was made over (the arena mapping), so a pump

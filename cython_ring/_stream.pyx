@@ -1,6 +1,7 @@
 # cython: annotation_typing=False
 # Annotations document the Python API; arguments are checked below so errors stay typed.
-"""The ingress byte stream over a ring (spec §11.1): one native call parses, validates and copies every
+"""The ingress byte stream over a ring (see docs/architecture.md, 'Ingress and egress'): one native call parses,
+validates and copies every
 committed object prefix, with the per-ring parser state. The egress writers are in _egress.pyx.
 
 drain_batch takes destinations from a DestPool and writes completions into a Completions batch, so its loop
@@ -48,7 +49,7 @@ from cython_ring._ring import _u64_arg
 from cython_ring.records import Completion, DrainEnd
 
 
-# --- ingress: one native call per drain (spec §11.1) ----------------------------------------
+# --- ingress: one native call per drain (docs/architecture.md, 'Ingress and egress') ------------
 
 cdef enum:
     IN_NEED_HEADER = 0

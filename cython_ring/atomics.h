@@ -1,4 +1,4 @@
-/* C11 atomics on raw shared-memory addresses for the ring header (ARCHITECTURE §6).
+/* C11 atomics on raw shared-memory addresses for the ring header (docs/architecture.md, 'Ring header').
  *
  * The ring header lives in a memfd mapped by several processes, so every cursor and bit access
  * must be a real hardware atomic: a lock-based fallback would lock per process, not per word.

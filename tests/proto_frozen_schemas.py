@@ -1,4 +1,4 @@
-"""The message tables as they were before the classes (h19 §1), frozen: the derived tables must equal them.
+"""The message tables as they were before the classes, frozen: the derived tables must equal them.
 
 Generated once from the hand-written _schema.py / _ring_messages.py; never regenerate it from the new code.
 """
@@ -31,7 +31,7 @@ SCHEMAS = {
     'CONFIGURE_ROLE': ('daemon', 'req_id role_id config', '', False, False),
     'ROLE_CONFIGURED': ('worker', 'req_id role_id', '', False, False),
     'ROLE_FAILED': ('worker', 'req_id role_id reason', 'msg', False, False),
-    # loaded_block: the one field added since, by hand (issue 22 §3): the negotiated extension gpuworker.loaded_block
+    # loaded_block: the one field added since, by hand: the negotiated extension gpuworker.loaded_block
     'INSTALL_RING': ('daemon', 'req_id ring_id edge_id port_id direction layout object_spec', 'loaded_block', False,
                      False),
     'RING_INSTALLED': ('worker', 'req_id ring_id edge_id port_id', '', False, False),

@@ -1,4 +1,5 @@
-"""Serve first, tune in the background (issue 18 §2): the pacing policy under injected time, the record of what
+"""Serve first, tune in the background (docs/operations.md, 'Tuning in the background'): the pacing policy under
+injected time, the record of what
 is tuned, and the daemon end to end on a tiny real BERT with a real BEAM search: lanes serve on untuned kernels
 at once, the tuner searches in its own low-priority worker, the lane rolls over to the tuned kernels with no
 request failing, and the next start loads them at once."""

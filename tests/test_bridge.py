@@ -1,4 +1,5 @@
-"""Device Bridge (spec §4.4, §17.10): allocations, bounds-checked range copies, tensor views, outputs."""
+"""Device Bridge (docs/architecture.md, 'The worker side'): allocations, bounds-checked range copies, tensor views,
+outputs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The daemon listens before its lanes are ready: /healthz shows each lane's first start, a request for a model none
 of whose lanes serves yet gets 503 model_loading with Retry-After, READY=1 waits for the lanes, and the log says
-what is happening from the first second (issue 18, section 2). Fake workers whose first LOAD is slow."""
+what is happening from the first second (docs/operations.md, 'Starting up'). Fake workers whose first LOAD is slow."""
 
 from __future__ import annotations
 

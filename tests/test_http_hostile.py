@@ -289,7 +289,7 @@ async def test_a_large_answer_is_encoded_off_the_loop_and_complete(tmp_path: Pat
 
 
 async def test_rerank_of_2048_long_documents_with_a_1_mib_frame(tmp_path: Path) -> None:
-    """The issue's reproduction over HTTP: one 1.6 MB RERANK frame once stopped the daemon (exit 1)."""
+    """A reproduction over HTTP: one 1.6 MB RERANK frame once stopped the daemon (exit 1)."""
     import dataclasses
 
     cfg = daemon_config(tmp_path, fake_command(), http=HTTP)

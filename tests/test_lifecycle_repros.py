@@ -1,5 +1,5 @@
-"""Issue 17's five reproductions, each against real processes as the issue ran them (scripted fake workers, or the
-real worker where the data plane is involved): each failed on the main of that day as the issue describes."""
+"""Five lifecycle defects reproduced against real processes (scripted fake workers, or the real worker where the
+data plane is involved): each failed before its fix (docs/architecture.md, 'The lane lifecycle', says what holds)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 17's smaller defects, one test each: typed notify, the lease of a ring whose installer gave up, the
+"""Smaller lifecycle defects, one test each: typed notify, the lease of a ring whose installer gave up, the
 window chosen by request kind, current (not peak) RSS, the synthetic RING_FAULT's ids and order."""
 
 from __future__ import annotations

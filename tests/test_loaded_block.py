@@ -52,7 +52,7 @@ async def test_the_cpu_drain_reports_the_same_rows_in_either_form() -> None:
         (t_block, block_fields, raw), *rest_block = notices[True]
         assert (t_rows, t_block) == ("OBJECTS_LOADED", "LOADED_BLOCK")
         assert rest == rest_block == []
-        # consume advanced: RING_WRITABLE went out at once, ahead of the drain's reply (issue 22 §3 fourth pass)
+        # consume advanced: RING_WRITABLE went out at once, ahead of the drain's reply
         assert emitted == ["RING_WRITABLE", "RING_WRITABLE"]
         assert [row[:3] for row in fields["objects"]] == [[10, 0, 16], [11, 1, 32], [12, 2, 16]]
         rows = np.frombuffer(raw, "<u8").reshape(-1, 4)

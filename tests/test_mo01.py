@@ -1,4 +1,5 @@
-"""MO01 object-record header codec (ARCHITECTURE §6): vector, every truncation, field order, fuzz."""
+"""MO01 object-record header codec (docs/architecture.md, 'Object records'): vector, every truncation, field order,
+fuzz."""
 
 from __future__ import annotations
 

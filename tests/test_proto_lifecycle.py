@@ -106,7 +106,7 @@ def test_a_crash_answers_the_open_request_then_restarts_with_backoff() -> None:
 
 
 def test_ordered_abort_answers_the_request_in_flight() -> None:
-    """Issue 17 item 2: a request in flight during an ordered stop is answered, typed, from its generation."""
+    """A request in flight during an ordered stop is answered, typed, from its generation."""
     w = World(standby=False)
     ready(w)
     w.do("submit", ("GENERATE",))
@@ -126,7 +126,7 @@ def test_ordered_abort_answers_the_request_in_flight() -> None:
 
 
 def test_a_promoted_standby_never_carries_two_requests() -> None:
-    """Issue 17 item 1: the standby is applying an admin LOAD when the active crashes; it is promoted only once
+    """The standby is applying an admin LOAD when the active crashes; it is promoted only once
     that LOAD is answered, and the next request goes to it alone."""
     w = World(standby=True)
     ready(w)
@@ -147,7 +147,7 @@ def test_a_promoted_standby_never_carries_two_requests() -> None:
 
 @pytest.mark.parametrize("standby", [False, True])
 def test_a_roll_over_hands_over_at_a_request_boundary_and_fails_nothing(standby: bool) -> None:
-    """Issue 18: tuned kernels take over without failing or delaying a request. The successor loads beside the
+    """Roll-over: tuned kernels take over without failing or delaying a request. The successor loads beside the
     busy active generation; the request queued meanwhile goes to the successor once the open one is answered,
     and the old generation then gets SHUTDOWN, in order, with no strike."""
     w = World(standby=standby)
@@ -220,7 +220,7 @@ def test_two_strikes_quarantine_and_a_reload_lifts_it() -> None:
 
 
 def test_reload_outside_a_quarantine_forgives_no_strike() -> None:
-    """Issue 17 item 6: only drained serving work clears strikes."""
+    """Only drained serving work clears strikes."""
     w = World(standby=False)
     ready(w)
     w.do("fault", (1, "crash"))

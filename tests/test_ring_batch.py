@@ -1,4 +1,5 @@
-"""The batch drain (ARCHITECTURE §6): destinations from a DestPool, completions into a native batch, one call per
+"""The batch drain (docs/architecture.md, 'The worker side'): destinations from a DestPool, completions into a native
+batch, one call per
 drain. Checked against drain_ingress, the per-object form of the same loop."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ring header ABI v2, spans, copies, wake bits, ingress drain and egress write (ARCHITECTURE §6)."""
+"""Ring header ABI v2, spans, copies, wake bits, ingress drain and egress write (docs/architecture.md, 'Data plane')."""
 
 from __future__ import annotations
 

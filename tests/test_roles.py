@@ -1,4 +1,5 @@
-"""Roles (spec §6.2, §12): echo, linear and minilm steps over bridge-loaded objects, and config errors."""
+"""Roles (docs/architecture.md, 'Device handles, roles and steps'): echo, linear and minilm steps over bridge-loaded
+objects, and config errors."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Roll-over (issue 18): a lane's worker replaced by one with new settings (a tuner's kernels) without failing or
+"""Roll-over (docs/architecture.md, 'Roll-over'): a lane's worker replaced by one with new settings (a tuner's kernels)
+without failing or
 delaying a request, against scripted fake workers that record what each LOAD asked for. The lifecycle's own
 rules for it are in test_proto_lifecycle.py."""
 

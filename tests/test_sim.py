@@ -15,7 +15,7 @@ from tests.sim.schedule import Schedule, Step, make_schedule
 from tests.sim.search import shrink
 
 SCHEDULES = int(os.environ.get("SIM_SCHEDULES", "2000"))
-# a seed that catches each defect of issue 17 when its fix is undone (found with `python -m tests.sim mutate NAME
+# a seed that catches each known defect when its fix is undone (found with `python -m tests.sim mutate NAME
 # --seeds 0:2000`, PYTHONHASHSEED=0; searched again when the roll-over action joined ACTIONS and redrew them)
 CATCHES: dict[str, int | Schedule] = {
     "standby_carries_two": 436,

@@ -1,4 +1,4 @@
-"""A worker never outlives its daemon (ARCHITECTURE §5, "Kill").
+"""A worker never outlives its daemon (docs/architecture.md, 'Kill').
 
 The daemon holds the write end of one pipe (close-on-exec, so no child ever inherits it) and every worker
 inherits the read end (`GPUWORKER_LIFELINE_FD`). However the daemon ends, SIGKILL included, the kernel closes its

@@ -1,4 +1,4 @@
-"""Known defects put back, one at a time, to show the simulation finds them (issue 17 items 1-4): each undoes its
+"""Known defects put back, one at a time, to show the simulation finds them: each undoes its
 fix by monkeypatching, only inside `mutated(name)`, only in the simulation's process. tests/test_sim.py pins a
 seed that catches each, and `python -m tests.sim mutate NAME` searches for more."""
 

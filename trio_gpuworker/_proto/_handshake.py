@@ -26,7 +26,7 @@ from .._errors import (
 from ._message import Message
 from ._schema import DAEMON, PROTOCOL_VERSION, WORKER, check_fields
 
-RING_ABI = 2  # the ring header ABI version of ARCHITECTURE §6
+RING_ABI = 2  # the ring header ABI version (docs/architecture.md, 'Ring header')
 MIN_MAX_FRAME = 4096  # below this even a control map may not fit
 HANDSHAKE_MESSAGES = frozenset({"HELLO", "HELLO_ACK"})
 

@@ -1,4 +1,4 @@
-"""Arena lease policy (ARCHITECTURE §6, interface spec §13.6-13.7, §15), sans-I/O.
+"""Arena lease policy (docs/architecture.md, 'Arena and leases'), sans-I/O.
 
 `LeaseTable` owns the arithmetic of one arena: a sorted, coalesced free list, first-fit
 placement, a strict FIFO queue of requests that cannot be placed yet, monotonically increasing

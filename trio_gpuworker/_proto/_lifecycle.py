@@ -1,4 +1,5 @@
-"""The lane lifecycle (ARCHITECTURE §5) as one pure machine, fed events and timestamps, returning effects.
+"""The lane lifecycle (docs/architecture.md, 'The lane lifecycle') as one pure machine, fed events and timestamps,
+returning effects.
 
 It holds which generation is active, the warm standby, the generations being retired, the accepted requests
 ("tickets") and the one request open on each generation's connection, and it decides what becomes of every

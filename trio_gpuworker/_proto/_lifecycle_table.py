@@ -1,4 +1,4 @@
-"""The lane lifecycle's states, events and its two transition tables (ARCHITECTURE §5, "Lifecycle").
+"""The lane lifecycle's states, events and its two transition tables (docs/architecture.md, 'Lane states').
 
 A lane's state is the state of its *active* slot as callers see it; each worker generation (active, standby or
 one being retired) has a state of its own. Nothing changes either state except `step_lane` / `step_generation`

@@ -38,7 +38,8 @@ STOP_MODES = ("graceful", "abort_in_flight")
 TEXT = text  # inside a class with a field named `text`, that name is the field
 
 
-# --- handshake: exact key sets of worker-protocol-v3 (ring_abi and generation are ARCHITECTURE §3's additions);
+# --- handshake: exact key sets of worker-protocol-v3 (ring_abi and generation are this project's additions,
+# docs/architecture.md, 'Handshake');
 # `v` is checked by _handshake.py alone, before these
 
 @message("HELLO", WORKER, exact=True)

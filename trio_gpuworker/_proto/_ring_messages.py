@@ -1,4 +1,4 @@
-"""The data-plane control surface (GPU worker interface §7-§8) as protocol-v3 messages, one class each.
+"""The data-plane control surface (docs/architecture.md, 'Data plane') as protocol-v3 messages, one class each.
 
 Requests carry req_id and end in one terminal reply; OBJECT_PRODUCED is an intermediate reply of
 EXECUTE_STEP. Worker events without req_id are notifications, like the wake hints.
@@ -85,7 +85,7 @@ class InstallRing(WireMessage):
     loaded_block: bool | None = opt(flag)  # extension gpuworker.loaded_block: completions as LOADED_BLOCK
 
 
-# a ring's events name its edge and port (§8.3)
+# a ring's events name its edge and port (docs/architecture.md, 'Batched completions and out-of-band control')
 @message("RING_INSTALLED", WORKER, ends=(InstallRing,))
 class RingInstalled(WireMessage):
     req_id: int = need(uint)

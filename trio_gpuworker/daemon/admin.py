@@ -50,7 +50,7 @@ class LaneAdmin:
                 "dims": reply.dims, "cold_load_ms": reply.cold_load_ms}
 
     async def unload_model(self, lane_id: str, model: str, *, timeout_s: float | None = None) -> dict[str, Any]:
-        """UNLOAD `model`; later generations no longer load it. Lifts the lane's quarantine (§5)."""
+        """UNLOAD `model`; later generations no longer load it. Lifts the lane's quarantine."""
         lane = self.lane(lane_id)
         await lane.unload_model(model, timeout=timeout_s)
         return {"lane_id": lane.id, "model": model, "generation": lane.generation, "models": list(lane.models_loaded)}

@@ -1,4 +1,5 @@
-"""Serve first, tune in the background (issue 18 §2): lanes whose kernels BEAM would change start on tinygrad's
+"""Serve first, tune in the background (docs/operations.md, 'Tuning in the background'): lanes whose kernels BEAM would
+change start on tinygrad's
 hand-coded ones; a tuner searches meanwhile in a worker of its own at low priority, paused while requests run;
 once its kernels are in the cache, each lane rolls over to a worker that loads them, without failing a request.
 

@@ -1,4 +1,5 @@
-"""The daemon's arena (ARCHITECTURE §6): one sealed memfd, mapped once, carved into ring leases.
+"""The daemon's arena (docs/architecture.md, 'Arena and leases'): one sealed memfd, mapped once, carved into ring
+leases.
 
 The memfd is created without CLOEXEC so workers inherit it (spawn passes `pass_fds` and `env()`),
 truncated to a sparse ceiling that costs nothing until touched, and sealed against resizing so

@@ -1,5 +1,6 @@
 """One request on a live worker: checked before a byte is written, then written and read to its terminal
-reply under the idle watchdog (§5). The rules of which frame belongs where are the RequestTracker's."""
+reply under the idle watchdog (docs/architecture.md, 'Idle watchdog'). The rules of which frame belongs where are the
+RequestTracker's."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from ._worker import WorkerProcess
 
 def numbering() -> Callable[[], int]:
     """One supervisor's generation numbers: shared by all of its lanes, so a device handle, ring or role of one
-    generation can never resolve on another lane's worker (ARCHITECTURE §5, "Identity"). Handles of another
+    generation can never resolve on another lane's worker (docs/architecture.md, 'Identity'). Handles of another
     supervisor (an earlier one in the same process) are refused by the data plane's registry of live handles."""
     return itertools.count(1).__next__
 

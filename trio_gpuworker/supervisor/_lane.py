@@ -1,4 +1,5 @@
-"""A lane (ARCHITECTURE §5): at most one active worker (plus an idle warm standby with `standby = true`), one
+"""A lane (docs/architecture.md, 'Supervision rules'): at most one active worker (plus an idle warm standby with
+`standby = true`), one
 request in flight, the supervision rules, as the trio shell around one pure LaneLifecycle (_proto/_lifecycle.py).
 
 Every decision (which generation gets which request, what becomes of the open and queued ones at a fault, a

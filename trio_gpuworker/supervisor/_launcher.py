@@ -1,6 +1,7 @@
 """How a lane's worker runs: a seam between the supervision code and what actually runs the worker.
 
-`ProcessLauncher` runs real worker processes on Unix sockets (ARCHITECTURE §3). Anything else that gives a pid, a
+`ProcessLauncher` runs real worker processes on Unix sockets (docs/architecture.md, 'Socket and spawn'). Anything else
+that gives a pid, a
 byte stream speaking protocol v3 and an exit status can stand in: the deterministic simulation (tests/sim) runs
 simulated workers in-process, under a mock clock, through this same seam and the same lane code.
 

@@ -1,4 +1,5 @@
-"""Roles, steps and device handles on the daemon's side of the data plane (GPU worker interface §7.6-§7.8).
+"""Roles, steps and device handles on the daemon's side of the data plane (docs/architecture.md, 'Device handles, roles
+and steps').
 
 A device handle is `{worker_generation, id}`, minted by one worker generation for one loaded object. The daemon
 keeps every handle its workers reported (OBJECTS_LOADED) until it is released, consumed by a step, or its

@@ -1,4 +1,4 @@
-"""Device Bridge (spec §4.4, §17.10): raw tinygrad allocations with bounds-checked range copies.
+"""Device Bridge (docs/architecture.md, 'The worker side'): raw tinygrad allocations with bounds-checked range copies.
 
 Every host<->device byte move of the worker's data plane goes through this module.
 
@@ -7,7 +7,7 @@ Every host<->device byte move of the worker's data plane goes through this modul
   each (a CFUNCTYPE call, so the GIL is released for the copy).
 * Anything else (CUDA, NV, AMD, ...): the generic path. A host range is wrapped as a zero-copy
   "PYTHON" Buffer and copied with `Buffer.view(n, uint8, offset).copy_from(...)`, then the device is
-  synchronized, so every copy here is complete when it returns (spec §16.2, synchronous MVP).
+  synchronized, so every copy here is complete when it returns (copies are synchronous).
 
 tinygrad is imported when the first DeviceBridge is made, not with this module.
 """

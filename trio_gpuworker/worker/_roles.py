@@ -1,4 +1,5 @@
-"""Roles (spec §6.2, §12): what one ExecuteStep computes from its input tensors.
+"""Roles (docs/architecture.md, 'Device handles, roles and steps'): what one ExecuteStep computes from its input
+tensors.
 
 A role is made once from its JSON config (ConfigureRole, or the boot role) and then runs one step at
 a time: `execute(inputs, runtime)` maps input port -> tinygrad Tensor to output port -> realized Tensor.
