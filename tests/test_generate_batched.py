@@ -171,3 +171,36 @@ async def test_the_worker_refuses_chunks_that_do_not_fit_its_batch(sup: Supervis
     too_many = [{"seq": 10 + i, "n_tokens": 3, "max_tokens": 4} for i in range(PACKED_SLOTS)]
     with pytest.raises(WorkerError):
         await lane.call(GeneratePacked(**base, join=too_many, live=[1], raw=ids.tobytes() * PACKED_SLOTS))
+
+
+@pytest.mark.parametrize("handover", ["roll_over", "reload"])
+async def test_a_roll_over_or_reload_fails_no_sequence_of_the_batch(sup: Supervisor, handover: str) -> None:
+    """The batch's live sequences exist only in the worker that holds them: a roll-over takes over, and an ordered
+    reload stops that worker, only once they have finished there; requests that come meanwhile wait and are
+    served by the fresh worker. Each answer is what it gets alone."""
+    lane = sup.lanes["gen"]
+    packer = packer_for(lane, LM, {})
+    assert packer is not None
+    asks = [(p, {"max_tokens": 24}) for p in PROMPTS[:3]]
+    want = [await alone(sup, p, kw) for p, kw in asks]
+    before = lane.generation
+    got: list[Any] = [None] * len(asks)
+
+    async def one(i: int) -> None:
+        prompt, kw = asks[i]
+        got[i] = {k: v for k, v in (await sup.generate(prompt, model=LM, **kw)).items()
+                  if k in ("text", "n_gen", "finish_reason")}
+
+    async with trio.open_nursery() as nursery:
+        for i in range(2):
+            nursery.start_soon(one, i)
+        await wait_until(lambda: len(packer.live) == 2, within_s=60)
+        held = lane.generation
+        if handover == "roll_over":
+            nursery.start_soon(lambda: lane.roll_over(timeout=120))
+        else:
+            nursery.start_soon(lambda: lane.reload(timeout=120))
+        await wait_until(lambda: lane.handing_over, within_s=10)
+        nursery.start_soon(one, 2)  # comes during the hand-over: served by the fresh worker
+    assert got == want
+    assert lane.generation > held >= before and not packer.live

@@ -126,6 +126,19 @@ class LaneLifecycle:
             self.tickets.queue.append(t)
         return t, self._settled(now)
 
+    def hold(self, gen: int, on: bool, now: float) -> list[Effect]:
+        """Generation `gen` holds work that later requests pinned to it continue (`on`), or no longer does. While
+        the active one holds, a roll-over does not take over and a reload at the head of the queue lets those
+        requests pass, so no held work is cut off by an ordered stop."""
+        if (g := self.gens.get(gen)) is not None:
+            g.holds = on
+        return self._settled(now)
+
+    @property
+    def handing_over(self) -> bool:
+        """A roll-over or a queued reload waits for the active generation's held work: add none to it."""
+        return self.rolling or any(t.kind == RELOAD for t in self.tickets.queue)
+
     def lift_quarantine(self, now: float) -> list[Effect]:
         """An unload lifts a quarantine at once, as a reload does."""
         self._lift()

@@ -88,6 +88,7 @@ class Generation:
     served: bool = False  # drained a successful serving reply: the restart backoff starts over after it
     cause: str | None = None  # why it ended: crash | hang | protocol | ordered
     settings: Any = None  # what it was spawned with (the lane's settings then, or an admin LOAD's since)
+    holds: bool = False  # it holds work that later requests pinned to it continue (a batch's live sequences)
 
     def step(self, event: Event) -> None:
         self.state = step_generation(self.state, event)

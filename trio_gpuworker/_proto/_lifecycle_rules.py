@@ -169,6 +169,13 @@ def _serve_next(m: LaneLifecycle) -> bool:
         return True
     queue = m.tickets.queue
     while queue:
+        if queue[0].kind == RELOAD and a.holds and not m.closing:
+            # the active generation's held work goes on first: only the requests that continue it pass
+            if (more := next((t for t in queue if t.pinned == a.number), None)) is None:
+                return False
+            queue.remove(more)
+            m.send(a, more)
+            return True
         t = queue.popleft()
         if t.pinned is not None and t.pinned != a.number:
             m.tickets.finish(t, Outcome.GONE, t.pinned)  # its generation is not the one serving now
@@ -206,7 +213,7 @@ def _roll_over(m: LaneLifecycle, now: float) -> bool:
     queued request is sent, so no request waits for a load and none sees two workers of the lane at once."""
     a, s = m.active, m.standby
     if not m.rolling or m.state is not L.READY or a is None or a.state is not G.READY or a.open is not None \
-            or a.pending or s is None or s.state is not G.READY or s.open is not None or s.pending:
+            or a.pending or a.holds or s is None or s.state is not G.READY or s.open is not None or s.pending:
         return False
     m.rolling = False
     m.retiring.append(a)

@@ -72,6 +72,7 @@ class Packer:
         self.generation: int | None = None  # the worker generation that holds the live sequences
         self.unsupported = False
         self.peak = 0  # the most sequences one chunk has decoded together
+        self._held: int | None = None  # the generation told it holds the live sequences
         self._seqs = itertools.count(1)
 
     async def generate(self, fields: dict[str, Any], ids: np.ndarray, *, timeout: float | None,
@@ -110,10 +111,23 @@ class Packer:
             self.pending.remove(w)
         elif self.live.pop(w.seq, None) is not None:
             self.leaving.append(w.seq)
+        self._sync_hold()
+
+    def _sync_hold(self) -> None:
+        """The lane knows which generation holds live sequences: a roll-over or an ordered reload lets them finish
+        there before that generation stops (their next chunks are pinned to it)."""
+        holder = self.generation if self.live else None
+        if holder != self._held:
+            if self._held is not None:
+                self.lane.hold(self._held, False)
+            if holder is not None:
+                self.lane.hold(holder, True)
+            self._held = holder
 
     async def _chunk(self) -> None:
         live = list(self.live)
-        joining = self.pending[: PACKED_SLOTS - len(live)]
+        # while the lane hands over to a fresh worker, the batch that holds the old one only finishes
+        joining = [] if live and self.lane.handing_over else self.pending[: PACKED_SLOTS - len(live)]
         del self.pending[: len(joining)]
         leave, self.leaving = self.leaving, []
         for w in joining:
@@ -129,6 +143,7 @@ class Packer:
 
         def started() -> None:
             self.generation = self.lane.generation
+            self._sync_hold()
             for w in joining:
                 if w.timing is not None:
                     w.timing.started()
@@ -183,6 +198,7 @@ class Packer:
                     del self.live[w.seq]
                     w.end()
         finally:
+            self._sync_hold()
             self.changed.set()
             self.changed = trio.Event()
 

@@ -297,6 +297,16 @@ class Lane:
             raise BrokenWorkerError(f"lane {self.id} is {self.state.value}: nothing was rolled over")
         return self.generation
 
+    def hold(self, generation: int, on: bool) -> None:
+        """Generation `generation` holds work that later requests pinned to it continue (a batch's live sequences),
+        or no longer does: a roll-over or ordered reload waits for it (see `LaneLifecycle.hold`)."""
+        self.runner.feed(self.machine.hold(generation, on, trio.current_time()))
+
+    @property
+    def handing_over(self) -> bool:
+        """A roll-over or reload waits for held work to end: nothing new should be added to it."""
+        return self.machine.handing_over
+
     def lift_quarantine(self) -> None:
         """Lift a quarantine at once (an unload does, a reload does): a fresh worker with zero strikes starts."""
         self.runner.feed(self.machine.lift_quarantine(trio.current_time()))
