@@ -3,6 +3,7 @@ exactly once, typed, within the bound, with a result that is its own (the conten
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import traceback
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from tests.sim.launcher import SimLauncher
 from tests.sim.schedule import Schedule, Step
 from trio_gpuworker import GpuWorkerError, Supervisor, Windows
 from trio_gpuworker._proto import Generate, LaneState, Rerank
-from trio_gpuworker.supervisor import Lane, LoadSpec
+from trio_gpuworker.supervisor import Lane, LaneSettings, LoadSpec
 
 WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, kill_grace_s=1.0, shutdown_s=2.0,
                   exit_status_s=0.1)
@@ -24,6 +25,7 @@ WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, ki
 # queue, a restart with backoff and a standby's load, each bounded by a window)
 BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
 ROLL_TIMEOUT_S = 60.0  # a roll-over's own deadline when the step gives none: within BOUND
+EPOCH = "SIM_SETTINGS_EPOCH"  # the env key a reload with new settings changes
 SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
 
@@ -48,6 +50,7 @@ class World:
     _changed: trio.Event = field(default_factory=trio.Event)
     _roles: set[tuple[str, int]] = field(default_factory=set)
     _handles: list[tuple[str, dict[str, int], np.ndarray]] = field(default_factory=list)  # (lane, handle, bytes)
+    _epoch: int = 0  # the settings a reload brings, numbered
 
     def misbehaved(self, generation: int, what: str) -> None:
         self.injected.add(generation)
@@ -140,8 +143,21 @@ class World:
         return None
 
     async def _reload(self, step: Step) -> str | None:
-        assert self.sup is not None
-        await self.sup.reload_lane(self._lane(step).id, timeout=step.timeout)
+        """An ordered reload; an odd `arg` brings new settings (a new env), which the worker it starts must have."""
+        assert self.sup is not None and self.launcher is not None
+        lane = self._lane(step)
+        settings = None
+        if step.arg % 2:
+            self._epoch += 1
+            cfg = dataclasses.replace(lane.cfg, env={**lane.cfg.env, EPOCH: str(self._epoch)})
+            settings = LaneSettings(cfg, dict(lane.loads))
+        await self.sup.reload_lane(lane.id, timeout=step.timeout, settings=settings)
+        if settings is not None:
+            proc = self.launcher.procs.get((lane.id, lane.generation))
+            epoch = int(proc.spec.env.get(EPOCH, "0")) if proc is not None else None
+            if epoch is not None and epoch < int(settings.cfg.env[EPOCH]):
+                self.found.append(f"{step}: reloaded with {EPOCH}={settings.cfg.env[EPOCH]}, its worker "
+                                  f"g{lane.generation} was started with {epoch}")
         return None
 
     async def _roll(self, step: Step) -> str | None:

@@ -8,8 +8,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from trio_gpuworker._errors import UnexpectedFrame
 from trio_gpuworker._proto import _lifecycle, _lifecycle_rules
-from trio_gpuworker.supervisor import _dataplane, _generation, _steps, _supervisor
+from trio_gpuworker.supervisor import _dataplane, _generation, _steps, _supervisor, _worker
 
 
 def _patch(obj: Any, name: str, make: Callable[[Any], Any]) -> contextlib.AbstractContextManager[None]:
@@ -94,6 +95,23 @@ def _check_generation_only(original: Any) -> Any:
     return check
 
 
+def _replies_counted_in_frames(original: Any) -> Any:
+    """Reply bursts: the reader's buffer held 64 frames and a full one faulted the worker as a flood."""
+    async def put(self: Any, msg: Any, verdict: Any) -> None:
+        if len(self) >= 64:
+            raise UnexpectedFrame("worker floods replies nobody asked for")
+        await original(self, msg, verdict)
+    return put
+
+
+def _reload_drops_its_settings(original: Any) -> Any:
+    """Reload: the runner started workers from a copy of the settings made once, so a reload's new ones never
+    reached the worker it started."""
+    def reload(self: Any, now: float, settings: Any = None) -> Any:
+        return original(self, now, None)
+    return reload
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -101,6 +119,8 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "quiesced_ring_waiters_hang": [(_dataplane.DataPlane, "on_lane_event", _quiesce_without_waking)],
     "handles_cross_lanes": [(_steps.HandleRegistry, "check", _check_generation_only),
                             (_supervisor.Supervisor, "_lane", _lane_local_generations)],
+    "reply_bursts_fault_the_worker": [(_worker.Replies, "put", _replies_counted_in_frames)],
+    "reload_keeps_old_settings": [(_lifecycle.LaneLifecycle, "reload", _reload_drops_its_settings)],
 }
 
 

@@ -50,8 +50,10 @@ class Schedule:
         dropped while shrinking does not change the other generations' fates."""
         r = random.Random(self.seed * 1_000_003 + generation)
         misbehave = {n: r.choice(MISBEHAVIOURS) for n in range(1, 40) if r.random() < self.fault_rate}
+        # drawn from a stream of its own, so the fates drawn before it stay as they were
+        burst = random.Random(self.seed * 7_919 + generation).random() < 0.5
         return Fate(misbehave=misbehave, load_s=r.choice((0.01, 0.2, 2.0)), crash_in_load=r.random() < 0.03,
-                    slow_s=r.choice((0.5, 30.0)), ignore_sigterm=r.random() < 0.1)
+                    slow_s=r.choice((0.5, 30.0)), ignore_sigterm=r.random() < 0.1, burst=burst)
 
 
 def make_schedule(seed: int, max_steps: int = 14) -> Schedule:

@@ -22,6 +22,7 @@ from tests.sim.rings import SimRings
 from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message, hello_fields, is_request
 
 SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP")
+BURST = 100  # replies in one burst: more than the 64 frames the reply buffer once counted
 # what a request may do instead of its normal answer; each must end in a typed error at the caller, never a hang
 MISBEHAVIOURS = ("crash", "crash_after_header", "hang_silent", "hang_after_progress", "garbage", "wrong_req_id",
                  "regressing_progress", "exit_after_reply", "stop_reading", "slow")
@@ -37,6 +38,7 @@ class Fate:
     crash_in_load: bool = False
     slow_s: float = 1.0
     ignore_sigterm: bool = False
+    burst: bool = False  # a GENERATE's progress comes as one burst of BURST replies in one write
 
 
 class SimWorker:
@@ -208,6 +210,9 @@ class SimWorker:
         if how == "regressing_progress":
             await self.send("PROGRESS", {"req_id": req_id, "completed": 2, "phase": "inference"})
             await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "inference"})
+        elif self.fate.burst and msg.t == "GENERATE":  # healthy, and all at once: one write, one read
+            await self.send_all([("PROGRESS", {"req_id": req_id, "completed": k, "phase": "inference"})
+                                 for k in range(1, BURST + 1)])
         else:
             await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "inference"})
         if how == "hang_after_progress":
