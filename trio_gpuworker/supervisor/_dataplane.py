@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterable
 from operator import itemgetter
 from typing import Any
 
@@ -43,7 +44,7 @@ from .._proto import (
     WireMessage,
     advertised,
 )
-from ._arena import ArenaManager, NeverInstalled, Quiesced, Reaped
+from ._arena import ArenaManager, Lease, NeverInstalled, Quiesced, Reaped
 from ._lane import Lane
 from ._ringend import RingEnd
 from ._ringio import RingIO
@@ -94,15 +95,27 @@ class DataPlane(RingIO):
 
     async def install_ring(self, lane_id: str, *, direction: str, capacity: int, object_spec: dict[str, Any],
                            edge_id: str = "edge", port_id: str = "port", timeout: float | None = None) -> RingEnd:
+        """Lease arena space and install a ring on the lane's worker; `timeout` bounds the whole call (the wait for
+        arena space included). Left before it completed (timeout, cancellation, an error), what was done is undone:
+        a ring installed meanwhile is uninstalled, a lease released."""
         lane = self._lane(lane_id)
         spec = ObjectSpec.from_wire(object_spec)
-        lease = await self.arena.lease(capacity)
+        deadline = trio.current_time() + (math.inf if timeout is None else timeout)
+        lease = None
+        with trio.move_on_at(deadline):  # a wait for space that is left leaves the arena's queue holding nothing
+            lease = await self.arena.lease(capacity)
+        if lease is None:
+            raise DeadlineExceeded(f"no arena space for a ring of {capacity} bytes within {timeout:g} s")
+        return await self._install(lane, lease, direction, spec, edge_id, port_id, deadline)
+
+    async def _install(self, lane: Lane, lease: Lease, direction: str, spec: ObjectSpec, edge_id: str, port_id: str,
+                       deadline: float) -> RingEnd:
         ring = self.arena.init_ring(lease)
         generation, pid = lane.generation, lane.pid
         if pid is None:
             ring.release()
             self.arena.release(lease, NeverInstalled(lease.ring_id))
-            raise RingFault("worker_process_exited", f"lane {lane_id} has no running worker")
+            raise RingFault("worker_process_exited", f"lane {lane.id} has no running worker")
         self.arena.mark_installed(lease, pid)
         end = RingEnd(lane, generation, lease, ring, direction, spec, edge_id, port_id,
                       EgressState(spec) if direction == "ingress" else IngressState())
@@ -111,28 +124,28 @@ class DataPlane(RingIO):
         # a worker that can report completions as a binary block is asked to (a plain v3 worker keeps CBOR rows)
         gen = lane.gens.get(generation)
         block = direction == "ingress" and gen is not None and EXT_LOADED_BLOCK in advertised(gen.wp.hello)
+        request = InstallRing(ring_id=lease.ring_id, edge_id=edge_id, port_id=port_id, direction=direction,
+                              layout=layout, object_spec=spec.to_wire(), loaded_block=True if block else None)
         waiting, early = [True], []
 
         def answered(reply: WireMessage | None, error: BaseException | None) -> None:
-            if waiting[0]:  # its caller may be leaving right now (see DeadlineExceeded below)
+            if waiting[0]:  # its caller may be leaving right now (see BaseException below)
                 return early.append((reply, error))
             self._orphan_answered(end, reply, error)
 
+        remaining = None if math.isinf(deadline) else max(0.0, deadline - trio.current_time())
         try:
             # if the worker dies meanwhile, the reaped-worker hook releases the lease
-            reply = await lane.call(InstallRing(ring_id=lease.ring_id, edge_id=edge_id, port_id=port_id,
-                                                direction=direction, layout=layout, object_spec=spec.to_wire(),
-                                                loaded_block=True if block else None),
-                                    timeout=timeout, on_result=answered, generation=generation)
-        except DeadlineExceeded:
-            waiting[0] = False
-            for answer in early:  # settled as its caller left (dropped from the queue): undo it now
-                self._orphan_answered(end, *answer)
-            raise
+            reply = await lane.call(request, timeout=remaining, on_result=answered, generation=generation)
         except BrokenWorkerError as exc:  # its worker ended first: the reaped-worker hook released the lease
             raise RingFault("worker_process_exited", str(exc)) from exc
         except WorkerError as exc:  # ERR: the worker refused it, nothing was installed
             self._release(end, Quiesced(lease.ring_id, pump_stopped=True), RingFault(exc.code, exc.message))
+            raise
+        except BaseException:  # its deadline, a cancellation, any error: undone once (or as) its answer is in
+            waiting[0] = False
+            for answer in early:  # settled as its caller left (dropped from the queue): undo it now
+                self._orphan_answered(end, *answer)
             raise
         if isinstance(reply, wire.RingFault):
             fault = RingFault(reply.reason, reply.msg or "the worker refused the ring")
@@ -171,9 +184,22 @@ class DataPlane(RingIO):
             if not end.released:
                 raise DeadlineExceeded(f"ring {end.ring_id} was not quiesced within {timeout:g} s")
             return
-        reply = await end.lane.call(uninstall, timeout=timeout, generation=end.generation)
-        if isinstance(reply, RingQuiesced) and not end.released:
-            self._release(end, Quiesced(end.ring_id, pump_stopped=True), end.fault)
+        waiting = [True]
+
+        def answered(reply: WireMessage | None, error: BaseException | None) -> None:
+            if isinstance(reply, RingQuiesced):  # released on its answer, whether or not its caller still waits
+                self._quiesced(end, end.fault or RingFault("worker_shutting_down", "ring uninstalled"))
+            elif not waiting[0] and reply is None and error is None and self._nursery is not None:
+                self._nursery.start_soon(self._uninstall_quietly, end)  # its caller left before it was sent
+
+        try:
+            await end.lane.call(uninstall, timeout=timeout, generation=end.generation, on_result=answered)
+        finally:
+            waiting[0] = False
+
+    def _quiesced(self, end: RingEnd, fault: RingFault) -> None:
+        with contextlib.suppress(ArenaError):  # a refused proof keeps the lease until the worker is reaped
+            self._release(end, Quiesced(end.ring_id, pump_stopped=True), fault)
 
     def _release(self, end: RingEnd, proof: Any, fault: RingFault) -> None:
         """The ring is gone on the worker's side: every waiter wakes with a typed RingFault, and so does any later
@@ -204,6 +230,18 @@ class DataPlane(RingIO):
     async def release_handle(self, lane_id: str, handle: dict[str, int]) -> None:
         await self.steps.release(self._lane(lane_id), handle)
 
+    def _release_orphans(self, end: RingEnd, handles: list[int]) -> None:
+        """Device handles of objects whose loader left: released in the background (a worker that is gone took them
+        with it)."""
+        if handles and self._nursery is not None:
+            self._nursery.start_soon(self._release_quietly, end, handles)
+
+    async def _release_quietly(self, end: RingEnd, handles: list[int]) -> None:
+        for handle_id in handles:
+            with contextlib.suppress(GpuWorkerError):
+                await self.steps.release(end.lane, {"worker_generation": end.generation, "id": handle_id},
+                                         timeout=end.lane.windows.control_s)
+
     # --- events from lanes -----------------------------------------------------------------------
 
     def on_lane_event(self, lane: Lane, generation: int, msg: WireMessage | None) -> None:
@@ -218,31 +256,33 @@ class DataPlane(RingIO):
                 end.hint.set()
             case ObjectsLoaded(objects=rows):
                 if rows:
-                    end.events.append(rows)
-                    self.steps.handles.minted(lane, generation, map(itemgetter(HANDLE_ID), rows))
+                    self._loaded(end, rows, map(itemgetter(HANDLE_ID), rows))
                 end.event_ready.set()
             case LoadedBlock(raw=raw):  # the same rows as one array: no Python step per row
                 if len(raw) % LOADED_ROW_BYTES:
                     raise MalformedMessage(f"LOADED_BLOCK of {len(raw)} bytes is not whole rows")
                 block = np.frombuffer(raw, "<u8").reshape(-1, 4)
                 if len(block):
-                    end.events.append(block)
-                    self.steps.handles.minted(lane, generation, block[:, HANDLE_ID].tolist())
+                    self._loaded(end, block, block[:, HANDLE_ID].tolist())
                 end.event_ready.set()
             case ObjectLoaded():  # the per-object form: a batch of one
                 handle_id = msg.device_handle["id"]
-                end.events.append([list(LoadedRow(msg.object_id, msg.sequence, msg.extent, handle_id))])
-                self.steps.handles.minted(lane, generation, (handle_id,))
+                self._loaded(end, [list(LoadedRow(msg.object_id, msg.sequence, msg.extent, handle_id))], (handle_id,))
                 end.event_ready.set()
             case RingQuiesced():  # an out-of-band UNINSTALL_RING's answer, or its worker stopping in order
-                with contextlib.suppress(ArenaError):  # a refused proof keeps the lease until the worker is reaped
-                    self._release(end, Quiesced(end.ring_id, pump_stopped=True),
-                                  RingFault("worker_shutting_down", f"ring {end.ring_id} was quiesced"))
+                self._quiesced(end, RingFault("worker_shutting_down", f"ring {end.ring_id} was quiesced"))
             case wire.RingFault() | wire.ObjectFailed():
                 if isinstance(msg, wire.RingFault):
                     end.fail(RingFault(msg.reason, msg.msg or ""))
                 end.events.append(msg)
                 end.event_ready.set()
+
+    def _loaded(self, end: RingEnd, rows: Any, handles: Iterable[int]) -> None:
+        """A batch of completions: its handles are live; those of objects whose loader left are released."""
+        end.events.append(rows)
+        self.steps.handles.minted(end.lane, end.generation, handles)
+        if end.orphans:
+            self._release_orphans(end, end.disown())
 
     def _generation_gone(self, lane: Lane, generation: int) -> None:
         """The worker is reaped: its handles are void; fault every ring it had, tell subscribers, release leases."""

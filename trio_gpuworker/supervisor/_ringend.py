@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,9 @@ class RingEnd:
     batch: Completions = field(default_factory=Completions)
     released: bool = False
     bytes_moved: int = 0
+    # (object_id, sequence) of objects written whole whose loader left before taking their completion: their rows
+    # never reach a later loader, their device handles are released
+    orphans: set[tuple[int, int]] = field(default_factory=set)
 
     @property
     def ring_id(self) -> int:
@@ -63,6 +67,26 @@ class RingEnd:
         self.fault = self.fault or fault
         self.hint.set()
         self.event_ready.set()
+
+    def disown(self, objects: Iterable[tuple[int, int]] = ()) -> list[int]:
+        """Add `objects` to the orphans, and take every orphan's completed row out of `events`: returns their handle
+        ids (to release). The rows left keep their stream order."""
+        self.orphans.update(objects)
+        handles: list[int] = []
+        kept: collections.deque[Any] = collections.deque()
+        for i, batch in enumerate(self.events):
+            if not isinstance(batch, list | np.ndarray):
+                kept.append(batch)
+                continue
+            table = np.asarray(batch, np.uint64).reshape(-1, 4)[self.taken if i == 0 else 0:]
+            orphaned = np.array([(int(o), int(q)) in self.orphans for o, q in table[:, :2].tolist()], bool)
+            for o, q, _, h in table[orphaned].tolist():
+                self.orphans.discard((o, q))
+                handles.append(h)
+            if len(rest := table[~orphaned]):
+                kept.append(rest)
+        self.events, self.taken = kept, 0
+        return handles
 
     def take_rows(self, limit: int) -> list[list[int]] | np.ndarray:
         """Up to `limit` (> 0) completed rows, in stream order, from the oldest batch (a list, or an array for a

@@ -4,10 +4,11 @@ drain into a pool of preallocated destinations per wake-up). Backpressure is the
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, overload
 
@@ -81,6 +82,7 @@ class RingIO:
     """Pushes, loads and pulls; DataPlane supplies the lanes and the byte counters."""
 
     bytes_moved: dict[str, int]
+    _release_orphans: Callable[[RingEnd, list[int]], None]  # DataPlane's: frees device handles nobody will take
 
     # --- producing into an ingress ring -------------------------------------------------------------
 
@@ -91,40 +93,57 @@ class RingIO:
             np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         extent = src.size
         addr = src.ctypes.data if extent else 0
-        while True:
-            end.raise_if_faulted()
-            end.hint = trio.Event()
-            n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
-            self._moved(end, "ingress", n)
-            if notify:
-                await self._notify(end, RingReadable)
-            if not end.state.busy:
-                return
-            await end.hint.wait()  # RING_WRITABLE from the worker, or a fault
+        with self._abandoned_when_left(end):
+            while True:
+                end.raise_if_faulted()
+                end.hint = trio.Event()
+                n, notify = write_egress(end.ring, end.state, object_id, sequence, addr, extent, flags)
+                self._moved(end, "ingress", n)
+                if notify:
+                    await self._notify(end, RingReadable)
+                if not end.state.busy:
+                    return
+                await end.hint.wait()  # RING_WRITABLE from the worker, or a fault
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _abandoned_when_left(end: RingEnd) -> Iterator[None]:
+        """A producer that leaves (cancelled, or an error) mid-object cannot take back what it wrote: the ring is
+        faulted, so the worker and every later push on it see a typed fault rather than a torn object."""
+        try:
+            yield
+        except BaseException:
+            if end.state.busy and not end.released and end.state.abandon(end.ring):
+                end.fail(RingFault("ring_state_invalid", f"ring {end.ring_id}: its producer left mid-object"))
+            raise
 
     async def push_many(self, end: RingEnd, objects: list[Any], *, first_object_id: int, first_sequence: int,
-                        flags: int = 0) -> None:
+                        flags: int = 0, written: list[int] | None = None) -> None:
         """Write many objects (consecutive ids and sequences) into an ingress ring: each burst is one native call
         that writes every record that fits, with one wake hint; ring space is the only backpressure. The
-        buffers must stay alive and unchanged until this returns (it holds `objects`)."""
+        buffers must stay alive and unchanged until this returns (it holds `objects`). `written[0]` follows how
+        many objects are written whole."""
+        written = [0] if written is None else written
         assert end.direction == "ingress", "the daemon produces only into ingress rings"
         records = buffer_records(objects, first_object_id, first_sequence, flags)
         ends = np.cumsum(records[:, 3])  # where each object's bytes end, counted from the first
         burst = max(1, end.ring.capacity // BURST_SHARE)
         i = 0
-        while i < len(objects):
-            end.raise_if_faulted()
-            end.hint = trio.Event()
-            # the rows of at most `burst` bytes and BURST_ROWS rows (at least one: a larger object streams through)
-            start = int(ends[i - 1]) if i else 0
-            size = burst if i else max(1, burst // FIRST_BURST_SHARE)
-            stop = max(i + 1, min(i + BURST_ROWS, int(np.searchsorted(ends, start + size, "right"))))
-            i, n, notify = write_egress_batch(end.ring, end.state, records[:stop], i)
-            self._moved(end, "ingress", n)
-            if notify:
-                await self._notify(end, RingReadable)
-            if i < len(objects) and not n and not await self._space(end, burst):
-                await end.hint.wait()
+        with self._abandoned_when_left(end):
+            while i < len(objects):
+                end.raise_if_faulted()
+                end.hint = trio.Event()
+                # at most `burst` bytes and BURST_ROWS rows (at least one: a larger object streams through)
+                start = int(ends[i - 1]) if i else 0
+                size = burst if i else max(1, burst // FIRST_BURST_SHARE)
+                stop = max(i + 1, min(i + BURST_ROWS, int(np.searchsorted(ends, start + size, "right"))))
+                i, n, notify = write_egress_batch(end.ring, end.state, records[:stop], i)
+                written[0] = i
+                self._moved(end, "ingress", n)
+                if notify:
+                    await self._notify(end, RingReadable)
+                if i < len(objects) and not n and not await self._space(end, burst):
+                    await end.hint.wait()
 
     @staticmethod
     async def _space(end: RingEnd, want: int) -> bool:
@@ -165,9 +184,16 @@ class RingIO:
     async def load(self, end: RingEnd, data: Any, *, object_id: int, sequence: int, flags: int = 0) -> dict[str, Any]:
         """push + wait for its OBJECT_LOADED; returns the device handle."""
         end.raise_if_faulted()  # one typed error (else the push and the wait would each raise it)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: self.push(end, data, object_id=object_id, sequence=sequence, flags=flags))
-            msg = await self.next_event(end)
+        pushed = [False]
+
+        async def push() -> None:
+            await self.push(end, data, object_id=object_id, sequence=sequence, flags=flags)
+            pushed[0] = True
+
+        with self._disowned_when_left(end, lambda: [(object_id, sequence)] if pushed[0] else []):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(push)
+                msg = await self.next_event(end)
         if msg.object_id != object_id:
             raise ObjectFailed("sequence_violation", f"loaded object {msg.object_id}, expected {object_id}")
         return msg.device_handle
@@ -178,23 +204,43 @@ class RingIO:
         arrive in batches (one OBJECTS_LOADED or LOADED_BLOCK per worker drain), so many callers wake from one
         message, and each batch is checked and recorded with array operations, not Python per object."""
         ids = np.empty(len(objects), np.uint64)
-        done = 0
+        done, written = 0, [0]
         end.raise_if_faulted()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: self.push_many(end, objects, first_object_id=first_object_id,
-                                                      first_sequence=first_sequence, flags=flags))
-            gen = end.generation
-            while done < len(objects):
-                rows = await self._rows(end, len(objects) - done)  # a whole batch at a time
-                table = rows if isinstance(rows, np.ndarray) else np.array(rows, np.uint64).reshape(-1, 4)
-                got = table[:, OBJECT_ID]
-                want = np.arange(first_object_id + done, first_object_id + done + len(table), dtype=np.uint64)
-                if not np.array_equal(got, want):
-                    k = int(np.flatnonzero(got != want)[0])
-                    raise ObjectFailed("sequence_violation", f"loaded object {int(got[k])}, expected {int(want[k])}")
-                ids[done:done + len(table)] = table[:, HANDLE_ID]
-                done += len(table)
+
+        def left() -> list[tuple[int, int]]:  # written whole and not yet taken
+            return [(first_object_id + k, first_sequence + k) for k in range(done, written[0])]
+
+        with self._disowned_when_left(end, left):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: self.push_many(end, objects, first_object_id=first_object_id,
+                                                          first_sequence=first_sequence, flags=flags, written=written))
+                gen = end.generation
+                while done < len(objects):
+                    done = await self._take_loaded(end, ids, done, first_object_id)
         return DeviceHandles(gen, ids)
+
+    async def _take_loaded(self, end: RingEnd, ids: np.ndarray, done: int, first_object_id: int) -> int:
+        """The next batch of load_many's completions (checked in order) into `ids` from `done` on; returns how many
+        are taken in all."""
+        rows = await self._rows(end, len(ids) - done)  # a whole batch at a time
+        table = rows if isinstance(rows, np.ndarray) else np.array(rows, np.uint64).reshape(-1, 4)
+        got = table[:, OBJECT_ID]
+        want = np.arange(first_object_id + done, first_object_id + done + len(table), dtype=np.uint64)
+        if not np.array_equal(got, want):
+            k = int(np.flatnonzero(got != want)[0])
+            raise ObjectFailed("sequence_violation", f"loaded object {int(got[k])}, expected {int(want[k])}")
+        ids[done:done + len(table)] = table[:, HANDLE_ID]
+        return done + len(table)
+
+    @contextlib.contextmanager
+    def _disowned_when_left(self, end: RingEnd, objects: Callable[[], list[tuple[int, int]]]) -> Iterator[None]:
+        """A loader that leaves (cancelled, or an error) before taking its completions disowns the objects it wrote
+        whole: their rows never reach a later loader, their device handles are released (by the data plane)."""
+        try:
+            yield
+        except BaseException:
+            self._release_orphans(end, end.disown(objects()))
+            raise
 
     async def pump_file(self, end: RingEnd, path: Path, *, object_id: int, sequence: int, flags: int = 0) -> None:
         """Disk -> ring as one object of the file's size. The file is mapped read-only and copied from the

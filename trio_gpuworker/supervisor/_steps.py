@@ -80,9 +80,12 @@ class Steps:
             raise StepFailed(reply.reason, reply.msg or "step failed")
         return [{"t": m.T, **m.to_fields()} for m in produced]
 
-    async def release(self, lane: Lane, handle: dict[str, int]) -> None:
+    async def release(self, lane: Lane, handle: dict[str, int], timeout: float | None = None) -> None:
+        """Free one device object. Once the request is written the worker frees it, so the handle is no longer
+        live from then on, whether or not its caller waits for the answer."""
         self.handles.check(lane, handle, "invalid_device_handle")
-        reply = await lane.call(ReleaseDeviceObject(device_handle=handle), generation=handle["worker_generation"])
-        self.handles.consumed(lane, handle)
+        reply = await lane.call(ReleaseDeviceObject(device_handle=handle), timeout=timeout,
+                                generation=handle["worker_generation"],
+                                on_started=lambda: self.handles.consumed(lane, handle))
         if isinstance(reply, ReleaseFailed):
             raise StepFailed(reply.reason, reply.msg or "release failed")
