@@ -18,10 +18,12 @@ from trio_gpuworker import (
     EngineCrashed,
     InvalidRequest,
     LaneState,
+    ModelLoadFailed,
     ModelLoading,
     NoLaneAvailable,
     OverCapacity,
 )
+from trio_gpuworker.daemon.http_common import error_status
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor import Scheduler
 from trio_gpuworker.supervisor._admission import choose_lane
@@ -98,6 +100,24 @@ def test_least_loaded_ready_lane() -> None:
     with pytest.raises(EngineCrashed) as info:
         choose_lane("m", [q1, q2])
     assert info.value.lane_id == "q2" and info.value.cooldown_remaining_s == 10.0
+
+
+def test_a_model_whose_load_failed_on_every_lane_is_refused_with_the_errors() -> None:
+    failed = FakeLane("f", load_errors={"m": "config_invalid: blk.0.attn_k.weight: tensor type Q2_K"})
+    failed2 = FakeLane("g", state=LaneState.BUSY, load_errors={"m": "artifact_invalid: sha256 mismatch"})
+    with pytest.raises(ModelLoadFailed) as info:
+        choose_lane("m", [failed, failed2])
+    assert info.value.code == "model_load_failed" and error_status(info.value)[0] == 503
+    assert info.value.to_wire()["detail"] == {"model": "m", "lanes": {"f": failed.load_errors["m"],
+                                                                      "g": failed2.load_errors["m"]}}
+    assert "lane f: config_invalid: blk.0.attn_k.weight: tensor type Q2_K" in str(info.value)
+    assert choose_lane("m", [failed, FakeLane("a")]).id == "a"  # another lane loaded it
+    # a lane whose fresh worker may load it yet: not refused here (the failed lane's worker answers with its error)
+    restarting = FakeLane("r", state=LaneState.RESTARTING)
+    assert choose_lane("m", [failed, restarting]).id == "f"
+    first = FakeLane("n", state=LaneState.LOADING, first={"phase": "load", "model": "m", "steps": 1, "elapsed_s": 1})
+    assert choose_lane("m", [failed, first]).id == "f"
+    assert choose_lane("n", [FakeLane("h", loads={"n": None}, load_errors={"m": "bad"})]).id == "h"  # another model
 
 
 async def test_over_budget_is_429_with_retry_after(tmp_path: Path) -> None:

@@ -144,6 +144,7 @@ def test_the_bridge_runs_the_same_c_in_tinygrad(raw: dict, reader: gguf.GGUFRead
     assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
 
 
-def test_unsupported_types_are_refused() -> None:
-    with pytest.raises(ValueError, match="packed matrix"):
-        quant.pack(F16, np.zeros(64, np.uint8), 1)
+def test_a_type_is_packed_only_in_its_own_layout_or_float32() -> None:
+    with pytest.raises(ValueError, match="F16 cannot be packed as Q4_1"):
+        quant.pack(F16, np.zeros(64, np.uint8), 1, Q4_1)
+    assert quant.pack(F16, np.zeros(64, np.uint8), 1).shape == (1, 128)  # float32: 32 weights of 4 bytes

@@ -231,6 +231,21 @@ class ModelLoading(NoLaneAvailable):
                 "detail": {"model": self.model, "lanes": self.lanes, "retry_after_s": self.retry_after_s}}
 
 
+class ModelLoadFailed(NoLaneAvailable):
+    """The model's LOAD failed on every lane that serves it (an artifact the worker cannot read, a tensor type it
+    does not support, ...): its requests are refused with the load errors until a reload fixes the model."""
+
+    code = "model_load_failed"
+
+    def __init__(self, message: str, *, model: str, lanes: dict[str, str]) -> None:
+        super().__init__(message)
+        self.model = model
+        self.lanes = lanes  # lane id -> its LOAD's error, "code: message"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"code": self.code, "message": str(self), "detail": {"model": self.model, "lanes": self.lanes}}
+
+
 class ClosedSupervisorError(GpuWorkerError):
     """We closed the supervisor (or lane); no more requests are accepted."""
 

@@ -23,9 +23,24 @@ _SCALARS: dict[int, str] = {
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 
-# GGML tensor types this project reads, and each one's block: (elements, bytes).
-F32, F16, Q4_1, Q8_0 = 0, 1, 3, 8
-BLOCKS: dict[int, tuple[int, int]] = {F32: (1, 4), F16: (1, 2), Q4_1: (32, 20), Q8_0: (32, 34)}
+# GGML tensor types this project reads (models/quant.py dequantises every one), and each one's block:
+# (elements, bytes).
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+BLOCKS: dict[int, tuple[int, int]] = {
+    F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
+    Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+# Every GGML type's name (ggml.h's ggml_type), for the message that refuses one this project does not read.
+TYPE_NAMES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S",
+    20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64",
+    29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+
+
+def type_name(typ: int) -> str:
+    return TYPE_NAMES.get(typ, f"GGML type {typ}")
 
 
 class GGUFFormatError(ValueError):
@@ -120,8 +135,12 @@ def read_tensors(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, GG
     out: dict[str, GGUFTensor] = {}
     for name, shape, typ, off in infos:
         if typ not in BLOCKS:
-            raise GGUFFormatError(f"{name}: GGML type {typ} is not supported")
+            supported = ", ".join(type_name(t) for t in BLOCKS)
+            raise GGUFFormatError(f"{name}: tensor type {type_name(typ)} (GGML type {typ}) is not supported; "
+                                  f"supported: {supported}")
         el, nb = BLOCKS[typ]
+        if shape and shape[-1] % el:
+            raise GGUFFormatError(f"{name}: rows of {shape[-1]} are not whole {type_name(typ)} blocks of {el}")
         size = int(np.prod(shape)) // el * nb
         if off + size > len(data):
             raise GGUFFormatError(f"{name}: data runs past the end of {path}")

@@ -71,8 +71,9 @@ class EventStream:
     produce: Callable[[Emit], Awaitable[None]]
 
 
-# Worker-side ERR codes that mean the caller's input was at fault.
+# Worker-side ERR codes that mean the caller's input was at fault, and those that mean the model cannot serve.
 _CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loaded", "unsupported_request"}
+_UNAVAILABLE_WORKER_CODES = {"model_load_failed"}
 
 
 def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
@@ -97,6 +98,8 @@ def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
     if isinstance(exc, ClosedSupervisorError | NoLaneAvailable):
         return 503, {}
     if isinstance(exc, WorkerError):
+        if exc.code in _UNAVAILABLE_WORKER_CODES:
+            return 503, {}
         return (400 if exc.code in _CLIENT_WORKER_CODES else 502), {}
     return 500, {}
 

@@ -7,7 +7,8 @@ waits on a worker).
   It fails first on SIGTERM, before the daemon stops admitting and before the listener closes.
 - `/healthz`: the lanes' states, 200 while any lane serves (as before /livez and /readyz existed); during a lane's
   first start its entry's `starting` says how far it is (phase spawn or load, the model, PROGRESS steps, seconds),
-  and the status is `starting` until some lane serves.
+  and the status is `starting` until some lane serves. A lane whose LOAD of a model failed serves its other models,
+  but its entry's `load_errors` names the model and why, and the status is `degraded`.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ class StateRoutes:
     async def healthz(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         """Cached lane state only: never waits on a worker."""
         lanes = [{k: s[k] for k in ("lane_id", "state", "pid", "generation", "strikes", "cooldown_remaining_s",
-                                    "starting")} for s in self.sup.status()]
+                                    "starting", "load_errors")} for s in self.sup.status()]
         serving = any(ln["state"] in SERVING_STATES for ln in lanes)
-        healthy = all(ln["state"] in SERVING_STATES for ln in lanes)
+        healthy = all(ln["state"] in SERVING_STATES and not ln["load_errors"] for ln in lanes)
         starting = any(ln["starting"] is not None for ln in lanes)  # a lane's first start: phase, model, steps
         if not self.admitting:
             return 503, {"status": "draining", "lanes": lanes}

@@ -132,13 +132,15 @@ class Daemon:
 
     def status_line(self) -> str:
         lanes = self.sup.status()
-        ready = sum(s["state"] in SERVING_STATES for s in lanes)
+        ready = sum(s["state"] in SERVING_STATES and not s["load_errors"] for s in lanes)
         notes = []
         for s in lanes:
             if s["cooldown_remaining_s"] is not None:
                 notes.append(f"{s['lane_id']} quarantined ({s['cooldown_remaining_s']:.0f} s left)")
             elif s["state"] not in SERVING_STATES:
                 notes.append(f"{s['lane_id']} {s['state']}")
+            elif s["load_errors"]:
+                notes.append(f"{s['lane_id']} failed to load {', '.join(s['load_errors'])}")
             if s["drained"]:
                 notes.append(f"{s['lane_id']} drained")
         starting = [describe_progress(s["lane_id"], s["starting"]) for s in lanes if s["starting"] is not None]
@@ -349,7 +351,7 @@ async def run_daemon(cfg: DaemonConfig, *, config_path: Path | None = None,
                             report.listening(binds)
                             if await report.run(until=daemon.stop_requested):  # READY=1 once every lane settled
                                 notifier.ready(daemon.status_line())
-                                log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(sup.lanes))
+                                report.settled(binds)
                             if daemon.tuner is not None:
                                 inner.start_soon(daemon.tuner.run, sup)
                             task_status.started(daemon)

@@ -7,7 +7,10 @@ The listeners are up before any worker is ready (requests for a model none of it
     listening on http://127.0.0.1:8421 while 3 lanes start; the last start took 4.1 s
     still starting (10 s): embed loading all-MiniLM-L6-v2 (3 steps, 9 s); gen-0 loading SmolLM2-135M-Instruct ...
     lane embed ready after 3.9 s: all-MiniLM-L6-v2
-    all 3 lanes ready after 21.3 s
+    3 of 3 lane(s) ready after 21.3 s
+
+A model whose LOAD failed is never called ready: its lane's line, the last line and the daemon's own line
+(`degraded` instead of `ready`) name it and its load error.
 
 Each lane's time to its first settle is kept in `<state_dir>/startup.json`, so the next start can say how long
 the last one took (a first start on a state directory compiles kernels and models once; later ones restore them).
@@ -86,11 +89,30 @@ class StartupReport:
         if until is not None and until.is_set():
             return False
         times = {ln.id: t for ln in lanes if (t := ln.first_start.ready_after_s) is not None}
-        serving = sum(ln.state in SERVING_STATES for ln in lanes)
-        log.info("%d of %d lane(s) ready after %.1f s", serving, len(lanes), trio.current_time() - began)
-        if serving == len(lanes):  # a failed start is no estimate of the next one
+        ready = sum(ln.state in SERVING_STATES and not ln.load_errors for ln in lanes)
+        after = trio.current_time() - began
+        if (failed := self.failed_loads()) is None:
+            log.info("%d of %d lane(s) ready after %.1f s", ready, len(lanes), after)
+        else:
+            log.warning("%d of %d lane(s) ready after %.1f s; models that failed to load: %s", ready, len(lanes),
+                        after, failed)
+        if ready == len(lanes):  # a failed start is no estimate of the next one
             self._write(times)
         return True
+
+    def failed_loads(self) -> str | None:
+        """The models whose LOAD failed, with each lane's error, in words; None when none has."""
+        parts = [f"{m} on lane {ln.id} ({e})" for ln in self.sup.lanes.values() for m, e in ln.load_errors.items()]
+        return "; ".join(parts) or None
+
+    def settled(self, binds: list[str]) -> None:
+        """The daemon's line once every lane's first start has settled: ready, or degraded while a configured model
+        failed to load."""
+        if (failed := self.failed_loads()) is None:
+            log.info("gpuworkerd ready: %s; lanes %s", ", ".join(binds), ", ".join(self.sup.lanes))
+        else:
+            log.warning("gpuworkerd degraded: %s; lanes %s; models that failed to load: %s", ", ".join(binds),
+                        ", ".join(self.sup.lanes), failed)
 
     async def _settled(self, lane: Lane) -> None:
         await lane.first_start.settled.wait()
@@ -98,7 +120,7 @@ class StartupReport:
         if lane.state in SERVING_STATES and not lane.load_errors:
             log.info("lane %s ready after %.1f s: %s", lane.id, after, ", ".join(lane.models_loaded))
         elif lane.state in SERVING_STATES:
-            log.warning("lane %s ready after %.1f s, but some models failed to load: %s", lane.id, after,
+            log.warning("lane %s started after %.1f s, but models failed to load: %s", lane.id, after,
                         "; ".join(f"{m}: {e}" for m, e in lane.load_errors.items()))
         else:
             log.warning("lane %s did not start (%s after %.1f s): %s", lane.id, lane.state.value, after,

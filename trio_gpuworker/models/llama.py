@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes, function
-from tinygrad.llm.gguf import gguf_load
 from tinygrad.uop.ops import resolve
 
 from .._kinds import DEFAULT_CONTEXT
+from ..gguf_file import GGUFTensor, read_tensors
+from . import quant
 from .greedy import PREFILL_CHUNK, GreedyDecoder
 
 _SPLIT = 64
@@ -88,16 +89,18 @@ def _block(
 
 
 class LlamaLM(GreedyDecoder):
-    def __init__(self, kv: dict[str, Any], sd: dict[str, Tensor], max_context: int) -> None:
+    def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int) -> None:
         theta = self._hparams(kv, max_context)
 
-        # Dequantise once at load: a float32 matvec beats re-unpacking Q4_1 nibbles on every token here.
+        # Dequantise once at load (models/quant.py, any GGUF type): a float32 matvec beats re-unpacking Q4_1
+        # nibbles on every token here.
         def w(name: str) -> Tensor:
-            return sd[name].float().contiguous()
+            t = raw[name]
+            return Tensor(quant.dequantize(t.typ, t.data).reshape(t.shape)).contiguous()
 
         self.tok_embd = w("token_embd.weight")
         self.vocab_size = int(self.tok_embd.shape[0])
-        self.output = w("output.weight") if "output.weight" in sd else self.tok_embd
+        self.output = w("output.weight") if "output.weight" in raw else self.tok_embd
         self.out_norm = w("output_norm.weight")
         self.layers = [
             {k: w(f"blk.{i}.{k}.weight") for k in
@@ -125,8 +128,8 @@ class LlamaLM(GreedyDecoder):
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True) -> LlamaLM:
         """Dequantise the GGUF's weights to float32. `warmup` traces and captures both JIT graphs now
         (seconds), so the first real request runs at steady speed."""
-        kv, sd = gguf_load(pathlib.Path(gguf_path))
-        lm = cls(kv, sd, max_context)
+        kv, raw = read_tensors(pathlib.Path(gguf_path))
+        lm = cls(kv, raw, max_context)
         if warmup:
             lm.warmup()
         return lm

@@ -10,8 +10,10 @@ followed by its start position and the row whose next token is wanted, so one ca
 serves every position up to max_context with no symbolic shapes.
 
 Quantised matrices stay packed and are dequantised in registers (kernels/quant.h), so a decode step reads
-~110 MB instead of 540 MB of float32. The whole forward pass is one C kernel (kernels/llama_forward.c): a
-tinygrad launch costs ~80 us of Python here, which was a third of a step even at one kernel per layer half.
+~110 MB instead of 540 MB of float32; a matrix kind whose GGUF types have no packed layout in common is
+dequantised to float32 at load (models/quant.py kernel_type). The whole forward pass is one C kernel
+(kernels/llama_forward.c): a tinygrad launch costs ~80 us of Python here, which was a third of a step even at one
+kernel per layer half.
 """
 
 from __future__ import annotations
@@ -80,31 +82,30 @@ class FusedLlamaLM(GreedyDecoder):
         if self.dim % 32 or self.ff % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
             raise ValueError("dimensions must be multiples of the 32-element quant block")
 
-        def mat(*names: str, interleave: bool = False) -> tuple[int, np.ndarray]:
-            """Packed rows of one or more matrices of one GGML type, stacked (or row-interleaved)."""
-            types = {raw[n].typ for n in names}
-            if len(types) != 1:
-                raise ValueError(f"{names} mix GGML types {types}")
-            typ = types.pop()
-            parts = [quant.pack(typ, raw[n].data, raw[n].shape[0]) for n in names]
-            return typ, quant.group(typ, np.stack(parts, 1).reshape(-1, parts[0].shape[1]) if interleave
-                                    else np.concatenate(parts))
+        def mat(typ: int, *names: str, interleave: bool = False) -> np.ndarray:
+            """Rows of one or more matrices packed in kernel layout `typ`, stacked (or row-interleaved)."""
+            parts = [quant.pack(raw[n].typ, raw[n].data, raw[n].shape[0], typ) for n in names]
+            return quant.group(typ, np.stack(parts, 1).reshape(-1, parts[0].shape[1]) if interleave
+                               else np.concatenate(parts))
 
         def vec(name: str) -> np.ndarray:
             return quant.f32(raw[name].typ, raw[name].data)
 
         def stacked(kind: str, *names: str, interleave: bool = False) -> Tensor:
-            """One matrix kind of every layer back to back; the kernel needs one GGML type per kind."""
-            got = [mat(*(f"blk.{i}.{n}.weight" for n in names), interleave=interleave) for i in range(self.n_layers)]
-            if len(types := {t for t, _ in got}) != 1:
-                raise ValueError(f"{kind} matrices mix GGML types {types}")
-            self.types[kind] = types.pop()
-            return Tensor(np.concatenate([w for _, w in got]))
+            """One matrix kind of every layer back to back, in the one layout the kernel reads the kind in."""
+            layers = [[f"blk.{i}.{n}.weight" for n in names] for i in range(self.n_layers)]
+            typ = self.types[kind] = quant.kernel_type(*(raw[n].typ for lay in layers for n in lay))
+            return Tensor(np.concatenate([mat(typ, *lay, interleave=interleave) for lay in layers]))
 
         self.types: dict[str, int] = {}
-        self.embd_type, embd = mat("token_embd.weight")
+        self.embd_type = quant.kernel_type(raw["token_embd.weight"].typ)
+        embd = mat(self.embd_type, "token_embd.weight")
         self.vocab_size = int(raw["token_embd.weight"].shape[0])
-        self.out_type, out = mat("output.weight") if "output.weight" in raw else (self.embd_type, embd)
+        if "output.weight" in raw:
+            self.out_type = quant.kernel_type(raw["output.weight"].typ)
+            out = mat(self.out_type, "output.weight")
+        else:
+            self.out_type, out = self.embd_type, embd
         self.tok_embd = Tensor(embd)
         self.output = Tensor(out) if out is not embd else self.tok_embd
         self.out_norm = Tensor(vec("output_norm.weight"))

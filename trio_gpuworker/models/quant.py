@@ -1,45 +1,173 @@
-"""GGUF quantised blocks re-packed for the fused decoder's kernels (kernels/quant.h dequantises them). Numpy only.
+"""GGUF tensor types: dequantised to float32, or re-packed for the fused decoder's kernels (kernels/quant.h
+dequantises those). Numpy only.
 
-Each 32-element block keeps its quantised values and gets its f16 scales widened to f32, so a kernel never
-converts: q*d is exact in float32 (a 4- or 8-bit q times an f16 scale), so q*d + m rounds once, as the
-reference's does, and the kernels compute with the reference's exact weights (tests/test_llama_quant.py
-checks it bit for bit).
+Every quantised type is blocks of small integers q with a float32 scale (and for some an offset) per group of
+weights, w = scale * q (+ offset): `dequantize` computes exactly that, rounding as the `gguf` package's dequantiser
+does, so both give the same float32 bits (tests/test_gguf_types.py). The kernels read three packed layouts, each
+32 weights: Q4_1 {f32 d, f32 m, 16 nibble bytes}, Q8_0 {f32 d, 32 int8} and F32 {32 floats}. A type whose groups
+are 32 weights of such integers packs as one of the first two with the same scale and offset, so the kernels
+compute with its exact weights (q*d is exact in float32 and q*d + m rounds once, as the dequantiser's does);
+every other type is dequantised at load and packed as F32.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-from ..gguf_file import F16, F32, Q4_1, Q8_0
+from ..gguf_file import BF16, BLOCKS, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
 
-PACKED = {Q4_1: 24, Q8_0: 36}  # packed bytes per block (kernels/quant.h BS_3, BS_8)
+PACKED = {Q4_1: 24, Q8_0: 36, F32: 128}  # packed bytes per 32-weight block (kernels/quant.h BS_3, BS_8, BS_0)
 G = 4  # rows per kernel tile, and per interleaved group of packed rows
+# the packed layout each GGML type takes in the kernels; a type not here is dequantised to F32
+KERNEL_TYPE = {Q4_1: Q4_1, Q4_K: Q4_1, Q8_0: Q8_0, Q4_0: Q8_0, Q5_0: Q8_0}
 
 
-def pack(typ: int, raw: np.ndarray, rows: int) -> np.ndarray:
-    """GGUF blocks -> (rows, row bytes) uint8: Q4_1 as {f32 d, f32 m, 16 nibble bytes}, Q8_0 as {f32 d, 32 int8}."""
-    if typ == Q4_1:
-        b = raw.reshape(-1, 20)
-        dm = b[:, :4].copy().view(np.float16).astype(np.float32).view(np.uint8)
-        return np.concatenate([dm, b[:, 4:]], axis=1).reshape(rows, -1)
-    if typ == Q8_0:
-        b = raw.reshape(-1, 34)
-        d = b[:, :2].copy().view(np.float16).astype(np.float32).view(np.uint8)
-        return np.concatenate([d, b[:, 2:]], axis=1).reshape(rows, -1)
-    raise ValueError(f"GGML type {typ} cannot be a packed matrix (Q4_1 and Q8_0 can)")
+class Groups(NamedTuple):
+    """A quantised tensor as w = scale * q (+ offset): q (groups, k) small integers in float32, scale and offset
+    (groups, 1) float32; offset None where the type has none."""
+
+    scale: np.ndarray
+    q: np.ndarray
+    offset: np.ndarray | None
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(n, 2) bytes -> (n, 1) float32."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(n, 16) bytes -> (n, 32): the low nibbles are weights 0-15, the high ones 16-31."""
+    return np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
+def _bits(qh: np.ndarray) -> np.ndarray:
+    """(n, 4) bytes -> (n, 32) the bits of their little-endian uint32, lowest first."""
+    return np.unpackbits(np.ascontiguousarray(qh), axis=1, bitorder="little")
+
+
+def _q4_0(b: np.ndarray) -> Groups:
+    return Groups(_f16(b[:, :2]), _nibbles(b[:, 2:]).astype(np.float32) - 8, None)
+
+
+def _q4_1(b: np.ndarray) -> Groups:
+    return Groups(_f16(b[:, :2]), _nibbles(b[:, 4:]).astype(np.float32), _f16(b[:, 2:4]))
+
+
+def _q5_0(b: np.ndarray) -> Groups:
+    q = _nibbles(b[:, 6:]) | _bits(b[:, 2:6]) << 4
+    return Groups(_f16(b[:, :2]), q.astype(np.float32) - 16, None)
+
+
+def _q5_1(b: np.ndarray) -> Groups:
+    q = _nibbles(b[:, 8:]) | _bits(b[:, 4:8]) << 4
+    return Groups(_f16(b[:, :2]), q.astype(np.float32), _f16(b[:, 2:4]))
+
+
+def _q8_0(b: np.ndarray) -> Groups:
+    return Groups(_f16(b[:, :2]), np.ascontiguousarray(b[:, 2:]).view(np.int8).astype(np.float32), None)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 scale bytes -> the 8 sub-blocks' 6-bit scales and mins, (n, 8) each."""
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([lo & 63, (hi & 15) | (lo >> 6) << 4], axis=1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | (mid >> 6) << 4], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_low(qs: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K's 128 nibble bytes -> (n, 8, 32): 32 bytes per pair of sub-blocks, low nibbles first."""
+    pairs = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([pairs & 15, pairs >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def _k_groups(b: np.ndarray, q: np.ndarray) -> Groups:
+    """Q4_K / Q5_K: sub-block s of a 256-weight block is d * sc[s] * q - dmin * mn[s]."""
+    sc, mn = _k_scales(b[:, 4:16])
+    scale, offset = _f16(b[:, :2]) * sc, -(_f16(b[:, 2:4]) * mn)
+    return Groups(scale.reshape(-1, 1), q.reshape(-1, 32).astype(np.float32), offset.reshape(-1, 1))
+
+
+def _q4_k(b: np.ndarray) -> Groups:
+    return _k_groups(b, _k_low(b[:, 16:]))
+
+
+def _q5_k(b: np.ndarray) -> Groups:
+    # bit s of high byte l is weight l's fifth bit in sub-block s
+    high = (b[:, 16:48, None] >> np.arange(8, dtype=np.uint8)) & 1
+    return _k_groups(b, _k_low(b[:, 48:]) | high.transpose(0, 2, 1) << 4)
+
+
+def _q6_k(b: np.ndarray) -> Groups:
+    """Q6_K: 16 groups of 16 weights, d * scale[g] * (q - 32); each 128-weight half takes its low 4 bits from
+    64 bytes (low nibbles then high nibbles) and its high 2 bits from 32 (bits 0-1, 2-3, 4-5, 6-7)."""
+    ql = b[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = (ql & 15).reshape(-1, 256) | (qh & 3).reshape(-1, 256) << 4
+    scale = _f16(b[:, 208:210]) * np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return Groups(scale.reshape(-1, 1), q.reshape(-1, 16).astype(np.float32) - 32, None)
+
+
+_GROUPS = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+
+
+def groups(typ: int, raw: np.ndarray) -> Groups:
+    """A quantised tensor's raw GGUF blocks as scales, integers and offsets."""
+    if typ not in _GROUPS:
+        raise ValueError(f"{type_name(typ)} is not a quantised type")
+    return _GROUPS[typ](raw.reshape(-1, BLOCKS[typ][1]))
+
+
+def dequantize(typ: int, raw: np.ndarray) -> np.ndarray:
+    """Raw GGUF data of any type in gguf_file.BLOCKS -> flat float32, bit for bit the `gguf` package's values."""
+    if typ == F32:
+        return raw.view(np.float32).copy()
+    if typ == F16:
+        return raw.view(np.float16).astype(np.float32)
+    if typ == BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    g = groups(typ, raw)
+    w = g.scale * g.q
+    return (w if g.offset is None else w + g.offset).reshape(-1)
+
+
+def kernel_type(*types: int) -> int:
+    """The packed layout the kernels read a matrix kind in whose tensors have these GGML types: theirs if they
+    share one, else F32 (the kernels take one layout per kind)."""
+    packed = {KERNEL_TYPE.get(t, F32) for t in types}
+    return packed.pop() if len(packed) == 1 else F32
+
+
+def pack(typ: int, raw: np.ndarray, rows: int, to: int | None = None) -> np.ndarray:
+    """GGUF blocks of type `typ` -> (rows, row bytes) uint8 in layout `to` (default: kernel_type(typ)): Q4_1 as
+    {f32 d, f32 m, 16 nibble bytes}, Q8_0 as {f32 d, 32 int8}, F32 as the dequantised row."""
+    to = kernel_type(typ) if to is None else to
+    if to == F32:
+        return dequantize(typ, raw).view(np.uint8).reshape(rows, -1)
+    if KERNEL_TYPE.get(typ) != to:
+        raise ValueError(f"{type_name(typ)} cannot be packed as {type_name(to)} (it packs as "
+                         f"{type_name(kernel_type(typ))})")
+    g = groups(typ, raw)
+    q = g.q.astype(np.int8).view(np.uint8)
+    if to == Q4_1:
+        assert g.offset is not None
+        return np.concatenate([g.scale.view(np.uint8), g.offset.view(np.uint8), q[:, :16] | q[:, 16:] << 4],
+                              axis=1).reshape(rows, -1)
+    return np.concatenate([g.scale.view(np.uint8), q], axis=1).reshape(rows, -1)
 
 
 def group(typ: int, rows: np.ndarray) -> np.ndarray:
-    """(rows, row bytes) -> flat bytes with the blocks of each G consecutive rows side by side: a kernel
-    working on G rows at once then reads one sequential stream (G separate row streams ran 3x slower)."""
+    """(rows, row bytes) in packed layout `typ` -> flat bytes with the blocks of each G consecutive rows side by
+    side: a kernel working on G rows at once then reads one sequential stream (G separate row streams ran 3x
+    slower)."""
     if rows.shape[0] % G:
         raise ValueError(f"matrix rows ({rows.shape[0]}) must be a multiple of {G}")
     return np.ascontiguousarray(rows.reshape(rows.shape[0] // G, G, -1, PACKED[typ]).transpose(0, 2, 1, 3)).reshape(-1)
 
 
 def f32(typ: int, raw: np.ndarray) -> np.ndarray:
-    if typ == F32:
-        return raw.view(np.float32).copy()
-    if typ == F16:
-        return raw.view(np.float16).astype(np.float32)
-    raise ValueError(f"GGML type {typ} is not a float vector")
+    """A vector (a norm's weights) of any type, as float32."""
+    return dequantize(typ, raw)

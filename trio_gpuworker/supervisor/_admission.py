@@ -17,7 +17,14 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .._config import AdmissionPolicy, SupervisorConfig
-from .._errors import ClosedSupervisorError, InvalidRequest, ModelLoading, NoLaneAvailable, OverCapacity
+from .._errors import (
+    ClosedSupervisorError,
+    InvalidRequest,
+    ModelLoadFailed,
+    ModelLoading,
+    NoLaneAvailable,
+    OverCapacity,
+)
 from .._proto import SERVING_STATES, LaneState
 from ._startup import MODEL_LOADING_RETRY_AFTER_S, describe_progress
 
@@ -152,7 +159,8 @@ class Timing:
 def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset[str] = frozenset()) -> Lane:
     """The least loaded lane serving `model`: not drained, not quarantined, ready before starting, restarting before
     in its first start, and one that loaded the model before one whose LOAD of it failed. Load = queued requests +
-    the one running. When every such lane is in its first start: ModelLoading."""
+    the one running. When every such lane is in its first start: ModelLoading; when the model's LOAD failed on every
+    one that has settled, and none is still starting: ModelLoadFailed, with their load errors."""
     candidates = [lane for lane in lanes if model in lane.loads]
     if not candidates:
         raise NoLaneAvailable(f"no lane is configured to serve {model!r}")
@@ -168,6 +176,10 @@ def choose_lane(model: str, lanes: Iterable[Lane], drained: set[str] | frozenset
     if len(starting) == len(open_lanes):  # none has served yet: refuse rather than queue behind the first LOAD
         raise ModelLoading(f"{model!r} is loading: " + "; ".join(describe_progress(k, p) for k, p in starting.items()),
                            model=model, lanes=starting, retry_after_s=MODEL_LOADING_RETRY_AFTER_S)
+    failed = {ln.id: err for ln in open_lanes if (err := ln.load_errors.get(model)) is not None}
+    if not starting and len(failed) == len(open_lanes):
+        raise ModelLoadFailed(f"{model!r} failed to load: " + "; ".join(f"lane {k}: {e}" for k, e in failed.items()),
+                              model=model, lanes=failed)
 
     def rank(ln: Lane) -> tuple[int, int, int, int]:
         state = 0 if ln.state in SERVING_STATES else 2 if ln.state in closing else 1

@@ -93,6 +93,7 @@ def rss_mb() -> float:
 class Engine:
     def __init__(self) -> None:
         self.models: dict[str, Any] = {}
+        self.load_failures: dict[str, str] = {}  # model_ref -> why its last LOAD failed ("code: message")
         self.dataplane: Any = None  # WorkerDataPlane, set once the handshake gave us a generation
         self.post: Callable[[str, dict[str, Any]], None] | None = None  # queues a notice (TEXT_DELTA) to the daemon
         self.packed = PackedGeneration()  # GENERATE_PACKED's batches, kept between chunks
@@ -123,22 +124,39 @@ class Engine:
         a separate process that takes whatever arrives on its socket, and answers a wrong kind with a typed ERR."""
         m = self.models.get(msg.model_ref)
         if m is None:
+            self.refuse_failed(msg.model_ref)
             raise WorkerError("model_not_loaded", f"model {msg.model_ref!r} is not loaded in this worker")
         if type(msg) not in KINDS[m.kind].requests:
             wanted = next(k for k, v in KINDS.items() if type(msg) in v.requests)
             raise WorkerError("invalid_request", f"model {msg.model_ref!r} is a {m.kind} model, not {wanted}")
         return m
 
+    def refuse_failed(self, model_ref: str) -> None:
+        """A request for a model whose LOAD failed says why (model_load_failed), not merely that it is absent."""
+        if (why := self.load_failures.get(model_ref)) is not None:
+            raise WorkerError("model_load_failed", f"model {model_ref!r} failed to load: {why}")
+
     def do_ping(self, msg: Ping, progress: Progress) -> Pong:
         return Pong(req_id=msg.req_id, rss_mb=round(rss_mb(), 1), models_loaded=sorted(self.models))
 
     def do_unload(self, msg: Unload, progress: Progress) -> Unloaded:
         self.packed.drop(msg.model_ref)
+        self.load_failures.pop(msg.model_ref, None)
         if self.models.pop(msg.model_ref, None) is None:
             raise WorkerError("model_not_loaded", f"model {msg.model_ref!r} is not loaded")
         return Unloaded(req_id=msg.req_id)
 
     def do_load(self, msg: Load, progress: Progress) -> Loaded:
+        model_ref = msg.model_ref or Path(msg.artifact_path).stem
+        try:
+            loaded = self._load_artifact(msg, progress)
+        except WorkerError as exc:
+            self.load_failures[model_ref] = str(exc)
+            raise
+        self.load_failures.pop(model_ref, None)
+        return loaded
+
+    def _load_artifact(self, msg: Load, progress: Progress) -> Loaded:
         t0 = time.perf_counter()
         path = Path(msg.artifact_path)
         if not path.is_file():
@@ -188,6 +206,8 @@ class Engine:
     def do_rerank(self, msg: Rerank, progress: Progress) -> Scores:
         """A cross-encoder scores composed pairs; an embedding model scores by bi-encoder cosine (labelled)."""
         m = self.models.get(msg.model_ref)
+        if m is None:
+            self.refuse_failed(msg.model_ref)
         if m is None or Rerank not in KINDS[m.kind].requests:
             raise WorkerError("model_not_loaded", f"no rerank or embedding model {msg.model_ref!r} loaded")
         q, *docs = split_rows(msg.raw, [msg.query_n_tokens] + [c["n_tokens"] for c in msg.candidates],

@@ -230,15 +230,14 @@ def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, veri
         return lm, ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization in the worker
 
     extra: dict[str, Any] = {"max_context": context, "beam": beam, "decoder": decoder}
-    fused = ("trio_gpuworker.models.quant", "trio_gpuworker.models.csource", "trio_gpuworker.models.ckernel",
-             "trio_gpuworker.gguf_file")
+    fused = ("trio_gpuworker.models.csource", "trio_gpuworker.models.ckernel")
     if decoder == "fused":  # its C lives in models/kernels/, not in the modules' source
         from ..models import csource
 
         extra["kernels_sha256"] = csource.digest()
         extra["threads"] = threads
     modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.llm_tokenizer",
-               *(fused if decoder == "fused" else ()))
+               "trio_gpuworker.models.quant", "trio_gpuworker.gguf_file", *(fused if decoder == "fused" else ()))
     model, _, outcome = _cached(path, GENERATE, _key(digest, GENERATE, modules, extra), build)
     _log(f"worker: generate model {path.name}: jit cache {outcome}")
     return model

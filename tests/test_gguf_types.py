@@ -1,0 +1,181 @@
+"""Every GGUF tensor type the worker reads, against the `gguf` package's dequantiser (the independent reference).
+
+models/quant.py's dequantiser must give the reference's float32 bits for each type; the fused decoder's packed
+layouts (kernels/quant.h) must too, for the types that pack and for float32. Tiny random llama GGUFs with
+tensors of every type, and a llama.cpp *_K_M-like mix, then decode on both decoders as tests/reference_llama.py
+(numpy on the reference's dequantised weights) does. A type the worker does not read is refused at LOAD, naming
+the tensor and the type.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from gguf import GGMLQuantizationType as T  # noqa: E402
+
+from tests.ckernels import build, ptr, spec  # noqa: E402
+from tests.reference_llama import NumpyLlama  # noqa: E402
+from tests.tiny_gguf import encode, k_m_mix, write_llama  # noqa: E402
+from trio_gpuworker import WorkerError  # noqa: E402
+from trio_gpuworker.gguf_file import GGUFFormatError, read_tensors  # noqa: E402
+from trio_gpuworker.models import quant  # noqa: E402
+from trio_gpuworker.models.greedy import GreedyDecoder  # noqa: E402
+from trio_gpuworker.models.llama_fused import BATCHED  # noqa: E402
+from trio_gpuworker.worker import _jitfile, _loaders  # noqa: E402
+
+TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+QUANTISED = [t for t in TYPES if t not in (T.F32, T.F16, T.BF16)]
+ROWS, COLS = 8, 512
+
+
+def _random_blocks(rng: np.random.Generator, typ: T, rows: int, cols: int) -> np.ndarray:
+    """Every bit random but the f16 scales, which are random finite values of either sign."""
+    block, size = gguf.GGML_QUANT_SIZES[typ]
+    b = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    scales = {T.Q4_1: [0, 2], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}.get(typ, [0])
+    for at in scales:
+        b[:, at : at + 2] = rng.uniform(-0.1, 0.1, (len(b), 1)).astype(np.float16).view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def _tensor(typ: T, source: str, seed: int = 0) -> np.ndarray:
+    """(ROWS, row bytes) of type `typ`: the reference's quantisation of random normals, or random valid blocks."""
+    rng = np.random.default_rng(seed)
+    if source == "random":
+        return _random_blocks(rng, typ, ROWS, COLS)
+    return encode(rng, rng.standard_normal((ROWS, COLS)).astype(np.float32), typ).view(np.uint8)
+
+
+def _reference(typ: T, data: np.ndarray) -> np.ndarray:
+    return gguf.quants.dequantize(data, typ).astype(np.float32).reshape(-1)
+
+
+def _bits(a: np.ndarray) -> list[int]:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32).reshape(-1).tolist()
+
+
+def _sources(typ: T) -> list[str]:
+    # the K-quants have no quantiser in the reference: random valid blocks only
+    return ["random"] if typ in (T.Q4_K, T.Q5_K, T.Q6_K) else ["quantised", "random"]
+
+
+CASES = [pytest.param(t, s, id=f"{t.name}-{s}") for t in TYPES for s in _sources(t)
+         if not (s == "random" and t in (T.F32, T.F16, T.BF16))]
+
+
+@pytest.mark.parametrize(("typ", "source"), CASES)
+def test_dequantize_gives_the_reference_bits(typ: T, source: str) -> None:
+    data = _tensor(typ, source)
+    got = quant.dequantize(int(typ), data.reshape(-1))
+    assert got.dtype == np.float32 and got.shape == (ROWS * COLS,)
+    assert _bits(got) == _bits(_reference(typ, data))
+
+
+@functools.cache
+def _probe(layout: int, nx: int = 1, nt: int = 1) -> ctypes.CDLL:
+    return build("quant_probe.c", spec(rows=ROWS, cols=COLS, nx=nx, nt=nt, g=quant.G, type=layout,
+                                       batched_nt=BATCHED.nt, batched_split=BATCHED.split))
+
+
+def _packed(typ: T, data: np.ndarray, layout: int) -> np.ndarray:
+    return quant.group(layout, quant.pack(int(typ), data.reshape(-1), ROWS, layout))
+
+
+@pytest.mark.parametrize(("typ", "source"), [c for c in CASES if c.values[0] in QUANTISED or c.values[0] == T.F16])
+def test_the_kernels_read_each_type_as_the_reference_weights(typ: T, source: str) -> None:
+    """In the layout the fused decoder packs the type in, and in float32 (a matrix kind of mixed types)."""
+    data = _tensor(typ, source, seed=1)
+    want = _bits(_reference(typ, data))
+    for layout in {quant.kernel_type(int(typ)), int(T.F32)}:
+        got, w = np.empty((ROWS, COLS), np.float32), _packed(typ, data, layout)  # w lives through the call
+        _probe(layout).dequant(ptr(got), ptr(w))
+        assert _bits(got) == want, f"{typ.name} packed as layout {layout}"
+
+
+def test_types_with_a_packed_layout_keep_it_and_a_mix_falls_back_to_float32() -> None:
+    assert [quant.kernel_type(int(t)) for t in (T.Q4_1, T.Q4_K, T.Q8_0, T.Q4_0, T.Q5_0)] == [3, 3, 8, 8, 8]
+    assert {quant.kernel_type(int(t)) for t in (T.F32, T.F16, T.BF16, T.Q5_1, T.Q5_K, T.Q6_K)} == {0}
+    assert quant.kernel_type(int(T.Q4_K), int(T.Q4_1)) == 3 and quant.kernel_type(int(T.Q4_0), int(T.Q5_0)) == 8
+    assert quant.kernel_type(int(T.Q4_K), int(T.Q6_K)) == 0 and quant.kernel_type(int(T.Q4_1), int(T.Q8_0)) == 0
+    with pytest.raises(ValueError, match="Q6_K cannot be packed as Q4_1"):
+        quant.pack(int(T.Q6_K), _tensor(T.Q6_K, "random").reshape(-1), ROWS, int(T.Q4_1))
+
+
+@pytest.mark.parametrize(("nx", "nt"), [(1, 1), (5, 4)])
+def test_float32_matrices_multiply_as_numpy_does(nx: int, nt: int) -> None:
+    data = _tensor(T.Q6_K, "random", seed=2)
+    x = np.random.default_rng(nx).standard_normal((nx, COLS)).astype(np.float32)
+    got, w = np.empty((nx, ROWS), np.float32), _packed(T.Q6_K, data, int(T.F32))
+    _probe(int(T.F32), nx, nt).matvec(ptr(got), ptr(x), ptr(w))
+    want = x.astype(np.float64) @ _reference(T.Q6_K, data).reshape(ROWS, COLS).astype(np.float64).T
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+# Every readable type in some matrix kind of some file; the kernels then read each kind in its packed layout, or
+# (a kind mixing layouts, or a type without one) in float32.
+FILES = {
+    "q4_0-q5_0-q5_1-q8_0-bf16": dict(types={"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0,
+                                            "attn_output": T.Q5_0, "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K,
+                                            "ffn_down": T.Q5_1, "token_embd": T.BF16, "output": T.Q8_0},
+                                     tied=False, layouts={"q": 8, "o": 8, "gu": 3, "d": 0, "embd": 0, "out": 8}),
+    "q5_k-q6_k-f16-q4_1-f32": dict(types={"attn_q": T.Q5_K, "attn_k": T.Q5_K, "attn_v": T.Q5_K,
+                                          "attn_output": T.Q6_K, "ffn_gate": T.F16, "ffn_up": T.F16,
+                                          "ffn_down": T.Q4_1, "token_embd": T.Q4_K, "output": T.F32},
+                                   tied=False, layouts={"q": 0, "o": 0, "gu": 0, "d": 3, "embd": 3, "out": 0}),
+    # Q4_K, Q5_0 and Q6_K in q|k|v: float32; Q4_K gate|up: Q4_1; Q6_K and Q4_K ffn_down: float32
+    "k_m-mix": dict(types=k_m_mix, tied=True, layouts={"q": 0, "o": 3, "gu": 3, "d": 0, "embd": 0, "out": 0}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, NumpyLlama, dict]:
+    spec_ = FILES[request.param]
+    path = write_llama(tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf", spec_["types"], tied=spec_["tied"])
+    return path, NumpyLlama(path), spec_["layouts"]
+
+
+PROMPT = [3, 17, 101, 250, 42, 7, 256]
+N_NEW = 8
+
+
+@pytest.mark.parametrize("decoder", ["fused", "graph"])
+def test_both_decoders_decode_every_type_as_the_reference(tiny: tuple[Path, NumpyLlama, dict], decoder: str) -> None:
+    path, ref, layouts = tiny
+    if decoder == "fused":
+        from trio_gpuworker.models.llama_fused import FusedLlamaLM as cls
+    else:
+        from trio_gpuworker.models.llama import LlamaLM as cls
+    lm: GreedyDecoder = cls.load(path, max_context=64, warmup=False)
+    if decoder == "fused":  # each matrix kind in the layout its types call for
+        assert {**lm.types, "embd": lm.embd_type, "out": lm.out_type} == layouts
+    want, gaps = ref.generate(PROMPT, N_NEW)
+    got, reason = lm.generate(np.array(PROMPT, dtype=np.int32), N_NEW, ignore_eos=True)
+    assert (got, reason) == (want, "length"), f"min top-2 logit gap {min(gaps):.5f}"
+    # the prompt's logits, from one prefill chunk, within 1e-4 of the reference's relative to their range
+    lm._prefill_step(np.array(PROMPT, dtype=np.int32), 0, len(PROMPT) - 1)
+    logits = lm._logits()
+    np.testing.assert_allclose(logits, ref.logits[0], rtol=1e-4, atol=1e-4 * float(np.abs(ref.logits[0]).max()))
+
+
+@pytest.mark.parametrize("typ", [T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ4_XS, T.TQ1_0])
+def test_an_unread_type_is_refused_naming_the_tensor_and_type(tmp_path: Path, typ: T) -> None:
+    path = write_llama(tmp_path / "m.gguf", lambda name: typ if name == "blk.1.ffn_up.weight" else T.F32)
+    with pytest.raises(GGUFFormatError, match=f"blk.1.ffn_up.weight: tensor type {typ.name} "):
+        read_tensors(path)
+
+
+@pytest.mark.parametrize("decoder", ["fused", "graph"])
+def test_load_refuses_it_as_config_invalid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decoder: str) -> None:
+    monkeypatch.setenv(_jitfile.ENV, str(tmp_path / "jit"))
+    path = write_llama(tmp_path / "m.gguf", lambda name: T.Q2_K if name == "blk.0.attn_k.weight" else T.Q8_0)
+    with pytest.raises(WorkerError, match=r"blk\.0\.attn_k\.weight: tensor type Q2_K \(GGML type 10\)") as info:
+        _loaders.load_llama(path, {"decoder": decoder}, "00" * 32, lambda: None, lambda k: None)
+    assert info.value.code == "config_invalid"
+

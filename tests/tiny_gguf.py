@@ -1,0 +1,143 @@
+"""Tiny random-weight llama GGUFs, written with the `gguf` package, each tensor in the GGML type a test asks for.
+
+Weights are random normals encoded by the `gguf` package's own quantiser where it has one; the K-quants (which it
+cannot quantise) are random valid blocks: random integers and scale bytes under finite f16 scales sized so the
+weights come out about as large as the normals. A type the project does not read is random bytes of its block
+size. The vocabulary is byte-level BPE (256 byte tokens, one merge, ChatML control tokens), so the daemon's chat
+tokenizer reads it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """K-quant rows are whole 256-weight blocks, so every row length (dim, ff) is a multiple of 256."""
+
+    dim: int = 256
+    heads: int = 4
+    kv: int = 2
+    ff: int = 512
+    layers: int = 2
+    context: int = 256
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b's token text."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b], extra = chr(256 + extra), extra + 1
+    return [out[b] for b in range(256)]
+
+
+TOKENS = [*_bytes_to_unicode(), "Ġt", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+TOKEN_TYPES = [1] * 257 + [3, 3, 3]
+EOS = TOKENS.index("<|im_end|>")
+
+
+def _k_blocks(rng: np.random.Generator, n: int, typ: T, std: float) -> np.ndarray:
+    """n random valid blocks of a K-quant with weights of about `std`."""
+    size = gguf.GGML_QUANT_SIZES[typ][1]
+    b = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    if typ == T.Q6_K:  # d * scale (int8) * (q - 32): |scale| ~ 64, |q - 32| ~ 18
+        b[:, 208:210] = np.full((n, 1), std / 64 / 18, np.float16).view(np.uint8)
+        return b
+    top = 15 if typ == T.Q4_K else 31  # d * sc * q - dmin * mn: sc, mn ~ 32; dmin centres the weights on 0
+    d = np.full((n, 1), std * 2 / 32 / top, np.float16)
+    dmin = np.full((n, 1), std / 32, np.float16)
+    b[:, 0:4] = np.concatenate([d, dmin], axis=1).view(np.uint8)
+    return b
+
+
+def encode(rng: np.random.Generator, w: np.ndarray, typ: T) -> np.ndarray:
+    """Float weights `w` (outermost first) in GGML type `typ`, as GGUFWriter.add_tensor takes them with that
+    raw_dtype; a K-quant is random blocks of about `w`'s spread instead."""
+    block, size = gguf.GGML_QUANT_SIZES[typ]
+    rows = int(np.prod(w.shape[:-1]))
+    if typ in (T.Q4_K, T.Q5_K, T.Q6_K):
+        return _k_blocks(rng, rows * w.shape[-1] // block, typ, float(w.std())).reshape(rows, -1)
+    try:
+        return gguf.quants.quantize(w, typ)
+    except NotImplementedError:  # a type this project refuses: any bytes of its size do
+        return rng.integers(0, 256, (rows, w.shape[-1] // block * size), dtype=np.uint8)
+
+
+TypeOf = Callable[[str], T] | Mapping[str, T]
+
+
+def _type(types: TypeOf, name: str) -> T:
+    """A tensor's type: from a function of its name, or a map of its name's kind ("attn_q", "token_embd",
+    "output", "norm") with F32 for what the map leaves out."""
+    if callable(types):
+        return types(name)
+    kind = "norm" if name.endswith("norm.weight") else name.split(".")[-2]
+    return types.get(kind, T.F32)
+
+
+def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = True, seed: int = 0) -> Path:
+    """A random llama GGUF at `path` with its tensors in `types` (see _type); `tied`: no output.weight."""
+    rng = np.random.default_rng(seed)
+    hd = dims.dim // dims.heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(dims.layers)
+    w.add_context_length(dims.context)
+    w.add_embedding_length(dims.dim)
+    w.add_feed_forward_length(dims.ff)
+    w.add_head_count(dims.heads)
+    w.add_head_count_kv(dims.kv)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(TOKENS)
+    w.add_token_types(TOKEN_TYPES)
+    w.add_token_merges(["Ġ t"])
+    w.add_eos_token_id(EOS)
+    w.add_chat_template(CHATML)
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (len(TOKENS), dims.dim),
+                                          "output_norm.weight": (dims.dim,)}
+    if not tied:
+        shapes["output.weight"] = (len(TOKENS), dims.dim)
+    rows = {"attn_q": dims.dim, "attn_k": dims.kv * hd, "attn_v": dims.kv * hd, "attn_output": dims.dim,
+            "ffn_gate": dims.ff, "ffn_up": dims.ff, "ffn_down": dims.dim}
+    for i in range(dims.layers):
+        shapes[f"blk.{i}.attn_norm.weight"] = shapes[f"blk.{i}.ffn_norm.weight"] = (dims.dim,)
+        for m in MATRICES:
+            shapes[f"blk.{i}.{m}.weight"] = (rows[m], dims.ff if m == "ffn_down" else dims.dim)
+    for name, shape in shapes.items():
+        std = 0.1 if name == "token_embd.weight" else shape[-1] ** -0.5
+        # norms: weights near 1
+        x = 1 + rng.standard_normal(shape) * 0.1 if len(shape) == 1 else rng.standard_normal(shape) * std
+        typ = _type(types, name)
+        w.add_tensor(name, encode(rng, x.astype(np.float32), typ), raw_dtype=typ)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# A llama.cpp *_K_M-like mix: Q4_K for most matrices, Q6_K for attn_v, half the ffn_down and the embedding, Q5_0
+# where llama.cpp falls back for rows that are not whole 256-weight blocks (here attn_k, to have one).
+def k_m_mix(name: str) -> T:
+    if name.endswith("norm.weight"):
+        return T.F32
+    if name in ("token_embd.weight", "output.weight") or ".attn_v." in name or name == "blk.0.ffn_down.weight":
+        return T.Q6_K
+    return T.Q5_0 if ".attn_k." in name else T.Q4_K
