@@ -90,11 +90,13 @@ def _type(types: TypeOf, name: str) -> T:
     return types.get(kind, T.F32)
 
 
-def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = True, seed: int = 0) -> Path:
-    """A random llama GGUF at `path` with its tensors in `types` (see _type); `tied`: no output.weight."""
+def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = True, seed: int = 0,
+                arch: str = "llama", rope_freqs: np.ndarray | None = None) -> Path:
+    """A random llama GGUF at `path` with its tensors in `types` (see _type); `tied`: no output.weight; `arch` its
+    general.architecture (and key prefix); `rope_freqs`: llama.cpp's RoPE frequency factors (rope_freqs.weight)."""
     rng = np.random.default_rng(seed)
     hd = dims.dim // dims.heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(dims.layers)
     w.add_context_length(dims.context)
     w.add_embedding_length(dims.dim)
@@ -126,11 +128,30 @@ def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = 
         x = 1 + rng.standard_normal(shape) * 0.1 if len(shape) == 1 else rng.standard_normal(shape) * std
         typ = _type(types, name)
         w.add_tensor(name, encode(rng, x.astype(np.float32), typ), raw_dtype=typ)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32), raw_dtype=T.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def llama3_rope_factors(dims: Dims, theta: float, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """Llama 3's rope scaling as llama.cpp's converter writes it (rope_freqs.weight): per frequency, 1 above the high
+    frequency cut, `factor` below the low one, and the smooth blend between."""
+    hd = dims.dim // dims.heads
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd):
+        wavelen = 2 * np.pi / freq
+        if wavelen < original / high:
+            out.append(1.0)
+        elif wavelen > original / low:
+            out.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, np.float32)
 
 
 # A llama.cpp *_K_M-like mix: Q4_K for most matrices, Q6_K for attn_v, half the ffn_down and the embedding, Q5_0

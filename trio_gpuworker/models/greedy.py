@@ -10,13 +10,14 @@ and `_decode_step` (one token); both return the greedy next id, and `_logits()` 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .._proto import PACKED_SLOTS
-from ..gguf_file import end_of_generation_ids
+from ..gguf_file import GGUFTensor, end_of_generation_ids
+from . import quant
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
 PREFILL_CHUNK = 32
@@ -31,8 +32,10 @@ class GreedyDecoder(abc.ABC):
     _decode: Any
     batches = False  # has _batched_step and BATCH + 1 cache slots
 
-    def _hparams(self, kv: dict[str, Any], max_context: int) -> float:
-        """The GGUF's llama hyperparameters, onto self; returns RoPE's base frequency."""
+    def _hparams(self, kv: dict[str, Any], raw: Mapping[str, GGUFTensor], max_context: int) -> np.ndarray:
+        """The GGUF's llama hyperparameters, onto self; returns RoPE's inverse frequencies (float64, head_dim / 2):
+        base ** (-2i / head_dim), each divided by its factor where the file has `rope_freqs.weight` (llama.cpp's
+        frequency factors: a Llama 3 model's rope scaling, written out per frequency)."""
         arch = kv["general.architecture"]
         if arch != "llama":
             raise ValueError(f"unsupported architecture {arch!r}")
@@ -45,7 +48,13 @@ class GreedyDecoder(abc.ABC):
         self.eps = float(g("attention.layer_norm_rms_epsilon"))
         self.max_context = min(max_context, int(g("context_length")))
         self.eos_ids = end_of_generation_ids(kv)
-        return float(g("rope.freq_base", 10000.0))
+        theta = float(g("rope.freq_base", 10000.0))
+        inv_freq = theta ** (-np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        if (factors := raw.get("rope_freqs.weight")) is None:
+            return inv_freq
+        if factors.shape != (self.head_dim // 2,):
+            raise ValueError(f"rope_freqs.weight has shape {factors.shape}, not ({self.head_dim // 2},)")
+        return inv_freq / quant.dequantize(factors.typ, factors.data).astype(np.float64)
 
     @abc.abstractmethod
     def _prefill_step(self, tokens: np.ndarray, start: int, last: int, slot: int = 0) -> int:

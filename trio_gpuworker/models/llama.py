@@ -90,7 +90,7 @@ def _block(
 
 class LlamaLM(GreedyDecoder):
     def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int) -> None:
-        theta = self._hparams(kv, max_context)
+        inv_freq = self._hparams(kv, raw, max_context)
 
         # Dequantise once at load (models/quant.py, any GGUF type): a float32 matvec beats re-unpacking Q4_1
         # nibbles on every token here.
@@ -107,10 +107,9 @@ class LlamaLM(GreedyDecoder):
              ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
             for i in range(self.n_layers)
         ]
-        freqs = 1.0 / (theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
         # Slots past max_context absorb the padding of a final prefill chunk.
         slots = self.max_context + PREFILL_CHUNK
-        ang = np.arange(slots, dtype=np.float64)[:, None] * freqs[None, :]
+        ang = np.arange(slots, dtype=np.float64)[:, None] * inv_freq[None, :]
         self.cos = Tensor(np.cos(ang).astype(np.float32)).contiguous()
         self.sin = Tensor(np.sin(ang).astype(np.float32)).contiguous()
         self.pos = Tensor.arange(slots, dtype=dtypes.int32).contiguous()

@@ -77,7 +77,7 @@ class FusedLlamaLM(GreedyDecoder):
     batches = True
 
     def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int, threads: int = 1) -> None:
-        theta = self._hparams(kv, max_context)
+        inv_freq = self._hparams(kv, raw, max_context)
         self.ff = int(raw["blk.0.ffn_gate.weight"].shape[0])
         if self.dim % 32 or self.ff % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
             raise ValueError("dimensions must be multiples of the 32-element quant block")
@@ -118,7 +118,6 @@ class FusedLlamaLM(GreedyDecoder):
         # Slots past max_context absorb the padding of a final prefill chunk.
         self.slots = self.max_context + PREFILL_CHUNK
         # RoPE factors in float64, computed as the reference does (complex exponential of pos * inv_freq).
-        inv_freq = theta ** (-np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
         rot = np.exp(1j * np.arange(self.slots)[:, None] * inv_freq[None, :])
         self.rope = Tensor(np.concatenate([rot.real, rot.imag], axis=1).reshape(-1))
         # A cache slot per sequence: slot 0 for generate(), 1..BATCH for the sequences of a batch (models/batched.py).
