@@ -3,7 +3,8 @@
 `GpuWorkerError` is defined here, at the bottom, so that this package imports nothing above it and its errors are
 still the trio shell's: `trio_gpuworker._errors` builds on this root and re-exports these classes. Like msgpack's
 `FormatError(ValueError, UnpackException)`, each native error is both a `ValueError` and a `GpuWorkerError`, and
-carries the wire `code` of the reference taxonomies."""
+carries the wire `code` of the reference taxonomies and the HTTP status the daemon answers it with (`http_status`,
+docs/http-api.md, 'Errors')."""
 
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ class GpuWorkerError(Exception):
     """Root of every error trio_gpuworker and cython_ring raise."""
 
     code: str = "internal"
+    http_status: int = 500
 
     def to_wire(self) -> dict[str, Any]:
         return {"code": self.code, "message": str(self)}
+
+    def http_headers(self) -> dict[str, str]:
+        """The headers an HTTP answer with this error carries (Retry-After, ...)."""
+        return {}
 
 
 class ConfigError(GpuWorkerError, ValueError):
     """A configuration key or value is invalid; the message names the key."""
 
     code = "config_invalid"
+    http_status = 400
 
 
 class RingError(GpuWorkerError, ValueError):

@@ -23,7 +23,6 @@ from trio_gpuworker import (
     NoLaneAvailable,
     OverCapacity,
 )
-from trio_gpuworker.daemon.http_common import error_status
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor import Scheduler
 from trio_gpuworker.supervisor._admission import choose_lane
@@ -107,7 +106,7 @@ def test_a_model_whose_load_failed_on_every_lane_is_refused_with_the_errors() ->
     failed2 = FakeLane("g", state=LaneState.BUSY, load_errors={"m": "artifact_invalid: sha256 mismatch"})
     with pytest.raises(ModelLoadFailed) as info:
         choose_lane("m", [failed, failed2])
-    assert info.value.code == "model_load_failed" and error_status(info.value)[0] == 503
+    assert info.value.code == "model_load_failed" and info.value.http_status == 503
     assert info.value.to_wire()["detail"] == {"model": "m", "lanes": {"f": failed.load_errors["m"],
                                                                       "g": failed2.load_errors["m"]}}
     assert "lane f: config_invalid: blk.0.attn_k.weight: tensor type Q2_K" in str(info.value)

@@ -21,7 +21,6 @@ from tests.tiny_gguf import write_llama
 from trio_gpuworker import LaneConfig, ModelConfig, SupervisorConfig, WorkerError
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
-from trio_gpuworker.daemon.http_common import error_status
 from trio_gpuworker.daemon.main import run_daemon
 
 pytestmark = pytest.mark.slow
@@ -64,7 +63,7 @@ async def test_a_model_that_failed_to_load_is_refused_with_its_error(tmp_path: P
                 await daemon.sup.lanes["gen0"].call(Generate(model_ref=MODEL, max_tokens=2,
                                                              raw=b"\x01\x00\x00\x00"))
             assert info.value.code == "model_load_failed" and WHY in info.value.message
-            assert error_status(info.value)[0] == 503
+            assert info.value.http_status == 503
         nursery.cancel_scope.cancel()
 
     messages = [r.getMessage() for r in caplog.records if r.name == "trio_gpuworker.daemon"]

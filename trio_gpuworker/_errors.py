@@ -1,10 +1,13 @@
-"""The one error hierarchy. Wire codes are the snake_case names of the reference taxonomies.
+"""The one error hierarchy. Wire codes are the snake_case names of the reference taxonomies; each class carries the
+HTTP status the daemon answers it with (`http_status`, 500 unless it says otherwise, and `http_headers()`), and a
+worker's ERR codes map to theirs through `WORKER_CODE_STATUS` (docs/http-api.md, 'Errors').
 
 The root `GpuWorkerError`, `ConfigError` and the ring errors live in `cython_ring.errors`, at the bottom, so the
 native helper imports nothing of this package and its exceptions are this hierarchy's without any mapping."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from cython_ring.errors import (
@@ -24,6 +27,15 @@ from cython_ring.errors import (
 )
 
 LOG_TAIL_WIRE_CHARS = 8 * 1024  # the last 8 KiB of a crashed worker's output reach the caller
+# A worker's ERR code -> the HTTP status of a request it ended: the caller's input was at fault (400), or the
+# model cannot serve (503); any other code is the worker's failure (502, WorkerError.http_status).
+WORKER_CODE_STATUS = {"invalid_request": 400, "grammar_unsupported": 400, "model_not_loaded": 400,
+                      "unsupported_request": 400, "model_load_failed": 503}
+
+
+def retry_after(seconds: float | None) -> dict[str, str]:
+    """A Retry-After header of whole seconds, at least 1."""
+    return {"retry-after": str(max(1, math.ceil(seconds or 0)))}
 
 
 class CodedError(GpuWorkerError):
@@ -112,7 +124,13 @@ class ProgressViolation(RemoteProtocolError):
 
 class WorkerError(CodedError):
     """A request ended with ERR {code, msg}: the worker raises it to answer so, and the daemon raises it when it
-    reads one. `str()` is "code: message", as callers have always seen it."""
+    reads one. `str()` is "code: message", as callers have always seen it. Its HTTP status follows its code."""
+
+    http_status = 502
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(code, message)
+        self.http_status = WORKER_CODE_STATUS.get(code, WorkerError.http_status)
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"
@@ -122,6 +140,7 @@ class EngineCrashed(GpuWorkerError):
     """The worker died, hung or broke the protocol while serving, or its lane is quarantined."""
 
     code = "engine_crashed"
+    http_status = 503
 
     def __init__(
         self,
@@ -146,6 +165,9 @@ class EngineCrashed(GpuWorkerError):
         self.quarantined = quarantined
         self.cooldown_remaining_s = cooldown_remaining_s
 
+    def http_headers(self) -> dict[str, str]:
+        return retry_after(self.cooldown_remaining_s) if self.quarantined else {}
+
     def to_wire(self) -> dict[str, Any]:
         detail: dict[str, Any] = {"lane_id": self.lane_id, "generation": self.generation, "cause": self.cause}
         if self.exit_code is not None:
@@ -164,12 +186,14 @@ class DeadlineExceeded(GpuWorkerError, TimeoutError):
     """The caller's deadline passed; the worker keeps running and its reply is drained."""
 
     code = "deadline_exceeded"
+    http_status = 504
 
 
 class OverCapacity(GpuWorkerError):
     """The model's queue is over its byte budget right now; retry after `retry_after_s`."""
 
     code = "over_capacity"
+    http_status = 429
 
     def __init__(self, message: str, *, model: str, queued_bytes: int, budget_bytes: int,
                  retry_after_s: float) -> None:
@@ -179,6 +203,9 @@ class OverCapacity(GpuWorkerError):
         self.budget_bytes = budget_bytes
         self.retry_after_s = retry_after_s
 
+    def http_headers(self) -> dict[str, str]:
+        return retry_after(self.retry_after_s)
+
     def to_wire(self) -> dict[str, Any]:
         return {"code": self.code, "message": str(self),
                 "detail": {"model": self.model, "queued_bytes": self.queued_bytes,
@@ -187,30 +214,35 @@ class OverCapacity(GpuWorkerError):
 
 class ModelNotFound(GpuWorkerError, LookupError):
     code = "model_not_found"
+    http_status = 404
 
 
 class InvalidRequest(GpuWorkerError, ValueError):
     """A caller's request is malformed or out of bounds."""
 
     code = "invalid_request"
+    http_status = 400
 
 
 class RequestTooLarge(InvalidRequest):
     """The request cannot fit the protocol's frames or the daemon's caps, however it is split."""
 
     code = "request_too_large"
+    http_status = 413
 
 
 class LaneNotFound(GpuWorkerError, LookupError):
     """No lane has this id."""
 
     code = "lane_not_found"
+    http_status = 404
 
 
 class NoLaneAvailable(GpuWorkerError):
     """No lane can serve the model now: none is configured for it, or every one is drained."""
 
     code = "no_lane_available"
+    http_status = 503
 
 
 class ModelLoading(NoLaneAvailable):
@@ -225,6 +257,9 @@ class ModelLoading(NoLaneAvailable):
         self.model = model
         self.lanes = lanes  # lane id -> its start progress (phase, model, steps, elapsed_s)
         self.retry_after_s = retry_after_s
+
+    def http_headers(self) -> dict[str, str]:
+        return retry_after(self.retry_after_s)
 
     def to_wire(self) -> dict[str, Any]:
         return {"code": self.code, "message": str(self),
@@ -250,6 +285,7 @@ class ClosedSupervisorError(GpuWorkerError):
     """We closed the supervisor (or lane); no more requests are accepted."""
 
     code = "shutting_down"
+    http_status = 503
 
 
 class BrokenWorkerError(GpuWorkerError):
@@ -332,6 +368,7 @@ class ClosedArenaError(ArenaError):
 
 __all__ = [
     "LOG_TAIL_WIRE_CHARS",
+    "WORKER_CODE_STATUS",
     "ArenaBusy",
     "ArenaError",
     "ArenaMapFailed",
@@ -384,4 +421,5 @@ __all__ = [
     "VersionMismatch",
     "WireSpecInvalid",
     "WorkerError",
+    "retry_after",
 ]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .._errors import GpuWorkerError, ModelLoading
+from .._errors import ClosedSupervisorError, GpuWorkerError, InvalidRequest, ModelLoading
 from ..supervisor import Supervisor
 from . import http_fields as spec
 from .admin import LaneAdmin
@@ -41,7 +41,6 @@ from .http_common import (
     Send,
     Stream,
     error_body,
-    error_status,
     send_events,
 )
 from .http_fields import UnsupportedField, check_fields
@@ -214,8 +213,8 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
                 raise HttpError(403, "admin_only", f"{route.label} is served on the Unix socket only "
                                                    "(http.admin_on_tcp)")
             if route.tracked and not self.admitting:
-                raise HttpError(503, "shutting_down", "gpuworkerd is draining; no new requests are admitted",
-                                {"retry-after": str(DRAIN_RETRY_AFTER_S), "connection": "close"})
+                raise HttpError.like(ClosedSupervisorError, "gpuworkerd is draining; no new requests are admitted",
+                                     {"retry-after": str(DRAIN_RETRY_AFTER_S), "connection": "close"})
             received = True  # from here the body is read whole, or the answer closes the connection
             body = await self._json_body(scope, receive) if method == "POST" else None
             model = self._model_label(body)
@@ -229,8 +228,7 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
         except ClientGone:
             outcome = "client_gone"
         except GpuWorkerError as exc:
-            status, headers = error_status(exc)
-            outcome = getattr(exc, "code", "internal")
+            status, headers, outcome = exc.http_status, exc.http_headers(), exc.code
             if status >= 500 and not isinstance(exc, ModelLoading):  # the startup report says what loads
                 log.warning("%s %s -> %d %s", method, path, status, exc)
             if not received:
@@ -302,7 +300,7 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
         else:
             body = decode_json(data)
         if not isinstance(body, dict):
-            raise HttpError(400, "invalid_request", "request body must be a JSON object")
+            raise InvalidRequest("request body must be a JSON object")
         return body
 
     async def _send_result(self, send: Send, result: Any) -> int:
@@ -344,12 +342,12 @@ def _query(scope: Scope, route: Route) -> dict[str, str]:
     try:
         pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=bool(raw))
     except ValueError:
-        raise HttpError(400, "invalid_request", f"the query string {raw[:64]!r} is malformed") from None
+        raise InvalidRequest(f"the query string {raw[:64]!r} is malformed") from None
     out: dict[str, str] = {}
     for name, value in pairs:
         if name not in route.query:
             raise UnsupportedField(name, f"is not a query parameter of {route.label}")
         if name in out:
-            raise HttpError(400, "invalid_request", f"query parameter {name!r} is given twice")
+            raise InvalidRequest(f"query parameter {name!r} is given twice")
         out[name] = value
     return out

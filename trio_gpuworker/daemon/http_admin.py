@@ -17,7 +17,6 @@ from .http_common import (
     HttpError,
     Stream,
     error_body,
-    error_status,
 )
 
 if TYPE_CHECKING:
@@ -127,7 +126,6 @@ class AdminRoutes:
                 await emit(event)
             nursery.cancel_scope.cancel()
         if "error" in outcome:
-            status, _ = error_status(outcome["error"])
-            await emit({"event": "error", "status": status, **error_body(outcome["error"])})
+            await emit({"event": "error", "status": outcome["error"].http_status, **error_body(outcome["error"])})
         else:
             await emit({"event": "done", "result": outcome.get("result")})

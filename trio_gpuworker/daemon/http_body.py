@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from .._errors import InvalidRequest, RequestTooLarge
 from .http_common import ClientGone, HttpError, Receive, Scope
 
 # An unread body up to this size is drained so the connection survives the error (Go's net/http drains 256 KiB)
@@ -27,8 +28,8 @@ def content_length(scope: Scope) -> int | None:
             try:
                 n = int(value)
             except ValueError:
-                raise HttpError(400, "invalid_request", "Content-Length is not an integer",
-                                {"connection": "close"}) from None
+                raise HttpError.like(InvalidRequest, "Content-Length is not an integer",
+                                     {"connection": "close"}) from None
             return n if n >= 0 else None
     return None
 
@@ -42,8 +43,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float
     answers close the connection, since the rest of the body is never read."""
     declared = content_length(scope)
     if declared is not None and declared > limit:  # refused before a byte of it is read
-        raise HttpError(413, "request_too_large", f"request body of {declared} bytes exceeds {limit} bytes "
-                                                  "(http.max_body_bytes)", {"connection": "close"})
+        raise HttpError.like(RequestTooLarge, f"request body of {declared} bytes exceeds {limit} bytes "
+                                              "(http.max_body_bytes)", {"connection": "close"})
     chunks: list[bytes] = []
     size = 0
     try:
@@ -55,8 +56,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float
                 chunk = msg.get("body", b"")
                 size += len(chunk)
                 if size > limit:
-                    raise HttpError(413, "request_too_large", f"request body exceeds {limit} bytes "
-                                                              "(http.max_body_bytes)", {"connection": "close"})
+                    raise HttpError.like(RequestTooLarge, f"request body exceeds {limit} bytes "
+                                                          "(http.max_body_bytes)", {"connection": "close"})
                 chunks.append(chunk)
                 if not msg.get("more_body"):
                     return b"".join(chunks)

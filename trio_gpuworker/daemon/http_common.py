@@ -1,30 +1,16 @@
-"""What the HTTP routes share: ASGI types, error mapping, streamed and raw results."""
+"""What the HTTP routes share: ASGI types, the HTTP layer's own errors and error bodies (every error carries its
+status: docs/http-api.md, 'Errors'), streamed and raw results."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import (
-    ClosedSupervisorError,
-    ConfigError,
-    DeadlineExceeded,
-    EngineCrashed,
-    GpuWorkerError,
-    InvalidRequest,
-    LaneNotFound,
-    ModelLoading,
-    ModelNotFound,
-    NoLaneAvailable,
-    OverCapacity,
-    RequestTooLarge,
-    WorkerError,
-)
+from .._errors import GpuWorkerError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -37,11 +23,21 @@ DRAIN_RETRY_AFTER_S = 5
 
 
 class HttpError(GpuWorkerError):
+    """An error of the HTTP layer itself (no route, no key, a body too slow): its status and code per instance."""
+
     def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.http_status = status
         self.code = code
         self.headers = headers or {}
+
+    @classmethod
+    def like(cls, error: type[GpuWorkerError], message: str, headers: dict[str, str]) -> HttpError:
+        """`error`'s status and code, with headers of the HTTP layer's own (connection: close)."""
+        return cls(error.http_status, error.code, message, headers)
+
+    def http_headers(self) -> dict[str, str]:
+        return self.headers
 
 
 class ClientGone(Exception):
@@ -71,41 +67,8 @@ class EventStream:
     produce: Callable[[Emit], Awaitable[None]]
 
 
-# Worker-side ERR codes that mean the caller's input was at fault, and those that mean the model cannot serve.
-_CLIENT_WORKER_CODES = {"invalid_request", "grammar_unsupported", "model_not_loaded", "unsupported_request"}
-_UNAVAILABLE_WORKER_CODES = {"model_load_failed"}
-
-
-def error_status(exc: GpuWorkerError) -> tuple[int, dict[str, str]]:
-    if isinstance(exc, HttpError):
-        return exc.status, exc.headers
-    if isinstance(exc, ModelLoading):
-        return 503, {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
-    if isinstance(exc, OverCapacity):
-        return 429, {"retry-after": str(max(1, math.ceil(exc.retry_after_s)))}
-    if isinstance(exc, EngineCrashed):
-        if exc.quarantined:
-            return 503, {"retry-after": str(max(1, math.ceil(exc.cooldown_remaining_s or 0)))}
-        return 503, {}
-    if isinstance(exc, DeadlineExceeded):
-        return 504, {}
-    if isinstance(exc, RequestTooLarge):
-        return 413, {}
-    if isinstance(exc, InvalidRequest | ConfigError):
-        return 400, {}
-    if isinstance(exc, ModelNotFound | LaneNotFound):
-        return 404, {}
-    if isinstance(exc, ClosedSupervisorError | NoLaneAvailable):
-        return 503, {}
-    if isinstance(exc, WorkerError):
-        if exc.code in _UNAVAILABLE_WORKER_CODES:
-            return 503, {}
-        return (400 if exc.code in _CLIENT_WORKER_CODES else 502), {}
-    return 500, {}
-
-
 def error_body(exc: GpuWorkerError) -> dict[str, Any]:
-    return {"error": {**exc.to_wire(), "code": getattr(exc, "code", "internal")}}
+    return {"error": exc.to_wire()}
 
 
 @dataclass(frozen=True)
