@@ -17,10 +17,10 @@ from trio_gpuworker._errors import (
     ModelLoading,
     OverCapacity,
     RequestTooLarge,
+    UnsupportedField,
     WorkerError,
 )
 from trio_gpuworker.daemon.http_common import HttpError, error_body
-from trio_gpuworker.daemon.http_fields import UnsupportedField
 
 # The status of every error class, as the daemon's HTTP layer mapped them when statuses still lived there.
 STATUS = {
@@ -36,7 +36,8 @@ STATUS = {
     "ProgressViolation": 500, "ProtocolError": 500, "QuiescenceUnproven": 500, "RemoteProtocolError": 500,
     "RequestTooLarge": 413, "RingAbiMismatch": 500, "RingCorrupt": 500, "RingError": 500, "RingFault": 500,
     "SequenceViolation": 500, "SpecInvalid": 400, "StaleHandle": 500, "StepFailed": 500, "TruncatedStream": 500,
-    "UnexpectedFrame": 500, "UnsupportedObjectVersion": 500, "UnsupportedRingVersion": 500, "VersionMismatch": 500,
+    "UnexpectedFrame": 500, "UnsupportedField": 400, "UnsupportedObjectVersion": 500, "UnsupportedRingVersion": 500,
+    "VersionMismatch": 500,
     "WireSpecInvalid": 400, "WorkerError": 502,
 }
 # A worker's ERR code -> the status of the request it ended (any other code: 502)

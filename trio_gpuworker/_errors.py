@@ -27,6 +27,7 @@ from cython_ring.errors import (
 )
 
 LOG_TAIL_WIRE_CHARS = 8 * 1024  # the last 8 KiB of a crashed worker's output reach the caller
+SHOWN_CHARS = 64  # of a field name or value in an error: a body may carry any key
 # A worker's ERR code -> the HTTP status of a request it ended: the caller's input was at fault (400), or the
 # model cannot serve (503); any other code is the worker's failure (502, WorkerError.http_status).
 WORKER_CODE_STATUS = {"invalid_request": 400, "grammar_unsupported": 400, "model_not_loaded": 400,
@@ -224,6 +225,19 @@ class InvalidRequest(GpuWorkerError, ValueError):
     http_status = 400
 
 
+class UnsupportedField(InvalidRequest):
+    """A field (or a value of it) this daemon does not implement. `param` names it, as OpenAI's errors do."""
+
+    code = "unsupported_field"
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.param = field if len(field) <= SHOWN_CHARS else field[:SHOWN_CHARS] + "..."
+        super().__init__(f"{self.param!r} {reason}")
+
+    def to_wire(self) -> dict[str, Any]:
+        return {**super().to_wire(), "param": self.param}
+
+
 class RequestTooLarge(InvalidRequest):
     """The request cannot fit the protocol's frames or the daemon's caps, however it is split."""
 
@@ -368,6 +382,7 @@ class ClosedArenaError(ArenaError):
 
 __all__ = [
     "LOG_TAIL_WIRE_CHARS",
+    "SHOWN_CHARS",
     "WORKER_CODE_STATUS",
     "ArenaBusy",
     "ArenaError",
@@ -416,6 +431,7 @@ __all__ = [
     "StepFailed",
     "TruncatedStream",
     "UnexpectedFrame",
+    "UnsupportedField",
     "UnsupportedObjectVersion",
     "UnsupportedRingVersion",
     "VersionMismatch",

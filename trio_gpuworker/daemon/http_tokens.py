@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._api_requests import ApiRequest
 from .._errors import InvalidRequest
 from .http_common import Raw
 from .http_serving import INLINE_FLOATS, ServingRoutes
@@ -11,7 +12,7 @@ from .http_serving import INLINE_FLOATS, ServingRoutes
 
 class TokenRoutes(ServingRoutes):
     async def tokenize(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | Raw:
-        model = self._model(body)
+        model = ApiRequest.json_model(body, self.sup.config)
         prompt, messages = body.get("prompt"), body.get("messages")
         if prompt is not None and not isinstance(prompt, str):
             raise InvalidRequest("'prompt' must be a string")
@@ -25,7 +26,7 @@ class TokenRoutes(ServingRoutes):
         return (200, answer()) if len(ids) <= INLINE_FLOATS else await self._encoded(answer)
 
     async def detokenize(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        model = self._model(body)
+        model = ApiRequest.json_model(body, self.sup.config)
         tokens = body.get("tokens")
         if not isinstance(tokens, list):
             raise InvalidRequest("'tokens' must be a list of token ids")

@@ -1,10 +1,11 @@
 """The Supervisor's serving API: embed, rerank, generate, tokenize.
 
-Every request is checked (`_requests`), admitted against its model's byte budget before any tokenization, has
-its CPU work (tokenization, chat templates) run in a bounded thread pool, never on the loop, and is split into
-frames that fit `max_frame`. Long work is split into micro-batches of at most `max_batch_items` rows, sent one
-after the other from the caller's task: a caller that leaves (deadline, disconnect) stops the rest, and the
-lane drains only the micro-batch in flight.
+Every request is one typed request (_api_requests.py), checked when it is built, whether from the Python
+arguments of `embed`, `rerank` and `generate` or from an HTTP body. It is admitted against its model's byte
+budget before any tokenization, has its CPU work (tokenization, chat templates) run in a bounded thread pool,
+never on the loop, and is split into frames that fit `max_frame`. Long work is split into micro-batches of at
+most `max_batch_items` rows, sent one after the other from the caller's task: a caller that leaves (deadline,
+disconnect) stops the rest, and the lane drains only the micro-batch in flight.
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import trio
 
+from .. import _api_checks as ck
+from .._api_requests import CompletionRequest, EmbeddingsRequest, RerankRequest, serving_model
 from .._config import ModelConfig, SupervisorConfig
 from .._errors import InvalidRequest, ModelNotFound
 from .._kinds import GENERATE, RERANK
-from .._proto import EmbedBatch, Rerank, Vectors
+from .._proto import EmbedBatch, Vectors
 from . import _generate
 from . import _requests as rq
 from ._generate import OnDelta
-from ._route import EMBEDDINGS, RERANKING, Flight, Q, R, Route, serving_model
+from ._route import EMBEDDINGS, RERANKING, Flight, Q, R, Route
 
 if TYPE_CHECKING:
     from ..tokenization import EmbeddingTokenizer
@@ -54,9 +57,9 @@ class ServingApi:
         3-word encode_batch on the loop waits there for a large one that a thread is running."""
         return await trio.to_thread.run_sync(fn, limiter=self._cpu)
 
-    def _flight(self, route: Route[Q, R], model: str) -> Flight[Q, R]:
-        """One request of `route`'s kind on `model`: the model is looked up and its kind checked here."""
-        return Flight(route, self.config, self.scheduler, self.pick_lane, model, self.gate)
+    def _flight(self, route: Route[Q, R], mc: ModelConfig) -> Flight[Q, R]:
+        """One request of `route`'s kind on `mc`, the model its request looked up and kind-checked."""
+        return Flight(route, mc, self.scheduler, self.pick_lane, self.gate)
 
     # --- tokenization --------------------------------------------------------------------------
 
@@ -78,14 +81,14 @@ class ServingApi:
 
     def tokenize(self, texts: list[str], *, model: str) -> list[np.ndarray]:
         mc = self.config.model(model)
-        texts = rq.cap_texts(rq.check_texts(texts, "texts"), rq.char_cap(mc))
-        rq.check_unicode(texts, "texts")
+        texts = rq.cap_texts(ck.check_texts(texts, "texts"), ck.char_cap(mc))
+        ck.check_unicode(texts, "texts")
         return self._tokenizer(model).encode(texts)
 
     async def tokenize_async(self, texts: list[str], *, model: str) -> list[np.ndarray]:
         """Tokenize, off the event loop when the batch is large enough to stall it."""
-        texts = rq.check_texts(texts, "texts")
-        cap = rq.char_cap(self.config.model(model))
+        texts = ck.check_texts(texts, "texts")
+        cap = ck.char_cap(self.config.model(model))
         await self._tokenizer_loaded(model)
         return await self._off_loop(lambda: self.tokenize(rq.cap_texts(texts, cap), model=model))
 
@@ -109,21 +112,21 @@ class ServingApi:
         its chat template), untruncated, and the most it takes (max_tokens, or the generate model's context).
         `add_special_tokens`: an encoder's [CLS]/[SEP], a generate model's BOS where its GGUF asks for one."""
         mc = self.config.model(model)
-        add_special = rq.check_flag(add_special_tokens, "add_special_tokens", True)
-        add_prompt = rq.check_flag(add_generation_prompt, "add_generation_prompt", True)
+        add_special = ck.check_flag(add_special_tokens, "add_special_tokens", True)
+        add_prompt = ck.check_flag(add_generation_prompt, "add_generation_prompt", True)
         if (prompt is None) == (messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
         if messages is not None:
             if mc.kind != GENERATE:
                 raise InvalidRequest(f"model {model!r} serves {mc.kind}: messages need a chat template")
-            messages = rq.check_messages(messages)
+            messages = ck.check_messages(messages)
             texts = [m["content"] for m in messages] + [m["role"] for m in messages]
         else:
-            texts = rq.check_texts([prompt], "prompt")
+            texts = ck.check_texts([prompt], "prompt")
         what = "prompt" if messages is None else "messages"
-        cap = rq.char_cap(mc) if mc.encoder else rq.gen_char_cap(mc)
-        rq.refuse_long_texts(["".join(texts)], [what], cap, model)
-        rq.check_unicode(texts, what)
+        cap = ck.char_cap(mc) if mc.encoder else ck.gen_char_cap(mc)
+        ck.refuse_long_texts(["".join(texts)], [what], cap, model)
+        ck.check_unicode(texts, what)
         if not mc.encoder:
             tok = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
 
@@ -131,7 +134,7 @@ class ServingApi:
                 text = prompt if messages is None else tok.apply_chat_template(messages, add_prompt)
                 return list(tok.encode(text, add_special=add_special))
 
-            return await self._off_loop(encode), rq.gen_context(mc)
+            return await self._off_loop(encode), ck.gen_context(mc)
         await self._tokenizer_loaded(model)
         ids = await self._off_loop(lambda: self._tokenizer(model).encode_full(texts, special=add_special)[0])
         return ids.tolist(), mc.max_tokens
@@ -166,40 +169,39 @@ class ServingApi:
     async def embed_counted(self, texts: list[str] | list[list[int]], *, model: str, timeout: float | None = None,
                             pooling: str | None = None, normalize: bool | None = None, truncate: bool = True,
                             dimensions: int | None = None) -> tuple[np.ndarray, int]:
-        """`embed`, and the number of tokens the inputs took (usage).
+        """`embed`, and the number of tokens the inputs took (usage): see `EmbeddingsRequest` for the arguments."""
+        request = EmbeddingsRequest(models=self.config, model=model, input=texts, pooling=pooling,
+                                    normalize=normalize, truncate=truncate, dimensions=dimensions)
+        return await self.embeddings(request, timeout=timeout)
 
-        `texts` may instead be token-id inputs (each a list of ints), embedded as given: no [CLS]/[SEP] is added
-        (`tokenize` returns them with). Inputs longer than the model's max_tokens are cut there, or refused with
-        RequestTooLarge naming the input when `truncate` is false. `dimensions` (one of the model's
-        matryoshka_dims) keeps the leading dimensions of each vector, renormalized when `normalize` is on."""
-        flight = self._flight(EMBEDDINGS, model)
-        mc = flight.mc
-        is_ids, items = rq.check_inputs(texts, "input")
-        pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
-        truncate = rq.check_flag(truncate, "truncate", True)
-        dims = rq.check_dimensions(dimensions, mc)
+    async def embeddings(self, request: EmbeddingsRequest, *, timeout: float | None = None
+                         ) -> tuple[np.ndarray, int]:
+        """The vectors of `request`'s inputs as an (n, dims) float32 array, in input order, and the number of tokens
+        they took. Token-id inputs are embedded as given: no [CLS]/[SEP] is added (`tokenize` returns them with)."""
+        flight, mc, model = self._flight(EMBEDDINGS, request.mc), request.mc, request.model
+        items, truncate = request.input, request.truncate
         flight.start(timeout)
         if not items:
-            return np.zeros((0, dims or self.dispatch.dims.get(model, 0)), dtype=np.float32), 0
-        if is_ids:
+            return np.zeros((0, request.dimensions or self.dispatch.dims.get(model, 0)), dtype=np.float32), 0
+        if request.is_ids:
             nbytes = rq.ID_BYTES * sum(min(len(r), mc.max_tokens) for r in items)
         else:
             if not truncate:
-                rq.refuse_long_texts(items, [f"input[{i}]" for i in range(len(items))], rq.char_cap(mc), model)
-            items = rq.cap_texts(items, rq.char_cap(mc))
+                ck.refuse_long_texts(items, [f"input[{i}]" for i in range(len(items))], ck.char_cap(mc), model)
+            items = rq.cap_texts(items, ck.char_cap(mc))
             nbytes = rq.id_bytes_bound(items, mc.max_tokens)
         async with flight.admit(nbytes) as ticket:
             await self._tokenizer_loaded(model)
-            encode = self._id_rows if is_ids else self._text_rows
+            encode = self._id_rows if request.is_ids else self._text_rows
             rows = await self._off_loop(lambda: encode(items, model, mc.max_tokens, truncate))
-            vecs = await self._embed_admitted(rows, flight, pooling, normalize)
+            vecs = await self._embed_admitted(rows, flight, request.pooling, request.normalize)
             n_tokens = sum(len(r) for r in rows)
             if ticket is not None:
                 ticket.count_tokens(n_tokens)
-        return rq.cut_dimensions(vecs, dims, normalize, model), n_tokens
+        return rq.cut_dimensions(vecs, request.dimensions, request.normalize, model), n_tokens
 
     def _text_rows(self, texts: list[str], model: str, cap: int, truncate: bool) -> list[np.ndarray]:
-        rq.check_unicode(texts, "input")
+        ck.check_unicode(texts, "input")
         tok = self._tokenizer(model)
         rows, cut = tok.encode_checked(texts)
         if cut and not truncate:
@@ -216,9 +218,9 @@ class ServingApi:
                          timeout: float | None = None) -> np.ndarray:
         """Token-id rows -> embeddings, admitted against the model's queue budget (with the daemon's
         `scheduler`), batched with concurrent requests (with its `batcher`), in frames that fit."""
-        flight = self._flight(EMBEDDINGS, model)
+        flight = self._flight(EMBEDDINGS, serving_model(self.config, model, EmbeddingsRequest.WHAT))
         rows = rq.check_rows(rows)
-        pooling, normalize = rq.check_pooling(pooling, flight.mc), rq.check_normalize(normalize, flight.mc)
+        pooling, normalize = ck.check_pooling(pooling, flight.mc), ck.check_normalize(normalize, flight.mc)
         flight.start(timeout)
         if not rows:
             return np.zeros((0, self.dispatch.dims.get(model, 0)), dtype=np.float32)
@@ -249,9 +251,9 @@ class ServingApi:
                         timeout: float | None = None, on_settled: Callable[[], None] | None = None) -> np.ndarray:
         """One EMBED_BATCH: at most max_batch_items rows whose ids fit one frame (else RequestTooLarge)."""
         try:
-            mc = serving_model(self.config, model, EMBEDDINGS)
+            mc = serving_model(self.config, model, EmbeddingsRequest.WHAT)
             rows = rq.check_rows(rows)
-            pooling, normalize = rq.check_pooling(pooling, mc), rq.check_normalize(normalize, mc)
+            pooling, normalize = ck.check_pooling(pooling, mc), ck.check_normalize(normalize, mc)
             if len(rq.plan_chunks([len(r) for r in rows], max_items=max(len(rows), 1),
                                   max_bytes=self.config.max_frame)) > 1:
                 raise rq.RequestTooLarge(f"{len(rows)} rows of token ids do not fit one frame of "
@@ -276,46 +278,51 @@ class ServingApi:
     async def rerank_counted(self, query: str, documents: list[str], *, model: str, timeout: float | None = None,
                              truncate: bool = True, max_tokens_per_doc: int | None = None,
                              ) -> tuple[np.ndarray, str, int]:
-        """`rerank`, and the number of tokens of the query and documents sent (usage). Each document is cut to
-        `max_tokens_per_doc` tokens when given. What does not fit the model (the pair [CLS] query [SEP] doc [SEP]
-        for a cross-encoder, each text with [CLS]/[SEP] for a bi-encoder) is cut by the worker, or refused with
-        RequestTooLarge naming it when `truncate` is false."""
-        flight = self._flight(RERANKING, model)
-        mc = flight.mc
-        if not isinstance(query, str):
-            raise InvalidRequest("query must be a string")
-        docs = rq.check_texts(documents, "documents")
-        truncate = rq.check_flag(truncate, "truncate", True)
-        per_doc = rq.check_count(max_tokens_per_doc, "max_tokens_per_doc")
+        """`rerank`, and the number of tokens of the query and documents sent (usage): see `RerankRequest`."""
+        request = RerankRequest(models=self.config, model=model, query=query, documents=documents,
+                                truncate=truncate, max_tokens_per_doc=max_tokens_per_doc)
+        return await self.reranking(request, timeout=timeout)
+
+    async def reranking(self, request: RerankRequest, *, timeout: float | None = None
+                        ) -> tuple[np.ndarray, str, int]:
+        """The relevance of each document to the query, in input order, the method and the tokens sent. Each
+        document is cut to `max_tokens_per_doc` tokens when given. What does not fit the model (the pair [CLS]
+        query [SEP] doc [SEP] for a cross-encoder, each text with [CLS]/[SEP] for a bi-encoder) is cut by the
+        worker, or refused with RequestTooLarge naming it when `truncate` is false."""
+        flight, mc, model = self._flight(RERANKING, request.mc), request.mc, request.model
         flight.start(timeout)
-        if not docs:
+        if not request.documents:
             return np.zeros(0, dtype=np.float32), "none", 0
-        texts = [query, *docs]
-        if not truncate:
-            rq.refuse_long_texts(texts, ["query", *(f"documents[{i}]" for i in range(len(docs)))], rq.char_cap(mc),
-                                 model)
-        texts = rq.cap_texts(texts, rq.char_cap(mc))
+        texts = [request.query, *request.documents]
+        if not request.truncate:
+            names = ["query", *(f"documents[{i}]" for i in range(len(request.documents)))]
+            ck.refuse_long_texts(texts, names, ck.char_cap(mc), model)
+        texts = rq.cap_texts(texts, ck.char_cap(mc))
         async with flight.admit(rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
             await self._tokenizer_loaded(model)
-            q, *ids = await self._off_loop(lambda: self._encode_rerank(model, mc, texts, truncate, per_doc))
-            chunks = rq.plan_chunks([len(d) for d in ids], max_items=self.config.max_batch_items,
-                                    max_bytes=self.config.max_frame, fixed=len(q), what="documents")
-            scores, method = [], "cross_encoder"
-            for a, b in chunks:
-                docs_ids = ids[a:b]
-                reply = await flight.call(
-                    Rerank(model_ref=model, query_n_tokens=len(q), candidates=[{"n_tokens": len(d)} for d in docs_ids],
-                           raw=np.concatenate([q, *docs_ids]).astype("<i4").tobytes()), f"rerank on {model!r}")
-                scores.append(np.frombuffer(reply.raw, dtype="<f4").copy())
-                method = reply.method or "cross_encoder"
+            q, *ids = await self._off_loop(
+                lambda: self._encode_rerank(model, mc, texts, request.truncate, request.max_tokens_per_doc))
+            scores, method = await self._rerank_admitted(request, flight, q, ids)
             n_tokens = len(q) + sum(len(d) for d in ids)
             if ticket is not None:
                 ticket.count_tokens(n_tokens)
-        return np.concatenate(scores), method, n_tokens
+        return scores, method, n_tokens
+
+    async def _rerank_admitted(self, request: RerankRequest, flight: Flight[Any, Any], q: np.ndarray,
+                               ids: list[np.ndarray]) -> tuple[np.ndarray, str]:
+        """RERANK micro-batches of at most max_batch_items documents that fit a frame each, one at a time."""
+        chunks = rq.plan_chunks([len(d) for d in ids], max_items=self.config.max_batch_items,
+                                max_bytes=self.config.max_frame, fixed=len(q), what="documents")
+        scores, method = [], "cross_encoder"
+        for a, b in chunks:
+            reply = await flight.call(request.to_wire(q, ids[a:b]), f"rerank on {request.model!r}")
+            scores.append(np.frombuffer(reply.raw, dtype="<f4").copy())
+            method = reply.method or "cross_encoder"
+        return np.concatenate(scores), method
 
     def _encode_rerank(self, model: str, mc: ModelConfig, texts: list[str], truncate: bool,
                        per_doc: int | None) -> list[np.ndarray]:
-        rq.check_unicode(texts, "query and documents")
+        ck.check_unicode(texts, "query and documents")
         tok = self._tokenizer(model)
         ids, cut = tok.encode_checked(texts, special=False)  # each at most max_tokens
         if per_doc is not None:
@@ -336,11 +343,16 @@ class ServingApi:
                        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                        seed: int | None = None, stop: str | list[str] | None = None, logprobs: int | None = None,
                        on_delta: OnDelta | None = None) -> dict[str, Any]:
-        """Completion of `prompt`, or of `messages` through the model's chat template (daemon-side): greedy at
-        temperature 0 (the default), else sampled (seeded: reproducible). `stop`: up to 4 strings that end the
-        text before them. `logprobs`: per generated token its log probability and that many alternatives.
-        `on_delta({text, n_gen, logprobs?})` streams the text as it is generated; the deltas joined are the
-        answer's text. Returns {text, n_prompt, n_gen, finish_reason[, logprobs]}."""
-        return await _generate.generate(
-            self, prompt, model=model, messages=messages, max_tokens=max_tokens, grammar=grammar, timeout=timeout,
-            sampling=_generate.Sampling(temperature, top_p, top_k, seed, stop, logprobs), on_delta=on_delta)
+        """Completion of `prompt`, or of `messages` through the model's chat template (daemon-side): see
+        `CompletionRequest` for the arguments. `on_delta({text, n_gen, logprobs?})` streams the text as it is
+        generated; the deltas joined are the answer's text. Returns {text, n_prompt, n_gen, finish_reason[,
+        logprobs]}."""
+        request = CompletionRequest(models=self.config, model=model, prompt=prompt, messages=messages,
+                                    max_tokens=max_tokens, grammar=grammar, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, seed=seed, stop=stop, logprobs=logprobs)
+        return await self.completion(request, timeout=timeout, on_delta=on_delta)
+
+    async def completion(self, request: CompletionRequest, *, timeout: float | None = None,
+                         on_delta: OnDelta | None = None) -> dict[str, Any]:
+        """`request`'s completion: `generate`'s answer."""
+        return await _generate.generate(self, request, timeout=timeout, on_delta=on_delta)

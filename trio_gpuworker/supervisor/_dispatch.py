@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import trio
 
-from .._proto import EmbedBatch
+from .._api_requests import embed_batch
 from ._admission import Router
 from ._route import EMBEDDINGS, send
 
@@ -95,9 +95,7 @@ class EmbedDispatch:
     async def _one(self, lane: Lane, rows: list[np.ndarray], model: str, pooling: str, normalize: bool,
                    timeout: float | None, on_settled: Callable[[], None] | None,
                    on_started: Callable[[], None] | None = None) -> np.ndarray:
-        request = EmbedBatch(model_ref=model, pooling=pooling, normalize=normalize,
-                             items=[{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)],
-                             raw=(np.concatenate(rows) if rows else np.zeros(0)).astype("<i4").tobytes())
-        reply = await send(lane, request, EMBEDDINGS, timeout=timeout, on_settled=on_settled, on_started=on_started)
+        reply = await send(lane, embed_batch(model, pooling, normalize, rows), EMBEDDINGS, timeout=timeout,
+                           on_settled=on_settled, on_started=on_started)
         self.dims[model] = reply.dims
         return np.frombuffer(reply.raw, dtype="<f4").reshape(reply.n, reply.dims).copy()

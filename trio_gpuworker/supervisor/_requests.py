@@ -1,8 +1,7 @@
-"""What a request must satisfy before it reaches a lane: argument checks, character caps, admission bounds and
-frame plans. Every check raises a typed InvalidRequest (or RequestTooLarge), so no request can make a lane
+"""What a request must satisfy on its way to a lane, past the checks of its arguments (its request class,
+_api_requests.py): admission bounds, token-id checks (run off the loop), frame plans, what must fit the model
+once tokenized. Every check raises a typed InvalidRequest (or RequestTooLarge), so no request can make a lane
 send a frame the protocol refuses (a LocalProtocolError there would fail the lane, not the request).
-
-Both the Python API and HTTP go through these, once, in the Supervisor.
 """
 
 from __future__ import annotations
@@ -12,84 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from .._config import ModelConfig
 from .._errors import InvalidRequest, RequestTooLarge
-from .._kinds import POOLINGS, DecoderRuntime, check_serves
 
-# A WordPiece token covers at most 100 characters (longer words become one [UNK]); a text with more than 128
-# characters per token of its truncation is mostly whitespace, so cutting it there never changes its ids in
-# practice, and an 8 MB input costs the tokenizer 32 KiB of work instead of 8 MB.
-CHARS_PER_TOKEN_CAP = 128
-CHAT_TEMPLATE_BYTES = 64  # per message: what a chat template adds around its content, at most
 # Ids of one int32 token; specials a tokenizer adds to one text.
 ID_BYTES = 4
 SPECIALS = 2
-
-
-def serving_model(mc: ModelConfig, what: str) -> ModelConfig:
-    """`mc`, if its kind serves the API request `what` (the registry's one kind check)."""
-    check_serves(mc.id, mc.kind, what)
-    return mc
-
-
-def check_texts(texts: Any, what: str, *, allow_empty: bool = True) -> list[str]:
-    if isinstance(texts, str) or not isinstance(texts, list | tuple):
-        raise InvalidRequest(f"{what} must be a list of strings")
-    if bad := [i for i, t in enumerate(texts) if not isinstance(t, str)]:
-        raise InvalidRequest(f"{what}[{bad[0]}] is {type(texts[bad[0]]).__name__}, not a string")
-    if not texts and not allow_empty:
-        raise InvalidRequest(f"{what} must not be empty")
-    return list(texts)
-
-
-def check_pooling(pooling: Any, mc: ModelConfig) -> str:
-    if pooling is None:
-        return mc.pooling
-    if not isinstance(pooling, str) or pooling not in POOLINGS:
-        raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
-    return pooling
-
-
-def check_normalize(normalize: Any, mc: ModelConfig) -> bool:
-    if normalize is None:
-        return mc.normalize
-    if not isinstance(normalize, bool):
-        raise InvalidRequest(f"normalize must be a boolean, got {normalize!r}")
-    return normalize
-
-
-def check_max_tokens(max_tokens: Any, cap: int) -> int:
-    """1..cap new tokens (cap: the model's context less one prompt token; past 64 the worker needs the LONG
-    extension, checked where the request is sent)."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= cap:
-        raise InvalidRequest(f"max_tokens must be an integer in 1..{cap}, got {max_tokens!r}")
-    return max_tokens
-
-
-def check_messages(messages: Any) -> list[dict[str, str]]:
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty list of {role, content} strings")
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise InvalidRequest(f"messages[{i}] must be {{role, content}} with string values")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
-
-
-def char_cap(mc: ModelConfig) -> int:
-    """Characters of one input that tokenization at the model's truncation can use."""
-    return mc.max_tokens * CHARS_PER_TOKEN_CAP
-
-
-def gen_context(mc: ModelConfig) -> int:
-    """The generation model's context in tokens (its worker's max_context)."""
-    rc = mc.runtime_config
-    assert isinstance(rc, DecoderRuntime), f"{mc.id} is a {mc.kind} model"
-    return rc.context
-
-
-def gen_char_cap(mc: ModelConfig) -> int:
-    """Characters beyond which a prompt cannot fit the generation model's context."""
-    return gen_context(mc) * CHARS_PER_TOKEN_CAP
 
 
 def cap_texts(texts: list[str], cap: int) -> list[str]:
@@ -110,16 +36,6 @@ def id_bytes_bound(texts: Sequence[str], per_text_tokens: int | None = None) -> 
         else:
             n += min(_utf8_len(t) + SPECIALS, per_text_tokens or 1 << 62)
     return ID_BYTES * n
-
-
-def check_unicode(texts: Sequence[str], what: str) -> None:
-    """A lone surrogate (JSON allows "\\ud800") is not text: refuse it before a tokenizer sees it."""
-    for i, t in enumerate(texts):
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(f"{what}[{i}] is not valid Unicode: a lone surrogate at character {exc.start}") \
-                from exc
 
 
 def plan_chunks(lengths: Sequence[int], *, max_items: int, max_bytes: int, fixed: int = 0,
@@ -155,37 +71,6 @@ def check_rows(rows: Any, what: str = "rows") -> list[np.ndarray]:
     return out
 
 
-def check_flag(value: Any, what: str, default: bool) -> bool:
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{what} must be a boolean, got {value!r}")
-    return value
-
-
-def check_count(value: Any, what: str) -> int | None:
-    """An optional positive integer (None: not given)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequest(f"{what} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def check_inputs(inputs: Any, what: str) -> tuple[bool, list[Any]]:
-    """(is_ids, items): a list of strings, or a list of token-id sequences (each element checked later, off the
-    loop, by `check_token_rows`). Mixing the two is refused."""
-    if isinstance(inputs, str) or not isinstance(inputs, list | tuple):
-        raise InvalidRequest(f"{what} must be a list of strings or a list of token-id lists")
-    if not inputs or all(isinstance(t, str) for t in inputs):
-        return False, list(inputs)
-    if all(isinstance(t, list | tuple | np.ndarray) for t in inputs):
-        return True, list(inputs)
-    bad = next(i for i, t in enumerate(inputs) if not isinstance(t, str))
-    raise InvalidRequest(f"{what}[{bad}] is {type(inputs[bad]).__name__}: give every input as a string, or every "
-                         "input as a list of token ids")
-
-
 def check_token_rows(rows: list[Any], vocab: int, what: str) -> list[np.ndarray]:
     """Token-id inputs: each a non-empty sequence of ints within the tokenizer's vocabulary. O(ids): run it off
     the event loop."""
@@ -208,21 +93,6 @@ def check_token_rows(rows: list[Any], vocab: int, what: str) -> list[np.ndarray]
     return out
 
 
-def check_dimensions(dimensions: Any, mc: ModelConfig) -> int | None:
-    """`dimensions` must be one of the Matryoshka sizes the model's configuration declares."""
-    if dimensions is None:
-        return None
-    if isinstance(dimensions, bool) or not isinstance(dimensions, int):
-        raise InvalidRequest(f"dimensions must be an integer, got {dimensions!r}")
-    if not mc.matryoshka_dims:
-        raise InvalidRequest(f"model {mc.id!r} declares no Matryoshka sizes (models.{mc.id}.matryoshka_dims): "
-                             "its vectors cannot be shortened")
-    if dimensions not in mc.matryoshka_dims:
-        raise InvalidRequest(f"dimensions must be one of {', '.join(map(str, mc.matryoshka_dims))} for model "
-                             f"{mc.id!r}, got {dimensions}")
-    return dimensions
-
-
 def cut_dimensions(vecs: np.ndarray, dimensions: int | None, normalize: bool, model: str) -> np.ndarray:
     """The leading `dimensions` of each vector, renormalized when the model normalizes (as sentence-transformers'
     truncate_dim does)."""
@@ -241,14 +111,6 @@ def too_many_tokens(what: str, n: int | None, cap: int, model: str) -> RequestTo
     """`n` None: more than the truncation's cap (the tokenizer stopped counting there)."""
     size = f"{n} tokens" if n is not None else f"more than {cap} tokens"
     return RequestTooLarge(f"{what} is {size}; model {model!r} takes at most {cap} (send truncate=true to cut it)")
-
-
-def refuse_long_texts(texts: Sequence[str], names: Sequence[str], cap: int, model: str) -> None:
-    """With truncate=false, a text longer than the character cap is refused rather than tokenized whole."""
-    for t, name in zip(texts, names, strict=True):
-        if len(t) > cap:
-            raise RequestTooLarge(f"{name} has {len(t)} characters; with truncate=false model {model!r} takes at "
-                                  f"most {cap} (max_tokens x {CHARS_PER_TOKEN_CAP})")
 
 
 def check_rerank_fit(lengths: Sequence[int | None], *, pair: bool, specials: int, cap: int, model: str) -> None:

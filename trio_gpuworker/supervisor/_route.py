@@ -1,10 +1,10 @@
 """One path from the serving API to `Lane.call` for every request kind: embed, rerank and generate.
 
-What every kind does alike is written here once: the model's lookup and kind check (the daemon's only one; HTTP
-and the Python API both come through here), the deadline, admission against the model's byte budget, the lane
-choice and the check of the reply. A `Route` says what differs per kind: the API request it answers, its reply's
-class, and how a reply must fit its request. A request that passes a Route's checks reaches the worker as its
-class (`Lane.call`), and its reply comes back as its class.
+What every kind does alike is written here once: the deadline, admission against the model's byte budget, the
+lane choice and the check of the reply (the model was looked up and kind-checked when its request was built,
+_api_requests.py). A `Route` says what differs per kind: its reply's class, and how a reply must fit its request.
+A request that passes a Route's checks reaches the worker as its class (`Lane.call`), and its reply comes back as
+its class.
 
 Embeddings choose their lanes themselves (a large job is spread over idle replicas, _dispatch.py) and may be
 merged with other callers' (_batching.py): they take the model, the deadline and admission from a `Flight`, and
@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import trio
 
 from .._errors import DeadlineExceeded, InvalidRequest, RemoteProtocolError
-from .._kinds import check_serves
 from .._proto import EmbedBatch, Generate, Rerank, Scores, Text, Vectors, WireMessage
 
 if TYPE_CHECKING:
-    from .._config import ModelConfig, SupervisorConfig
+    from .._config import ModelConfig
     from ._admission import Scheduler, Ticket, Timing
     from ._gate import ModelGate
     from ._lane import Lane
@@ -39,7 +38,6 @@ R = TypeVar("R", bound=WireMessage)
 class Route(Generic[Q, R]):
     """What one request kind supplies; everything else is the same for all."""
 
-    what: str  # the API request, as _kinds.API_REQUESTS names it: the kind check
     reply: type[R]  # its terminal reply (ERR is raised by the lane as WorkerError)
     misfit: Callable[[Q, R], str | None]  # what is wrong with a well-formed reply to this request, or None
 
@@ -58,9 +56,9 @@ def _scores_misfit(request: Rerank, reply: Scores) -> str | None:
     return None
 
 
-EMBEDDINGS: Route[EmbedBatch, Vectors] = Route("embeddings", Vectors, _vectors_misfit)
-RERANKING: Route[Rerank, Scores] = Route("rerank", Scores, _scores_misfit)
-GENERATION: Route[Generate, Text] = Route("generation", Text, lambda request, reply: None)
+EMBEDDINGS: Route[EmbedBatch, Vectors] = Route(Vectors, _vectors_misfit)
+RERANKING: Route[Rerank, Scores] = Route(Scores, _scores_misfit)
+GENERATION: Route[Generate, Text] = Route(Text, lambda request, reply: None)
 
 
 async def send(lane: Lane, request: Q, route: Route[Q, R], *, timeout: float | None,
@@ -74,13 +72,6 @@ async def send(lane: Lane, request: Q, route: Route[Q, R], *, timeout: float | N
     if (wrong := route.misfit(request, reply)) is not None:
         raise RemoteProtocolError(f"{reply.T}: {wrong}")
     return reply
-
-
-def serving_model(config: SupervisorConfig, model: str, route: Route[Q, R]) -> ModelConfig:
-    """The model's configuration (ModelNotFound if there is none), if its kind serves the route's request."""
-    mc = config.model(model)
-    check_serves(mc.id, mc.kind, route.what)
-    return mc
 
 
 def deadline(timeout: float | None) -> float:
@@ -102,13 +93,12 @@ def left(at: float, what: str, timeout: float | None) -> float | None:
 
 
 class Flight(Generic[Q, R]):
-    """One API request of one kind, from its checks to its last reply: its model (looked up and kind-checked
-    when it is made), its deadline (from `start`), its admission ticket (`admit`) and its lane calls."""
+    """One API request of one kind, from its checks to its last reply: its model (`mc`, which its request looked
+    up and kind-checked), its deadline (from `start`), its admission ticket (`admit`) and its lane calls."""
 
-    def __init__(self, route: Route[Q, R], config: SupervisorConfig, scheduler: Scheduler | None,
-                 pick_lane: Callable[[str], Lane], model: str, gate: ModelGate) -> None:
-        self.route, self.model = route, model
-        self.mc = serving_model(config, model, route)
+    def __init__(self, route: Route[Q, R], mc: ModelConfig, scheduler: Scheduler | None,
+                 pick_lane: Callable[[str], Lane], gate: ModelGate) -> None:
+        self.route, self.mc, self.model = route, mc, mc.id
         self._scheduler, self._pick, self._gate = scheduler, pick_lane, gate
         self.deadline, self.timeout = math.inf, None
         self.ticket: Ticket | None = None
@@ -149,4 +139,4 @@ class Flight(Generic[Q, R]):
                           on_started=timing.started if timing is not None else None, on_progress=on_progress)
 
 
-__all__ = ["EMBEDDINGS", "GENERATION", "RERANKING", "Flight", "Route", "deadline", "left", "send", "serving_model"]
+__all__ = ["EMBEDDINGS", "GENERATION", "RERANKING", "Flight", "Route", "deadline", "left", "send"]

@@ -1,0 +1,432 @@
+"""One typed request per API call, validated once: `EmbeddingsRequest`, `RerankRequest`, `CompletionRequest`.
+
+A request is a frozen dataclass built from Python arguments (its constructor) or from a JSON body (`from_json`,
+which only unwraps the body's shapes and then calls the constructor). Either way the constructor is the one
+validation path: the model's lookup (ModelNotFound) and kind check (`_kinds.check_serves`), each field's type,
+bounds and default, and every refusal (InvalidRequest, RequestTooLarge). `to_wire()` is the protocol message that
+carries it, once the Supervisor has tokenized it. Pure: no I/O; the Supervisor admits, tokenizes and sends.
+
+A field says which JSON bodies take it and under which names (`arg(body=...)`); a class's `NEUTRAL` lists the
+fields a body accepts only at the value that leaves the answer unchanged. The HTTP routes' field tables are
+derived from these (`body_fields()`), so a new field is one `arg` here and a row in docs/http-api.md, 'Fields'.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+
+from . import _api_checks as ck
+from ._config import ModelConfig, SupervisorConfig
+from ._errors import InvalidRequest, RequestTooLarge, UnsupportedField
+from ._kinds import EMBEDDING, RERANK, check_serves
+from ._proto import MAX_TOP_LOGPROBS, EmbedBatch, Generate, Rerank
+
+_BODY = "body"
+A = TypeVar("A", bound="ApiRequest")
+OnDelta = Callable[[dict[str, Any]], None]  # a completion's text as it is generated: {text, n_gen, logprobs?}
+DEFAULT_GEN_TOKENS = 16  # new tokens of a completion that names no max_tokens
+CHAT_TEMPLATE_BYTES = 64  # per message: what a chat template adds around its content, at most
+ENCODING_FORMATS = ("float", "base64")
+STREAM_OPTIONS = ("include_usage",)
+MESSAGE: ck.Spec = {"role": None, "content": None}  # a chat message's fields, and a content part's
+CONTENT_PART: ck.Spec = {"type": None, "text": None}
+
+
+def arg(default: Any = dataclasses.MISSING, *, body: bool | Mapping[str, tuple[str, ...]] = True) -> Any:
+    """A request field. `body`: the names a JSON body gives it under, per body shape (True: its own name in every
+    shape of the class; False: not a body field)."""
+    return dataclasses.field(default=default, metadata={_BODY: body})
+
+
+def derived() -> Any:
+    """A field the checks set (the model's configuration, a resolved default): not an argument."""
+    return dataclasses.field(init=False, repr=False, compare=False)
+
+
+def api_request(cls: type[A]) -> type[A]:
+    """Make `cls` a frozen, keyword-only dataclass: a request class (as `_proto._wire.message` makes a message)."""
+    return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
+
+
+def serving_model(models: SupervisorConfig, model: Any, what: str) -> ModelConfig:
+    """The model's configuration (ModelNotFound if there is none), if its kind serves the API request `what`:
+    the daemon's one model lookup and kind check."""
+    if not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string")
+    mc = models.model(model)
+    check_serves(mc.id, mc.kind, what)
+    return mc
+
+
+def json_list(value: Any, key: str, max_inputs: int, *, ids: bool = False) -> list[Any]:
+    """A body's list of inputs: non-empty, at most http.max_inputs (the HTTP API's own rules; what each item must
+    be is the request's check, as for the Python API)."""
+    if not isinstance(value, list) or not value:
+        raise InvalidRequest(f"'{key}' must be a string or a non-empty list of strings"
+                             + (", a list of token ids or a non-empty list of them" if ids else ""))
+    if len(value) > max_inputs:
+        raise InvalidRequest(f"'{key}' has {len(value)} items; at most {max_inputs} per request (http.max_inputs)")
+    return value
+
+
+@api_request
+class ApiRequest(abc.ABC):
+    """What every request has: its model, looked up and kind-checked when it is built."""
+
+    WHAT: ClassVar[str]  # the API request, as _kinds.API_REQUESTS names it: the kind check
+    SHAPES: ClassVar[tuple[str, ...]] = ("",)  # the JSON bodies it is read from
+    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {}  # per shape: fields accepted at one value only
+
+    models: dataclasses.InitVar[SupervisorConfig]
+    model: str = arg()
+    mc: ModelConfig = derived()
+
+    def __post_init__(self, models: SupervisorConfig) -> None:
+        self._set(mc=serving_model(models, self.model, self.WHAT))
+        self._check(self.mc)
+
+    @abc.abstractmethod
+    def _check(self, mc: ModelConfig) -> None:
+        """Each field checked, and its default resolved, in the order the errors are reported."""
+
+    def _set(self, **values: Any) -> None:
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def body_fields(cls, shape: str = "") -> dict[str, ck.Neutral | None]:
+        """The fields a `shape` body takes: each field's names (None: the request reads it), then its NEUTRAL."""
+        out: dict[str, ck.Neutral | None] = {}
+        for f in dataclasses.fields(cls):
+            body = f.metadata.get(_BODY, False)
+            names = (f.name,) if body is True else () if body is False else body.get(shape, ())
+            out.update(dict.fromkeys(names))
+        return {**out, **cls.NEUTRAL.get(shape, {})}
+
+    @staticmethod
+    def json_model(body: Mapping[str, Any], models: SupervisorConfig) -> str:
+        """The body's model, if one is configured: ModelNotFound (404) comes before any other check of the body."""
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise InvalidRequest("'model' must be a string")
+        models.model(model)
+        return model
+
+    @classmethod
+    def _json_args(cls, body: Mapping[str, Any], shape: str, *skip: str) -> dict[str, Any]:
+        """The body's fields that are named as the request's own, but for `skip` and the model (a JSON null is a
+        field left out: its default)."""
+        own = {f.name for f in dataclasses.fields(cls) if f.init} - {"model", *skip}
+        return {k: body[k] for k in cls.body_fields(shape) if k in own and body.get(k) is not None}
+
+
+@api_request
+class EmbeddingsRequest(ApiRequest):
+    """Embeddings of `input`: texts, or token-id lists embedded as given. Longer than the model's max_tokens: cut,
+    or refused (RequestTooLarge) with `truncate` false. `dimensions`: one of the model's matryoshka_dims."""
+
+    WHAT = "embeddings"
+
+    input: list[Any] = arg()
+    pooling: str | None = arg(None)  # None: the model's
+    normalize: bool | None = arg(None)  # None: the model's
+    truncate: bool = arg(True)
+    dimensions: int | None = arg(None)
+    encoding_format: str = arg("float")  # of the HTTP answer's vectors
+    user: str | None = arg(None)  # an end-user id for the caller's records
+    is_ids: bool = derived()
+
+    def _check(self, mc: ModelConfig) -> None:
+        is_ids, items = ck.check_inputs(self.input, "input")
+        self._set(input=items, is_ids=is_ids, pooling=ck.check_pooling(self.pooling, mc),
+                  normalize=ck.check_normalize(self.normalize, mc),
+                  truncate=ck.check_flag(self.truncate, "truncate", True),
+                  dimensions=ck.check_dimensions(self.dimensions, mc),
+                  encoding_format=ck.check_choice(self.encoding_format, "encoding_format", ENCODING_FORMATS),
+                  user=ck.check_text(self.user, "user"))
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, max_inputs: int) -> EmbeddingsRequest:
+        """OpenAI's body: `input` one string, one list of token ids, or a list of either."""
+        model = cls.json_model(body, models)
+        inputs = body.get("input")
+        if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(_is_id(x) for x in inputs)):
+            inputs = [inputs]
+        return cls(models=models, model=model, input=json_list(inputs, "input", max_inputs, ids=True),
+                   **cls._json_args(body, "", "input"))
+
+    def to_wire(self, rows: list[np.ndarray]) -> EmbedBatch:
+        """The EMBED_BATCH of these token-id rows of this request."""
+        return embed_batch(self.model, self.pooling, self.normalize, rows)
+
+
+def embed_batch(model: str, pooling: str | None, normalize: bool | None, rows: list[np.ndarray]) -> EmbedBatch:
+    """EMBED_BATCH of token-id rows, one item each, their ids int32 LE back to back (rows of several callers'
+    requests, when the batcher merged them)."""
+    assert pooling is not None and normalize is not None, "resolved by the request's checks"
+    return EmbedBatch(model_ref=model, pooling=pooling, normalize=normalize,
+                      items=[{"id": i, "n_tokens": len(r)} for i, r in enumerate(rows)],
+                      raw=(np.concatenate(rows) if rows else np.zeros(0)).astype("<i4").tobytes())
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@api_request
+class RerankRequest(ApiRequest):
+    """The relevance of each of `documents` to `query`: a cross-encoder's logit, or a cosine for an embedding
+    model. Bodies: Cohere's and Jina's (shape ""), text-embeddings-inference's ("tei")."""
+
+    WHAT = "rerank"
+    SHAPES = ("", "tei")
+    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {
+        "": {"priority": ck.only(0, "requests are served in arrival order")},
+        "tei": {"truncation_direction": lambda v: None if v in ("right", "Right") else
+                f"= {ck.short(v)} is not supported: inputs are truncated on the right"},
+    }
+
+    query: str = arg()
+    documents: list[str] = arg(body={"": ("documents",), "tei": ("texts",)})
+    truncate: bool = arg(True)
+    max_tokens_per_doc: int | None = arg(None, body={"": ("max_tokens_per_doc",)})  # each document cut there
+    top_n: int | None = arg(None, body={"": ("top_n",)})  # of the answer: the best n (None: all)
+    return_documents: bool = arg(False, body={"": ("return_documents",), "tei": ("return_text",)})
+    raw_scores: bool = arg(False, body={"tei": ("raw_scores",)})  # TEI: no sigmoid on a cross-encoder's logit
+
+    def _check(self, mc: ModelConfig) -> None:
+        if not isinstance(self.query, str):
+            raise InvalidRequest("query must be a string")
+        self._set(documents=ck.check_texts(self.documents, "documents"),
+                  truncate=ck.check_flag(self.truncate, "truncate", True),
+                  max_tokens_per_doc=ck.check_count(self.max_tokens_per_doc, "max_tokens_per_doc"),
+                  top_n=ck.check_count(self.top_n, "top_n"),
+                  return_documents=ck.check_flag(self.return_documents, "return_documents", False),
+                  raw_scores=ck.check_flag(self.raw_scores, "raw_scores", False))
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, max_inputs: int,
+                  shape: str = "") -> RerankRequest:
+        """Cohere's and Jina's documents may be `{"text": ...}`; TEI's body may name no model (`tei_model`). The
+        HTTP API wants a non-empty query and list of documents."""
+        tei = shape == "tei"
+        model = tei_model(models) if tei and body.get("model") is None else cls.json_model(body, models)
+        docs = body.get("texts" if tei else "documents")
+        if not tei and isinstance(docs, list) and docs and all(isinstance(d, dict) for d in docs):
+            for i, d in enumerate(docs):  # [{"text": ...}] as Jina and Cohere's v1 send
+                if set(d) != {"text"} or not isinstance(d["text"], str):
+                    raise InvalidRequest(f"documents[{i}] must be a string or {{\"text\": string}}")
+            docs = [d["text"] for d in docs]
+        docs = json_list(docs, "texts" if tei else "documents", max_inputs)
+        query = body.get("query")
+        if not isinstance(query, str) or not query:
+            raise InvalidRequest("'query' must be a non-empty string")
+        return cls(models=models, model=model, query=query, documents=docs,
+                   return_documents=body.get("return_text" if tei else "return_documents"),
+                   **cls._json_args(body, shape, "query", "documents", "return_documents"))
+
+    def to_wire(self, query: np.ndarray, documents: list[np.ndarray]) -> Rerank:
+        """The RERANK of the query's token ids and these documents' (a micro-batch of them)."""
+        return Rerank(model_ref=self.model, query_n_tokens=len(query),
+                      candidates=[{"n_tokens": len(d)} for d in documents],
+                      raw=np.concatenate([query, *documents]).astype("<i4").tobytes())
+
+
+def tei_model(models: SupervisorConfig) -> str:
+    """TEI serves one model and its clients name none: the one rerank model, else the one embedding model."""
+    for kind in (RERANK, EMBEDDING):  # a cross-encoder before a bi-encoder
+        of_kind = [m.id for m in models.models if m.kind == kind]
+        if len(of_kind) == 1:
+            return of_kind[0]
+        if of_kind:
+            break
+    raise InvalidRequest("'model' is required: more than one model (or none) can rerank here")
+
+
+_BOTH = ("completions", "chat")
+
+
+@api_request
+class CompletionRequest(ApiRequest):
+    """A completion of `prompt`, or of `messages` through the model's chat template: greedy at temperature 0 (the
+    default), else sampled (seeded: reproducible). `stop`: up to 4 strings that end the text before them.
+    `logprobs`: per generated token its log probability and that many alternatives. Bodies: OpenAI's completions
+    and chat completions."""
+
+    WHAT = "generation"
+    SHAPES = _BOTH
+    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {shape: {
+        "n": ck.only(1, "one choice per request"),
+        "frequency_penalty": ck.only(0, "repetition penalties are not implemented"),
+        "presence_penalty": ck.only(0, "repetition penalties are not implemented"),
+        "logit_bias": ck.only({}, "logit biases are not implemented"),
+        **extra} for shape, extra in (
+        ("completions", {"best_of": ck.only(1, "one candidate per request"),
+                         "echo": ck.only(False, "the prompt is not echoed"),
+                         "suffix": ck.never("insertion is not implemented")}),
+        ("chat", {"tools": ck.only([], "tool calls are not implemented"),
+                  "tool_choice": ck.only("none", "tool calls are not implemented"),
+                  "response_format": ck.only({"type": "text"},
+                                             "structured output is not implemented (see 'grammar')")}))}
+
+    prompt: str | None = arg(None, body={"completions": ("prompt",)})
+    messages: list[dict[str, str]] | None = arg(None, body={"chat": ("messages",)})
+    max_tokens: int = arg(DEFAULT_GEN_TOKENS, body={"completions": ("max_tokens",),
+                                                    "chat": ("max_tokens", "max_completion_tokens")})
+    grammar: str | None = arg(None)
+    temperature: float | None = arg(None)
+    top_p: float | None = arg(None)
+    top_k: int | None = arg(None)
+    seed: int | None = arg(None)
+    stop: str | list[str] | None = arg(None)
+    logprobs: int | None = arg(None, body={"completions": ("logprobs",), "chat": ("logprobs", "top_logprobs")})
+    stream: bool = arg(False)  # the HTTP answer as server-sent events
+    include_usage: bool = arg(False, body={s: ("stream_options",) for s in _BOTH})  # a streamed answer's usage
+    user: str | None = arg(None)
+    sampling: dict[str, Any] = derived()  # GENERATE's sampling fields: only those that change the answer
+    texts: list[str] = derived()  # what the prompt is made of, for the admission bound
+
+    def _check(self, mc: ModelConfig) -> None:
+        context = ck.gen_context(mc)
+        self._set(max_tokens=ck.check_max_tokens(self.max_tokens, context - 1),
+                  grammar=ck.check_text(self.grammar, "grammar") or None)
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages")
+        self._set(sampling=self._sampling())
+        if self.messages is not None:
+            messages = ck.check_messages(self.messages)
+            self._set(messages=messages, texts=[m["content"] for m in messages] + [m["role"] for m in messages])
+        elif not isinstance(self.prompt, str) or not self.prompt:
+            raise InvalidRequest("prompt must be a non-empty string (one prompt per request)")
+        else:
+            self._set(texts=[self.prompt])
+        cap, n_chars = ck.gen_char_cap(mc), sum(map(len, self.texts))
+        if n_chars > cap:
+            raise RequestTooLarge(f"the prompt has {n_chars} characters; model {self.model!r} takes at most {cap}")
+        ck.check_unicode(self.texts, "messages" if self.messages is not None else "prompt")
+        self._set(stream=ck.check_flag(self.stream, "stream", False),
+                  include_usage=ck.check_flag(self.include_usage, "include_usage", False),
+                  user=ck.check_text(self.user, "user"))
+
+    def _sampling(self) -> dict[str, Any]:
+        """GENERATE's sampling fields, each checked; only those that change the answer (temperature 0 is greedy,
+        top_p 1 and top_k 0 cut nothing), so a greedy request is the reference's GENERATE."""
+        out: dict[str, Any] = {}
+        t = ck.check_number(self.temperature, "temperature", 0.0, 2.0)
+        p = ck.check_number(self.top_p, "top_p", 0.0, 1.0)
+        if p == 0.0:
+            raise InvalidRequest("top_p must be in (0, 1], got 0")
+        k = ck.check_integer(self.top_k, "top_k", 0, 1 << 31)
+        seed = ck.check_integer(self.seed, "seed", 0, ck.SEED_BOUND - 1)
+        if t:  # greedy: nothing else changes which token comes next
+            out["temperature"] = t
+            if p is not None and p < 1.0:
+                out["top_p"] = p
+            if k:
+                out["top_k"] = k
+            if seed is not None:
+                out["seed"] = seed
+        if stops := ck.check_stops(self.stop):
+            out["stop"] = stops
+        if (lp := ck.check_integer(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)) is not None:
+            out["logprobs"] = lp
+        return out
+
+    @property
+    def template_bytes(self) -> int:
+        """Token-id bytes a chat template may add around the messages (admission's bound)."""
+        return CHAT_TEMPLATE_BYTES * len(self.messages or ())
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, shape: str) -> CompletionRequest:
+        model = cls.json_model(body, models)
+        stream, include_usage = _stream_flags(body)
+        if shape == "chat":
+            given = {"messages": _json_messages(body.get("messages")), "logprobs": _chat_logprobs(body),
+                     "max_tokens": _chat_max_tokens(body)}
+        else:
+            prompt = body.get("prompt")
+            given = {"prompt": prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt}
+        args = cls._json_args(body, shape, *given, "stream")
+        args.update((k, v) for k, v in given.items() if v is not None)
+        return cls(models=models, model=model, stream=stream, include_usage=include_usage, **args)
+
+    def to_wire(self, ids: np.ndarray, *, stream: bool) -> Generate:
+        """The GENERATE of the prompt's token ids; `stream`: TEXT_DELTAs as the text is generated."""
+        return Generate(model_ref=self.model, max_tokens=self.max_tokens, grammar=self.grammar,
+                        stream=True if stream else None, **self.sampling, raw=ids.astype("<i4").tobytes())
+
+
+def _stream_flags(body: Mapping[str, Any]) -> tuple[Any, bool]:
+    """(stream, include_usage): `stream_options` only with `stream: true`, and only its known keys."""
+    stream = ck.check_flag(body.get("stream"), "'stream'", False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise InvalidRequest("'stream_options' is only allowed with 'stream': true")
+    if not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object")
+    for key in options:
+        if key not in STREAM_OPTIONS:
+            raise UnsupportedField(f"stream_options.{key}", "is not a field this daemon implements")
+    return stream, ck.check_flag(options.get("include_usage"), "'stream_options.include_usage'", False)
+
+
+def _chat_max_tokens(body: Mapping[str, Any]) -> Any:
+    both = body.get("max_tokens"), body.get("max_completion_tokens")
+    if None not in both and both[0] != both[1]:
+        raise InvalidRequest("max_tokens and max_completion_tokens differ: give one of them")
+    return both[1] if both[1] is not None else both[0]
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> Any:
+    """Chat's `logprobs: true` and `top_logprobs: n` as the request's `logprobs: n`."""
+    want = ck.check_flag(body.get("logprobs"), "'logprobs'", False)
+    top = body.get("top_logprobs")
+    if top is not None and not want:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true")
+    return (top if top is not None else 0) if want else None
+
+
+def _json_messages(raw: Any) -> Any:
+    """Chat messages with content parts (text only) joined into their content; each message's and part's fields
+    checked. Their shape is the request's check."""
+    if not isinstance(raw, list):
+        return raw
+    messages = []
+    for i, m in enumerate(raw):
+        if isinstance(m, dict):
+            ck.check_fields(m, MESSAGE, f"messages[{i}].")
+            m = {**m, "content": _joined_parts(m.get("content"), i)}
+        messages.append(m)
+    return messages
+
+
+def _joined_parts(content: Any, i: int) -> Any:
+    if not isinstance(content, list):
+        return content
+    for k, part in enumerate(content):
+        if isinstance(part, dict):
+            ck.check_fields(part, CONTENT_PART, f"messages[{i}].content[{k}].")
+    if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        raise InvalidRequest(f"messages[{i}].content: only text parts are supported")
+    return "".join(p["text"] for p in content)
+
+
+__all__ = [
+    "DEFAULT_GEN_TOKENS",
+    "ApiRequest",
+    "CompletionRequest",
+    "EmbeddingsRequest",
+    "OnDelta",
+    "RerankRequest",
+    "embed_batch",
+    "serving_model",
+    "tei_model",
+]
