@@ -88,7 +88,7 @@ async def test_rerank_2048_long_documents_is_split_into_frames_that_fit(sup: Sup
     """max_frame_mib = 1: 2048 documents of 200 words are 2 MiB of ids, sent as RERANK micro-batches."""
     docs = [f"{i} {WORDS}" for i in range(2048)]
     scores, method = await sup.rerank("a query", docs, model=MODEL, timeout=60)
-    tok = sup._tokenizer(MODEL)
+    tok = sup.tokenizers.encoder(MODEL)
     want = [float(ids[:256].sum()) for ids in tok.encode_plain(docs)]  # the fake scores sum(candidate ids)
     np.testing.assert_array_equal(scores, np.array(want, dtype=np.float32))
     assert method == "cross_encoder"

@@ -28,12 +28,13 @@ from .admin import LaneAdmin
 from .config import HttpConfig
 from .http_admin import AdminRoutes
 from .http_auth import bearer_token, challenge, key_matches
-from .http_body import decode_json, discard_body, read_body
+from .http_body import JsonThreads, decode_json, discard_body, read_body
 from .http_common import (
     DRAIN_RETRY_AFTER_S,
     ClientGone,
     EventStream,
     HttpError,
+    Intake,
     Raw,
     Receive,
     Route,
@@ -46,6 +47,7 @@ from .http_common import (
 from .http_fields import UnsupportedField, check_fields
 from .http_generate import GenerationRoutes
 from .http_rerank import RerankRoutes
+from .http_serving import EmbeddingRoutes
 from .http_state import StateRoutes
 from .http_tokens import TokenRoutes
 
@@ -58,52 +60,85 @@ JSON_INLINE_BYTES = 64 * 1024  # bodies up to this size decode on the loop (well
 JSON_THREADS = 2  # large bodies decoding at once
 
 
-class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes):
+class Api:
+    """The ASGI app: matching, keys, drain, bodies and errors here; each route family's handlers in its own object,
+    built with what it reads (the Supervisor, the lane admin, the `Intake` and the JSON threads)."""
+
     def __init__(self, sup: Supervisor, http: HttpConfig, *, metrics: Metrics | None = None,
                  reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None,
                  liveness: Callable[[], tuple[bool, str]] | None = None) -> None:
         self.sup = sup
-        self.http = http
+        self.intake = Intake(http)
         self.metrics = metrics
         self.admin = LaneAdmin(sup)
-        self.reload_config = reload_config
-        self.liveness = liveness or (lambda: (not sup.router.closed, "the supervisor is closed"))
-        self.admitting = True
-        self.draining = False
         self.inflight = 0
         self.served = 0
         self._idle = trio.Event()
         self._idle.set()
+        self._per_client: dict[str, int] = {}
+        self._json = JsonThreads(JSON_THREADS)
+        live = liveness or (lambda: (not sup.router.closed, "the supervisor is closed"))
+        self.routes = self._routes(StateRoutes(sup, self.admin, self.intake, metrics, live),
+                                   AdminRoutes(sup, self.admin, self.intake, reload_config))
+
+    def _routes(self, state: StateRoutes, admin: AdminRoutes) -> list[Route]:
+        sup, intake = self.sup, self.intake
+        embeddings, rerank = EmbeddingRoutes(sup, intake, self._json), RerankRoutes(sup, intake)
+        tokens, generation = TokenRoutes(sup, self._json), GenerationRoutes(sup, intake)
         lane = r"(?P<lane>[A-Za-z0-9_-]+)"
         # method, path, handler, admin, tracked, body fields (None: no body), query parameters
         table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool, spec.Spec | None, tuple[str, ...]]] = [
-            ("GET", "/livez", self.livez, False, False, None, ()),
-            ("GET", "/readyz", self.readyz, False, False, None, ("model",)),
-            ("GET", "/healthz", self.healthz, False, False, None, ()),
-            ("GET", "/metrics", self.prometheus, False, False, None, ()),
-            ("GET", "/v1/models", self.models, False, False, None, ()),
-            ("GET", "/v1/lanes", self.lanes, False, False, None, ()),
-            ("GET", "/v1/lanes/{lane}", self.lane, False, False, None, ()),
-            ("POST", "/v1/embeddings", self.embeddings, False, True, spec.EMBEDDINGS, ()),
-            ("POST", "/v1/rerank", self.rerank, False, True, spec.RERANK, ()),
-            ("POST", "/v2/rerank", self.rerank, False, True, spec.RERANK, ()),
-            ("POST", "/rerank", self.rerank_tei, False, True, spec.RERANK_TEI, ()),
-            ("POST", "/tokenize", self.tokenize, False, True, spec.TOKENIZE, ()),
-            ("POST", "/detokenize", self.detokenize, False, True, spec.DETOKENIZE, ()),
-            ("POST", "/v1/completions", self.completions, False, True, spec.COMPLETIONS, ()),
-            ("POST", "/v1/chat/completions", self.chat_completions, False, True, spec.CHAT, ()),
-            ("POST", "/v1/lanes/{lane}/reload", self.lane_reload, True, True, spec.ADMIN["reload"], ()),
-            ("POST", "/v1/lanes/{lane}/drain", self.lane_drain, True, True, spec.ADMIN["drain"], ()),
-            ("POST", "/v1/lanes/{lane}/resume", self.lane_resume, True, True, spec.ADMIN["resume"], ()),
-            ("POST", "/v1/lanes/{lane}/load", self.lane_load, True, True, spec.ADMIN["load"], ()),
-            ("POST", "/v1/lanes/{lane}/unload", self.lane_unload, True, True, spec.ADMIN["unload"], ()),
-            ("POST", "/v1/config/reload", self.config_reload, True, True, spec.ADMIN["config"], ()),
+            ("GET", "/livez", state.livez, False, False, None, ()),
+            ("GET", "/readyz", state.readyz, False, False, None, ("model",)),
+            ("GET", "/healthz", state.healthz, False, False, None, ()),
+            ("GET", "/metrics", state.prometheus, False, False, None, ()),
+            ("GET", "/v1/models", state.models, False, False, None, ()),
+            ("GET", "/v1/lanes", state.lanes, False, False, None, ()),
+            ("GET", "/v1/lanes/{lane}", state.lane, False, False, None, ()),
+            ("POST", "/v1/embeddings", embeddings.embeddings, False, True, spec.EMBEDDINGS, ()),
+            ("POST", "/v1/rerank", rerank.rerank, False, True, spec.RERANK, ()),
+            ("POST", "/v2/rerank", rerank.rerank, False, True, spec.RERANK, ()),
+            ("POST", "/rerank", rerank.rerank_tei, False, True, spec.RERANK_TEI, ()),
+            ("POST", "/tokenize", tokens.tokenize, False, True, spec.TOKENIZE, ()),
+            ("POST", "/detokenize", tokens.detokenize, False, True, spec.DETOKENIZE, ()),
+            ("POST", "/v1/completions", generation.completions, False, True, spec.COMPLETIONS, ()),
+            ("POST", "/v1/chat/completions", generation.chat_completions, False, True, spec.CHAT, ()),
+            ("POST", "/v1/lanes/{lane}/reload", admin.lane_reload, True, True, spec.ADMIN["reload"], ()),
+            ("POST", "/v1/lanes/{lane}/drain", admin.lane_drain, True, True, spec.ADMIN["drain"], ()),
+            ("POST", "/v1/lanes/{lane}/resume", admin.lane_resume, True, True, spec.ADMIN["resume"], ()),
+            ("POST", "/v1/lanes/{lane}/load", admin.lane_load, True, True, spec.ADMIN["load"], ()),
+            ("POST", "/v1/lanes/{lane}/unload", admin.lane_unload, True, True, spec.ADMIN["unload"], ()),
+            ("POST", "/v1/config/reload", admin.config_reload, True, True, spec.ADMIN["config"], ()),
         ]
         # matched with fullmatch: `$` would also match before a trailing newline (/v1/lanes/embed-0%0a)
-        self.routes = [Route(m, re.compile(p.replace("{lane}", lane)), p, h, admin, tracked, fields, query)
-                       for m, p, h, admin, tracked, fields, query in table]
-        self._per_client: dict[str, int] = {}
-        self._json_cpu = trio.CapacityLimiter(JSON_THREADS)
+        return [Route(m, re.compile(p.replace("{lane}", lane)), p, h, is_admin, tracked, fields, query)
+                for m, p, h, is_admin, tracked, fields, query in table]
+
+    # --- the state the daemon sets: its [http] settings (a reload), admission and readiness (SIGTERM) --------
+
+    @property
+    def http(self) -> HttpConfig:
+        return self.intake.http
+
+    @http.setter
+    def http(self, http: HttpConfig) -> None:
+        self.intake.http = http
+
+    @property
+    def admitting(self) -> bool:
+        return self.intake.admitting
+
+    @admitting.setter
+    def admitting(self, admitting: bool) -> None:
+        self.intake.admitting = admitting
+
+    @property
+    def draining(self) -> bool:
+        return self.intake.draining
+
+    @draining.setter
+    def draining(self, draining: bool) -> None:
+        self.intake.draining = draining
 
     # --- ASGI ----------------------------------------------------------------------------------
 
@@ -296,7 +331,7 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
         if not data.strip():
             return {}
         if len(data) > JSON_INLINE_BYTES:  # a large body decodes in a thread, never on the loop
-            body = await trio.to_thread.run_sync(decode_json, data, limiter=self._json_cpu)
+            body = await self._json.decode(data)
         else:
             body = decode_json(data)
         if not isinstance(body, dict):

@@ -1,4 +1,4 @@
-"""The admin routes (served on the Unix socket; on TCP only with http.admin_on_tcp), mixed into `Api`."""
+"""The admin routes (served on the Unix socket; on TCP only with http.admin_on_tcp)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .._api_requests import ApiRequest
 from .._errors import GpuWorkerError, InvalidRequest
 from ..supervisor import LaneState
 from .http_common import (
@@ -15,21 +16,25 @@ from .http_common import (
     STATE_POLL_S,
     Emit,
     HttpError,
+    Intake,
     Stream,
     error_body,
 )
+from .http_state import lane_status
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
     from .admin import LaneAdmin
-    from .config import HttpConfig
 
 
 class AdminRoutes:
-    sup: Supervisor
-    http: HttpConfig
-    admin: LaneAdmin
-    reload_config: Callable[[], Awaitable[dict[str, Any]]] | None
+    def __init__(self, sup: Supervisor, admin: LaneAdmin, intake: Intake,
+                 reload_config: Callable[[], Awaitable[dict[str, Any]]] | None) -> None:
+        self.sup, self.admin, self.intake, self.reload_config = sup, admin, intake, reload_config
+
+    @property
+    def _timeout_s(self) -> float:
+        return self.intake.http.request_timeout_s
 
     @staticmethod
     def _flag(body: dict[str, Any], key: str) -> bool:
@@ -38,43 +43,36 @@ class AdminRoutes:
             raise InvalidRequest(f"'{key}' must be a boolean")
         return value
 
-    def _body_model(self, body: dict[str, Any]) -> str:
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise InvalidRequest("'model' must be a string")
-        self.sup.model_config(model)
-        return model
-
     async def lane_reload(self, params: dict[str, str], body: dict[str, Any]) -> Any:
         lane = self.admin.lane(params["lane"])
-        op = lambda _: self.admin.reload(lane.id, timeout_s=self.http.request_timeout_s)  # noqa: E731
+        op = lambda _: self.admin.reload(lane.id, timeout_s=self._timeout_s)  # noqa: E731
         if self._flag(body, "stream"):
             return Stream(lambda emit: self._stream(emit, op, lane.id))
         return 200, await op(None)
 
     async def lane_load(self, params: dict[str, str], body: dict[str, Any]) -> Any:
-        lane, model = self.admin.lane(params["lane"]), self._body_model(body)
+        lane, model = self.admin.lane(params["lane"]), ApiRequest.json_model(body, self.sup.config)
 
         def op(on_progress: Callable[[dict[str, Any]], None] | None) -> Awaitable[dict[str, Any]]:
-            return self.admin.load_model(lane.id, model, on_progress=on_progress, timeout_s=self.http.request_timeout_s)
+            return self.admin.load_model(lane.id, model, on_progress=on_progress, timeout_s=self._timeout_s)
 
         if self._flag(body, "stream"):
             return Stream(lambda emit: self._stream(emit, op, lane.id))
         return 200, await op(None)
 
     async def lane_unload(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
-        lane, model = self.admin.lane(params["lane"]), self._body_model(body)
-        return 200, await self.admin.unload_model(lane.id, model, timeout_s=self.http.request_timeout_s)
+        lane, model = self.admin.lane(params["lane"]), ApiRequest.json_model(body, self.sup.config)
+        return 200, await self.admin.unload_model(lane.id, model, timeout_s=self._timeout_s)
 
     async def lane_drain(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
         lane = self.admin.lane(params["lane"])
-        idle = await self.admin.drain(lane.id, wait=self._flag(body, "wait"), timeout_s=self.http.request_timeout_s)
-        return 200, {**self._lane_status(self.sup.lane_status(lane)), "idle": idle}
+        idle = await self.admin.drain(lane.id, wait=self._flag(body, "wait"), timeout_s=self._timeout_s)
+        return 200, {**lane_status(self.sup, self.sup.lane_status(lane)), "idle": idle}
 
     async def lane_resume(self, params: dict[str, str], _: dict[str, Any]) -> tuple[int, Any]:
         lane = self.admin.lane(params["lane"])
         self.admin.resume(lane.id)
-        return 200, self._lane_status(self.sup.lane_status(lane))
+        return 200, lane_status(self.sup, self.sup.lane_status(lane))
 
     async def config_reload(self, _: dict[str, str], __: dict[str, Any]) -> tuple[int, Any]:
         if self.reload_config is None:

@@ -1,5 +1,5 @@
-"""Request bodies: the bounded read of the JSON body a route takes, and the discard of a body an early answer
-leaves unread.
+"""Request bodies: the bounded read of the JSON body a route takes, the discard of a body an early answer
+leaves unread, and the threads large JSON bodies (and answers) are coded in.
 
 An answer sent before its request's body was read (404, 401, 405, a bad query) leaves hypercorn's HTTP/1.1
 connection mid-request, so hypercorn closes it right after the answer. The answer does not say so, and a
@@ -11,12 +11,13 @@ or malformed one is not read, and the answer says `connection: close`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from .._errors import InvalidRequest, RequestTooLarge
-from .http_common import ClientGone, HttpError, Receive, Scope
+from .http_common import ClientGone, HttpError, Raw, Receive, Scope
 
 # An unread body up to this size is drained so the connection survives the error (Go's net/http drains 256 KiB)
 DISCARD_MAX_BYTES = 256 * 1024
@@ -94,4 +95,21 @@ def decode_json(data: bytes) -> Any:
         raise HttpError(400, "invalid_json", "request body is nested too deeply") from None
 
 
-__all__ = ["DISCARD_MAX_BYTES", "content_length", "decode_json", "discard_body", "read_body"]
+class JsonThreads:
+    """Large bodies decode, and large answers encode, in a few threads: tens of milliseconds of JSON never run on
+    the loop."""
+
+    def __init__(self, threads: int) -> None:
+        self.limiter = trio.CapacityLimiter(threads)
+
+    async def decode(self, data: bytes) -> Any:
+        return await trio.to_thread.run_sync(decode_json, data, limiter=self.limiter)
+
+    async def encoded(self, answer: Callable[[], Any]) -> Raw:
+        """`answer()` built and encoded in a thread: thousands of vectors (or ids) as a 200."""
+        body = await trio.to_thread.run_sync(lambda: json.dumps(answer(), separators=(",", ":")).encode(),
+                                             limiter=self.limiter)
+        return Raw(200, body, "application/json")
+
+
+__all__ = ["DISCARD_MAX_BYTES", "JsonThreads", "content_length", "decode_json", "discard_body", "read_body"]

@@ -1,5 +1,6 @@
 """What the HTTP routes share: ASGI types, the HTTP layer's own errors and error bodies (every error carries its
-status: docs/http-api.md, 'Errors'), streamed and raw results."""
+status: docs/http-api.md, 'Errors'), streamed and raw results, and the API's changing state the routes read
+(`Intake`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import GpuWorkerError
+from .http_config import HttpConfig
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -42,6 +44,16 @@ class HttpError(GpuWorkerError):
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class Intake:
+    """What the routes read of the API's changing state: the [http] settings (replaced by a configuration reload),
+    whether new requests are admitted (not while draining) and whether readiness has failed (SIGTERM)."""
+
+    http: HttpConfig
+    admitting: bool = True
+    draining: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""/v1/completions and /v1/chat/completions, mixed into `Api`: OpenAI's bodies, answers and streams.
+"""/v1/completions and /v1/chat/completions: OpenAI's bodies (one `CompletionRequest`), answers and streams.
 
 With `stream: true` the answer is server-sent events in OpenAI's shape: for chat a first chunk with the role,
 then one chunk per text delta, `finish_reason` on the last, a usage chunk when `stream_options.include_usage`,
@@ -13,14 +13,16 @@ import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from .._api_requests import CompletionRequest, OnDelta
 from .._errors import GpuWorkerError
-from .http_common import Emit, EventStream
-from .http_serving import ServingRoutes
+from .http_common import Emit, EventStream, Intake
+
+if TYPE_CHECKING:
+    from ..supervisor import Supervisor
 
 
 def _utf8(token: str) -> list[int]:
@@ -44,7 +46,10 @@ def completion_logprobs(records: list[dict[str, Any]], offset: int = 0) -> dict[
             "top_logprobs": [{t["token"]: t["logprob"] for t in r["top"]} for r in records], "text_offset": offsets}
 
 
-class GenerationRoutes(ServingRoutes):
+class GenerationRoutes:
+    def __init__(self, sup: Supervisor, intake: Intake) -> None:
+        self.sup, self.intake = sup, intake
+
     @staticmethod
     def _usage(out: dict[str, Any]) -> dict[str, int]:
         return {"prompt_tokens": out["n_prompt"], "completion_tokens": out["n_gen"],
@@ -59,7 +64,8 @@ class GenerationRoutes(ServingRoutes):
         return request, head, request.logprobs is not None
 
     def _completion(self, request: CompletionRequest) -> Callable[[OnDelta | None], Awaitable[dict[str, Any]]]:
-        return lambda on_delta: self.sup.completion(request, timeout=self.http.request_timeout_s, on_delta=on_delta)
+        timeout = self.intake.http.request_timeout_s
+        return lambda on_delta: self.sup.completion(request, timeout=timeout, on_delta=on_delta)
 
     async def completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | EventStream:
         request, head, lp = self._request(body, "completions")

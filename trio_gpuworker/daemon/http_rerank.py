@@ -5,23 +5,30 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._api_requests import RerankRequest
-from .http_serving import ServingRoutes
+from .http_common import Intake
+
+if TYPE_CHECKING:
+    from ..supervisor import Supervisor
 
 
 def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
 
 
-class RerankRoutes(ServingRoutes):
+class RerankRoutes:
+    def __init__(self, sup: Supervisor, intake: Intake) -> None:
+        self.sup, self.intake = sup, intake
+
     async def _scores(self, body: dict[str, Any], shape: str) -> tuple[RerankRequest, np.ndarray, str, int, list[int]]:
         """The request, its scores, method, tokens, and the document indices best first (ties by index)."""
-        request = RerankRequest.from_json(body, self.sup.config, max_inputs=self.http.max_inputs, shape=shape)
-        scores, method, n_tokens = await self.sup.reranking(request, timeout=self.http.request_timeout_s)
+        http = self.intake.http
+        request = RerankRequest.from_json(body, self.sup.config, max_inputs=http.max_inputs, shape=shape)
+        scores, method, n_tokens = await self.sup.reranking(request, timeout=http.request_timeout_s)
         order = sorted(range(len(request.documents)), key=lambda i: (-float(scores[i]), i))
         return request, scores, method, n_tokens, order
 

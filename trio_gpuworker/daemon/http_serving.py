@@ -1,41 +1,36 @@
-"""The serving routes' shared answer shaping, and embeddings, mixed into `Api` (completions are http_generate's).
-
-They only turn a body into its request (_api_requests.py: checked once, when it is built, as for the Python API)
-and shape the answers: the Supervisor admits, tokenizes and splits every request, with the same typed errors.
+"""/v1/embeddings: OpenAI's body turned into its request (_api_requests.py: checked once, when it is built, as for
+the Python API) and the answer shaped; the Supervisor admits, tokenizes and splits it, with the same typed errors.
 """
 
 from __future__ import annotations
 
 import base64
-import json
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import trio
 
 from .._api_requests import EmbeddingsRequest
-from .http_common import Raw
+from .http_common import Intake, Raw
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
-    from .config import HttpConfig
+    from .http_body import JsonThreads
 
-INLINE_FLOATS = 16 * 1024  # an answer with more floats than this is encoded in a thread
+INLINE_FLOATS = 16 * 1024  # an answer with more floats (or ids) than this is encoded in a thread
 
 
 def _vector(v: np.ndarray, b64: bool) -> Any:
     return base64.b64encode(v.astype("<f4").tobytes()).decode() if b64 else v.tolist()
 
 
-class ServingRoutes:
-    sup: Supervisor
-    http: HttpConfig
-    _json_cpu: trio.CapacityLimiter
+class EmbeddingRoutes:
+    def __init__(self, sup: Supervisor, intake: Intake, json: JsonThreads) -> None:
+        self.sup, self.intake, self.json = sup, intake, json
 
     async def embeddings(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | Raw:
-        request = EmbeddingsRequest.from_json(body, self.sup.config, max_inputs=self.http.max_inputs)
-        vecs, n_tokens = await self.sup.embeddings(request, timeout=self.http.request_timeout_s)
+        http = self.intake.http
+        request = EmbeddingsRequest.from_json(body, self.sup.config, max_inputs=http.max_inputs)
+        vecs, n_tokens = await self.sup.embeddings(request, timeout=http.request_timeout_s)
         b64 = request.encoding_format == "base64"
 
         def answer() -> dict[str, Any]:
@@ -48,10 +43,4 @@ class ServingRoutes:
 
         if vecs.size <= INLINE_FLOATS:
             return 200, answer()
-        return await self._encoded(answer)
-
-    async def _encoded(self, answer: Callable[[], Any]) -> Raw:
-        """Thousands of vectors (or ids) take tens of milliseconds to encode as JSON: not on the loop."""
-        body = await trio.to_thread.run_sync(lambda: json.dumps(answer(), separators=(",", ":")).encode(),
-                                             limiter=self._json_cpu)
-        return Raw(200, body, "application/json")
+        return await self.json.encoded(answer)

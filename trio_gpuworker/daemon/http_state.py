@@ -1,5 +1,4 @@
-"""The read-only routes, mixed into `Api`: probes, lanes, models and metrics, from cached state only (none
-waits on a worker).
+"""The read-only routes: probes, lanes, models and metrics, from cached state only (none waits on a worker).
 
 - `/livez`: the event loop answers and the supervisor's tasks and listeners are alive. Workers being down,
   restarting or quarantined never fail it: restarting the daemon would not bring them back sooner.
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..supervisor import SERVING_STATES
-from .http_common import HttpError, Raw
+from .http_common import HttpError, Intake, Raw
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
@@ -25,14 +24,16 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 
+def lane_status(sup: Supervisor, s: dict[str, Any]) -> dict[str, Any]:
+    """A lane's status as /v1/lanes shows it: with the models it is configured for."""
+    lane = sup.lanes.get(s["lane_id"])
+    return {**s, "configured_models": list(lane.loads) if lane is not None else []}
+
 
 class StateRoutes:
-    sup: Supervisor
-    admin: LaneAdmin
-    metrics: Metrics | None
-    admitting: bool
-    draining: bool  # readiness has failed: SIGTERM was received
-    liveness: Callable[[], tuple[bool, str]]
+    def __init__(self, sup: Supervisor, admin: LaneAdmin, intake: Intake, metrics: Metrics | None,
+                 liveness: Callable[[], tuple[bool, str]]) -> None:
+        self.sup, self.admin, self.intake, self.metrics, self.liveness = sup, admin, intake, metrics, liveness
 
     async def healthz(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         """Cached lane state only: never waits on a worker."""
@@ -41,7 +42,7 @@ class StateRoutes:
         serving = any(ln["state"] in SERVING_STATES for ln in lanes)
         healthy = all(ln["state"] in SERVING_STATES and not ln["load_errors"] for ln in lanes)
         starting = any(ln["starting"] is not None for ln in lanes)  # a lane's first start: phase, model, steps
-        if not self.admitting:
+        if not self.intake.admitting:
             return 503, {"status": "draining", "lanes": lanes}
         status = "ok" if healthy else "degraded" if serving else "starting" if starting else "unavailable"
         return (200 if serving else 503), {"status": status, "lanes": lanes}
@@ -57,7 +58,7 @@ class StateRoutes:
         router = self.sup.router
         models = {m: router.ready_lanes(m) for m in ([one] if one is not None else router.served_models())}
         body: dict[str, Any] = {"models": {m: {"ready": bool(lanes), "lanes": lanes} for m, lanes in models.items()}}
-        if self.draining:
+        if self.intake.draining:  # readiness has failed: SIGTERM was received
             return 503, {"status": "draining", **body}
         ready = bool(models) and all(models.values())  # a daemon serving no model is not ready
         return (200 if ready else 503), {"status": "ready" if ready else "not_ready", **body}
@@ -69,15 +70,11 @@ class StateRoutes:
 
         return Raw(200, self.metrics.render(), CONTENT_TYPE)
 
-    def _lane_status(self, s: dict[str, Any]) -> dict[str, Any]:
-        lane = self.sup.lanes.get(s["lane_id"])
-        return {**s, "configured_models": list(lane.loads) if lane is not None else []}
-
     async def lanes(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
-        return 200, {"object": "list", "data": [self._lane_status(s) for s in self.sup.status()]}
+        return 200, {"object": "list", "data": [lane_status(self.sup, s) for s in self.sup.status()]}
 
     async def lane(self, params: dict[str, str], _: Any) -> tuple[int, Any]:
-        return 200, self._lane_status(self.sup.lane_status(self.admin.lane(params["lane"])))
+        return 200, lane_status(self.sup, self.sup.lane_status(self.admin.lane(params["lane"])))
 
     async def models(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "trio-gpuworker", "kind": m.kind,

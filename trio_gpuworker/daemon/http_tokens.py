@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._api_requests import ApiRequest
 from .._errors import InvalidRequest
 from .http_common import Raw
-from .http_serving import INLINE_FLOATS, ServingRoutes
+from .http_serving import INLINE_FLOATS
+
+if TYPE_CHECKING:
+    from ..supervisor import Supervisor
+    from .http_body import JsonThreads
 
 
-class TokenRoutes(ServingRoutes):
+class TokenRoutes:
+    def __init__(self, sup: Supervisor, json: JsonThreads) -> None:
+        self.sup, self.json = sup, json
+
     async def tokenize(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | Raw:
         model = ApiRequest.json_model(body, self.sup.config)
         prompt, messages = body.get("prompt"), body.get("messages")
@@ -23,7 +30,7 @@ class TokenRoutes(ServingRoutes):
         def answer() -> dict[str, Any]:
             return {"model": model, "tokens": ids, "count": len(ids), "max_model_len": most}
 
-        return (200, answer()) if len(ids) <= INLINE_FLOATS else await self._encoded(answer)
+        return (200, answer()) if len(ids) <= INLINE_FLOATS else await self.json.encoded(answer)
 
     async def detokenize(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
         model = ApiRequest.json_model(body, self.sup.config)

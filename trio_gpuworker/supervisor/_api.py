@@ -10,36 +10,31 @@ disconnect) stops the rest, and the lane drains only the micro-batch in flight.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import trio
 
 from .. import _api_checks as ck
 from .._api_requests import CompletionRequest, EmbeddingsRequest, RerankRequest, serving_model
 from .._config import ModelConfig, SupervisorConfig
-from .._errors import InvalidRequest, ModelNotFound
+from .._errors import InvalidRequest
 from .._kinds import GENERATE, RERANK
 from .._proto import EmbedBatch, Vectors
 from . import _generate
 from . import _requests as rq
 from ._generate import OnDelta
-from ._route import EMBEDDINGS, RERANKING, Flight, Q, R, Route
+from ._route import EMBEDDINGS, GENERATION, RERANKING, Flight, Q, R, Route
+from ._tokenizers import Tokenizers
 
 if TYPE_CHECKING:
-    from ..tokenization import EmbeddingTokenizer
+    from ..llm_tokenizer import ChatTokenizer
     from ._admission import Scheduler
     from ._batching import Batcher
     from ._dispatch import EmbedDispatch
     from ._gate import ModelGate
     from ._lane import Lane
 
-T = TypeVar("T")
-# Tokenization and template threads at once, whatever the number of requests: half the CPUs, so the event
-# loop always has a core (tokenizers' encode_batch fans out on its own pool besides).
-CPU_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 class ServingApi:
@@ -47,15 +42,9 @@ class ServingApi:
     scheduler: Scheduler | None  # admission byte budgets (the daemon's; the bare Python API runs without)
     batcher: Batcher
     dispatch: EmbedDispatch
-    _tokenizers: dict[str, Any]
-    _cpu: trio.CapacityLimiter  # CPU_THREADS tokens
+    tokenizers: Tokenizers  # each model's, run off the loop
     pick_lane: Callable[[str], Lane]  # the Supervisor's
     gate: ModelGate  # orders each model's requests around a change of its settings
-
-    async def _off_loop(self, fn: Callable[[], T]) -> T:
-        """Tokenization never runs on the loop, however small: `tokenizers` shares one rayon pool, so even a
-        3-word encode_batch on the loop waits there for a large one that a thread is running."""
-        return await trio.to_thread.run_sync(fn, limiter=self._cpu)
 
     def _flight(self, route: Route[Q, R], mc: ModelConfig) -> Flight[Q, R]:
         """One request of `route`'s kind on `mc`, the model its request looked up and kind-checked."""
@@ -63,47 +52,22 @@ class ServingApi:
 
     # --- tokenization --------------------------------------------------------------------------
 
-    @staticmethod
-    def _load_tokenizer(m: ModelConfig) -> EmbeddingTokenizer:
-        from ..tokenization import EmbeddingTokenizer
-
-        path = m.tokenizer_path or m.path.with_name("tokenizer.json")
-        return EmbeddingTokenizer.from_file(path, m.max_tokens)
-
-    def _tokenizer(self, model: str) -> EmbeddingTokenizer:
-        tok = self._tokenizers.get(model)
-        if tok is None:
-            mc = self.config.model(model)
-            if not mc.encoder:
-                raise ModelNotFound(f"{model!r} is not an encoder model")
-            tok = self._tokenizers[model] = self._load_tokenizer(mc)
-        return tok
-
     def tokenize(self, texts: list[str], *, model: str) -> list[np.ndarray]:
         mc = self.config.model(model)
         texts = rq.cap_texts(ck.check_texts(texts, "texts"), ck.char_cap(mc))
         ck.check_unicode(texts, "texts")
-        return self._tokenizer(model).encode(texts)
+        return self.tokenizers.encoder(model).encode(texts)
 
     async def tokenize_async(self, texts: list[str], *, model: str) -> list[np.ndarray]:
         """Tokenize, off the event loop when the batch is large enough to stall it."""
         texts = ck.check_texts(texts, "texts")
         cap = ck.char_cap(self.config.model(model))
-        await self._tokenizer_loaded(model)
-        return await self._off_loop(lambda: self.tokenize(rq.cap_texts(texts, cap), model=model))
+        await self.tokenizers.encoder_loaded(model)
+        return await self.tokenizers.off_loop(lambda: self.tokenize(rq.cap_texts(texts, cap), model=model))
 
-    async def _tokenizer_loaded(self, model: str) -> None:
-        """Reading tokenizer.json takes long enough to stall the loop: the first use loads it in a thread."""
-        if model not in self._tokenizers:
-            await trio.to_thread.run_sync(self._tokenizer, model, limiter=self._cpu)
-
-    def chat_tokenizer(self, model: str) -> Any:
-        tok = self._tokenizers.get(model)
-        if tok is None:
-            from ..llm_tokenizer import ChatTokenizer
-
-            tok = self._tokenizers[model] = ChatTokenizer.from_gguf(self.config.model(model).path)
-        return tok
+    def chat_tokenizer(self, model: str) -> ChatTokenizer:
+        """A generate model's tokenizer and chat template."""
+        return self.tokenizers.chat(model)
 
     async def tokenize_text(self, prompt: str | None = None, *, model: str,
                             messages: list[dict[str, str]] | None = None, add_special_tokens: bool = True,
@@ -128,15 +92,15 @@ class ServingApi:
         ck.refuse_long_texts(["".join(texts)], [what], cap, model)
         ck.check_unicode(texts, what)
         if not mc.encoder:
-            tok = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
+            tok = await self.tokenizers.chat_loaded(model)
 
             def encode() -> list[int]:
                 text = prompt if messages is None else tok.apply_chat_template(messages, add_prompt)
                 return list(tok.encode(text, add_special=add_special))
 
-            return await self._off_loop(encode), ck.gen_context(mc)
-        await self._tokenizer_loaded(model)
-        ids = await self._off_loop(lambda: self._tokenizer(model).encode_full(texts, special=add_special)[0])
+            return await self.tokenizers.off_loop(encode), ck.gen_context(mc)
+        encoder = await self.tokenizers.encoder_loaded(model)
+        ids = await self.tokenizers.off_loop(lambda: encoder.encode_full(texts, special=add_special)[0])
         return ids.tolist(), mc.max_tokens
 
     async def detokenize(self, ids: list[int], *, model: str) -> str:
@@ -145,18 +109,17 @@ class ServingApi:
         if isinstance(ids, str) or not isinstance(ids, list | tuple | np.ndarray):
             raise InvalidRequest("tokens must be a list of token ids")
         if not mc.encoder:
-            chat = await trio.to_thread.run_sync(self.chat_tokenizer, model, limiter=self._cpu)
+            chat = await self.tokenizers.chat_loaded(model)
             vocab, decode = chat.tokenizer.get_vocab_size(with_added_tokens=True), chat.decode
         else:
-            await self._tokenizer_loaded(model)
-            tok = self._tokenizer(model)
+            tok = await self.tokenizers.encoder_loaded(model)
             vocab, decode = tok.vocab_size, tok.decode
 
         def run() -> str:
             row = rq.check_token_rows([ids], vocab, "tokens")[0] if len(ids) else np.zeros(0, np.int32)
             return str(decode(row.tolist()))
 
-        return await self._off_loop(run)
+        return await self.tokenizers.off_loop(run)
 
     # --- embeddings ----------------------------------------------------------------------------
 
@@ -191,9 +154,9 @@ class ServingApi:
             items = rq.cap_texts(items, ck.char_cap(mc))
             nbytes = rq.id_bytes_bound(items, mc.max_tokens)
         async with flight.admit(nbytes) as ticket:
-            await self._tokenizer_loaded(model)
+            await self.tokenizers.encoder_loaded(model)
             encode = self._id_rows if request.is_ids else self._text_rows
-            rows = await self._off_loop(lambda: encode(items, model, mc.max_tokens, truncate))
+            rows = await self.tokenizers.off_loop(lambda: encode(items, model, mc.max_tokens, truncate))
             vecs = await self._embed_admitted(rows, flight, request.pooling, request.normalize)
             n_tokens = sum(len(r) for r in rows)
             if ticket is not None:
@@ -202,14 +165,14 @@ class ServingApi:
 
     def _text_rows(self, texts: list[str], model: str, cap: int, truncate: bool) -> list[np.ndarray]:
         ck.check_unicode(texts, "input")
-        tok = self._tokenizer(model)
+        tok = self.tokenizers.encoder(model)
         rows, cut = tok.encode_checked(texts)
         if cut and not truncate:
             raise rq.too_many_tokens(f"input[{cut[0]}]", len(tok.encode_full([texts[cut[0]]])[0]), cap, model)
         return rows
 
     def _id_rows(self, items: list[Any], model: str, cap: int, truncate: bool) -> list[np.ndarray]:
-        rows = rq.check_token_rows(items, self._tokenizer(model).vocab_size, "input")
+        rows = rq.check_token_rows(items, self.tokenizers.encoder(model).vocab_size, "input")
         if not truncate and (over := [i for i, r in enumerate(rows) if len(r) > cap]):
             raise rq.too_many_tokens(f"input[{over[0]}]", len(rows[over[0]]), cap, model)
         return [r[:cap] for r in rows]
@@ -299,8 +262,8 @@ class ServingApi:
             ck.refuse_long_texts(texts, names, ck.char_cap(mc), model)
         texts = rq.cap_texts(texts, ck.char_cap(mc))
         async with flight.admit(rq.id_bytes_bound(texts, mc.max_tokens)) as ticket:
-            await self._tokenizer_loaded(model)
-            q, *ids = await self._off_loop(
+            await self.tokenizers.encoder_loaded(model)
+            q, *ids = await self.tokenizers.off_loop(
                 lambda: self._encode_rerank(model, mc, texts, request.truncate, request.max_tokens_per_doc))
             scores, method = await self._rerank_admitted(request, flight, q, ids)
             n_tokens = len(q) + sum(len(d) for d in ids)
@@ -323,7 +286,7 @@ class ServingApi:
     def _encode_rerank(self, model: str, mc: ModelConfig, texts: list[str], truncate: bool,
                        per_doc: int | None) -> list[np.ndarray]:
         ck.check_unicode(texts, "query and documents")
-        tok = self._tokenizer(model)
+        tok = self.tokenizers.encoder(model)
         ids, cut = tok.encode_checked(texts, special=False)  # each at most max_tokens
         if per_doc is not None:
             ids = [ids[0], *(d[:per_doc] for d in ids[1:])]
@@ -355,4 +318,6 @@ class ServingApi:
     async def completion(self, request: CompletionRequest, *, timeout: float | None = None,
                          on_delta: OnDelta | None = None) -> dict[str, Any]:
         """`request`'s completion: `generate`'s answer."""
-        return await _generate.generate(self, request, timeout=timeout, on_delta=on_delta)
+        flight = self._flight(GENERATION, request.mc)
+        flight.start(timeout)
+        return await _generate.generate(flight, request, self.tokenizers, on_delta=on_delta)

@@ -9,81 +9,76 @@ reference's GENERATE, which any v3 worker serves; anything more needs the worker
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import numpy as np
-import trio
 
 from .. import _api_checks as ck
 from .._api_requests import CompletionRequest, OnDelta
-from .._config import ModelConfig
 from .._errors import InvalidRequest
-from .._proto import Progress, TextDelta, WireMessage
+from .._proto import Generate, Progress, Text, TextDelta, WireMessage
 from . import _requests as rq
 from ._genbatch import packer_for
-from ._route import GENERATION, Flight, Q, R, Route
-
-T = TypeVar("T")
-
-
-class GenerateHost(Protocol):
-    """What generate() needs of the ServingApi that calls it: its request path (_route.Flight: the model's kind
-    check, deadline, admission, lane choice), the chat tokenizer and the CPU threads tokenization runs on."""
-
-    _cpu: trio.CapacityLimiter
-
-    def _off_loop(self, fn: Callable[[], T]) -> Awaitable[T]: ...
-    def _flight(self, route: Route[Q, R], mc: ModelConfig) -> Flight[Q, R]: ...
-    def chat_tokenizer(self, model: str) -> Any: ...
+from ._route import Flight
+from ._tokenizers import Tokenizers
 
 
-async def generate(api: GenerateHost, request: CompletionRequest, *, timeout: float | None,
+async def generate(flight: Flight[Generate, Text], request: CompletionRequest, tokenizers: Tokenizers, *,
                    on_delta: OnDelta | None) -> dict[str, Any]:
-    """ServingApi.completion (`api`, which calls this): see there."""
-    flight, model = api._flight(GENERATION, request.mc), request.model
-    context, max_tokens, messages = ck.gen_context(request.mc), request.max_tokens, request.messages
-    flight.start(timeout)
+    """`request` on its `flight` (started: its deadline runs), its prompt tokenized by `tokenizers`: the answer
+    {text, n_prompt, n_gen, finish_reason[, logprobs]}; `on_delta` gets the text as it is generated."""
     async with flight.admit(rq.id_bytes_bound(request.texts) + rq.ID_BYTES * request.template_bytes) as ticket:
-        tok = await trio.to_thread.run_sync(api.chat_tokenizer, model, limiter=api._cpu)
-
-        def encode() -> np.ndarray:
-            text = request.prompt if messages is None else tok.apply_chat_template(messages, add_generation_prompt=True)
-            return np.asarray(tok.encode(text), dtype="<i4")
-
-        ids = await api._off_loop(encode)
-        if len(ids) + max_tokens > context:
-            raise InvalidRequest(f"the prompt has {len(ids)} tokens; with max_tokens {max_tokens} that exceeds "
-                                 f"model {model!r}'s {context}-token context (at most {max(context - len(ids), 0)} "
-                                 "new tokens)")
-        wire = request.to_wire(ids, stream=on_delta is not None)
-        timing = flight.timing()
-
-        def progress(msg: WireMessage) -> None:
-            """PROGRESS and TEXT_DELTA both count generated tokens (a token streamed in a delta has no PROGRESS)."""
-            match msg:
-                case Progress(completed=n) if timing is not None:
-                    timing.token(n)
-                case TextDelta(n_gen=n):
-                    if timing is not None:
-                        timing.token(n)
-                    if on_delta is not None:
-                        on_delta({k: v for k, v in msg.to_fields().items() if k in ("text", "n_gen", "logprobs")})
-
-        what = f"generate on {model!r}"
-        # concurrent requests for this model decode together where the worker can (supervisor/_genbatch.py)
-        fields = wire.to_fields()
-        packer = packer_for(api.pick_lane(model), model, fields)
-        out = None if packer is None else await packer.generate(fields, ids, timeout=flight.left(what),
-                                                                 on_delta=on_delta, timing=timing)
-        if out is None:
-            reply = await flight.call(wire, what, timing=timing, on_progress=progress)
-            out = {"text": reply.text, "n_prompt": reply.n_prompt, "n_gen": reply.n_gen,
-                   "finish_reason": reply.finish_reason}
-            if "logprobs" in request.sampling:
-                out["logprobs"] = list(reply.logprobs or [])
+        ids = await _prompt_ids(request, tokenizers)
+        out = await _decode(flight, request.to_wire(ids, stream=on_delta is not None), ids, on_delta)
         if ticket is not None:
             ticket.count_tokens(out["n_prompt"], out["n_gen"])
+    return out
+
+
+async def _prompt_ids(request: CompletionRequest, tokenizers: Tokenizers) -> np.ndarray:
+    """The prompt's token ids (the messages through the chat template), if they leave room for max_tokens."""
+    model, context = request.model, ck.gen_context(request.mc)
+    max_tokens, messages = request.max_tokens, request.messages
+    tok = await tokenizers.chat_loaded(model)
+
+    def encode() -> np.ndarray:
+        text = request.prompt if messages is None else tok.apply_chat_template(messages, add_generation_prompt=True)
+        return np.asarray(tok.encode(text), dtype="<i4")
+
+    ids = await tokenizers.off_loop(encode)
+    if len(ids) + max_tokens > context:
+        raise InvalidRequest(f"the prompt has {len(ids)} tokens; with max_tokens {max_tokens} that exceeds "
+                             f"model {model!r}'s {context}-token context (at most {max(context - len(ids), 0)} "
+                             "new tokens)")
+    return ids
+
+
+async def _decode(flight: Flight[Generate, Text], wire: Generate, ids: np.ndarray,
+                  on_delta: OnDelta | None) -> dict[str, Any]:
+    """GENERATE's answer: decoded in the model's batch where the worker can (supervisor/_genbatch.py), else alone."""
+    timing, what = flight.timing(), f"generate on {wire.model_ref!r}"
+
+    def progress(msg: WireMessage) -> None:
+        """PROGRESS and TEXT_DELTA both count generated tokens (a token streamed in a delta has no PROGRESS)."""
+        match msg:
+            case Progress(completed=n) if timing is not None:
+                timing.token(n)
+            case TextDelta(n_gen=n):
+                if timing is not None:
+                    timing.token(n)
+                if on_delta is not None:
+                    on_delta({k: v for k, v in msg.to_fields().items() if k in ("text", "n_gen", "logprobs")})
+
+    fields = wire.to_fields()
+    packer = packer_for(flight.lane(), wire.model_ref, fields)
+    out = None if packer is None else await packer.generate(fields, ids, timeout=flight.left(what),
+                                                             on_delta=on_delta, timing=timing)
+    if out is None:
+        reply = await flight.call(wire, what, timing=timing, on_progress=progress)
+        out = {"text": reply.text, "n_prompt": reply.n_prompt, "n_gen": reply.n_gen,
+               "finish_reason": reply.finish_reason}
+        if wire.logprobs is not None:
+            out["logprobs"] = list(reply.logprobs or [])
     return out
 
 

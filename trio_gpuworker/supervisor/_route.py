@@ -119,6 +119,10 @@ class Flight(Generic[Q, R]):
             with self._scheduler.admit(self.model, nbytes) as self.ticket:
                 yield self.ticket
 
+    def lane(self) -> Lane:
+        """The least loaded lane that serves the model now (the Supervisor's choice)."""
+        return self._pick(self.model)
+
     def left(self, what: str) -> float | None:
         return left(self.deadline, what, self.timeout)
 
@@ -133,7 +137,7 @@ class Flight(Generic[Q, R]):
                    on_progress: Callable[[WireMessage], None] | None = None) -> R:
         """`request` on the least loaded lane that serves the model, within what is left of the deadline."""
         timeout = self.left(what)
-        lane = self._pick(self.model)
+        lane = self.lane()
         timing = timing if timing is not None else self.timing()
         return await send(lane, request, self.route, timeout=timeout, on_settled=self.settled(),
                           on_started=timing.started if timing is not None else None, on_progress=on_progress)

@@ -7,7 +7,7 @@ from contextlib import AsyncExitStack
 from dataclasses import replace
 from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
@@ -20,7 +20,7 @@ from .._errors import (
 )
 from .._proto import LaneState
 from ._admission import Router, Scheduler
-from ._api import CPU_THREADS, ServingApi
+from ._api import ServingApi
 from ._arena import ArenaManager
 from ._batching import Batcher
 from ._dataplane import DataPlane
@@ -33,9 +33,7 @@ from ._lane import Lane
 from ._launcher import Launcher, ProcessLauncher
 from ._models import DigestCache, load_spec
 from ._spawn import default_runtime_dir, workers_dir
-
-if TYPE_CHECKING:
-    from ..tokenization import EmbeddingTokenizer
+from ._tokenizers import Tokenizers
 
 
 class Supervisor(ServingApi):
@@ -57,7 +55,7 @@ class Supervisor(ServingApi):
         self.runtime_dir = config.runtime_dir or default_runtime_dir(None, config.state_dir)
         self.events = EventBus()
         self.lanes: dict[str, Lane] = {}
-        self._tokenizers: dict[str, EmbeddingTokenizer] = {}
+        self.tokenizers = Tokenizers(lambda model: self.config.model(model))
         self._stack: AsyncExitStack | None = None
         self.arena: ArenaManager | None = None
         self.router = Router(config, self.lanes)
@@ -73,7 +71,6 @@ class Supervisor(ServingApi):
         self._generations = numbering()  # one numbering for all of this supervisor's lanes
         self._batcher_scope = trio.CancelScope()
         self._dataplane_scope = trio.CancelScope()
-        self._cpu = trio.CapacityLimiter(CPU_THREADS)  # tokenization and templates off the event loop
         self.launcher = launcher  # None: real worker processes (ProcessLauncher), made at start
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -189,7 +186,7 @@ class Supervisor(ServingApi):
 
     def forget_tokenizer(self, model: str) -> None:
         """Drop a cached tokenizer (its model's settings changed); the next request loads it again."""
-        self._tokenizers.pop(model, None)
+        self.tokenizers.forget(model)
 
     async def reload_lane(self, lane_id: str, timeout: float | None = None, settings: LaneSettings | None = None,
                           *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
