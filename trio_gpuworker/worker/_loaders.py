@@ -236,8 +236,9 @@ def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, veri
 
         extra["kernels_sha256"] = csource.digest()
         extra["threads"] = threads
-    modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.llm_tokenizer",
-               "trio_gpuworker.models.quant", "trio_gpuworker.gguf_file", *(fused if decoder == "fused" else ()))
+    modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.models.architectures",
+               "trio_gpuworker.llm_tokenizer", "trio_gpuworker.models.quant", "trio_gpuworker.gguf_file",
+               *(fused if decoder == "fused" else ()))
     model, _, outcome = _cached(path, GENERATE, _key(digest, GENERATE, modules, extra), build)
     _log(f"worker: generate model {path.name}: jit cache {outcome}")
     return model
