@@ -1,10 +1,11 @@
 """Each architecture on both decoders against transformers (float32, loading the very same GGUF through gguf-py):
 Llama 3's rope scaling (llama.cpp's rope_freqs.weight) with an untied output matrix; Qwen2 (q/k/v biases, neox RoPE,
 tied output); Qwen3 (q/k head norms, a head size of its own, neox RoPE). A GGUF of an architecture the decoders do
-not run is refused at LOAD, naming it."""
+not run, or whose tokenizer the daemon does not build, is refused at LOAD, naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from tests.tiny_gguf import Dims, llama3_rope_factors, write_llama  # noqa: E402
+from tests.tiny_gguf import DEFAULT_VOCAB, Dims, llama3_rope_factors, write_llama  # noqa: E402
 from trio_gpuworker import WorkerError  # noqa: E402
 from trio_gpuworker.models.greedy import GreedyDecoder  # noqa: E402
 from trio_gpuworker.worker import _jitfile, _loaders  # noqa: E402
@@ -122,5 +123,16 @@ def test_another_architecture_is_refused_at_load_naming_it(tmp_path: Path, monke
     monkeypatch.setenv(_jitfile.ENV, str(tmp_path / "jit"))
     path = write_llama(tmp_path / "m.gguf", {}, arch=arch)
     with pytest.raises(WorkerError, match=f"unsupported architecture '{arch}'") as info:
+        _loaders.load_llama(path, {}, "00" * 32, lambda: None, lambda k: None)
+    assert info.value.code == "config_invalid"
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [("model", "t5", "unsupported tokenizer model 't5'"),
+                                                       ("pre", "falcon", "unsupported pre-tokenizer 'falcon'")])
+def test_a_tokenizer_not_served_is_refused_at_load_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             key: str, value: str, message: str) -> None:
+    monkeypatch.setenv(_jitfile.ENV, str(tmp_path / "jit"))
+    path = write_llama(tmp_path / "m.gguf", {}, vocab=dataclasses.replace(DEFAULT_VOCAB, **{key: value}))
+    with pytest.raises(WorkerError, match=message) as info:
         _loaders.load_llama(path, {}, "00" * 32, lambda: None, lambda k: None)
     assert info.value.code == "config_invalid"

@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from tests.tiny_vocab import Vocab
+
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -55,6 +57,7 @@ def _bytes_to_unicode() -> list[str]:
 TOKENS = [*_bytes_to_unicode(), "Ġt", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 TOKEN_TYPES = [1] * 257 + [3, 3, 3]
 EOS = TOKENS.index("<|im_end|>")
+DEFAULT_VOCAB = Vocab("gpt2", TOKENS, TOKEN_TYPES, bos=None, eos=EOS, template=CHATML, merges=["Ġ t"], pre="default")
 
 
 def _k_blocks(rng: np.random.Generator, n: int, typ: T, std: float) -> np.ndarray:
@@ -118,10 +121,11 @@ def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.n
 
 
 def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = True, seed: int = 0,
-                arch: str = "llama", rope_freqs: np.ndarray | None = None, rope_base: float = 10000.0) -> Path:
+                arch: str = "llama", rope_freqs: np.ndarray | None = None, rope_base: float = 10000.0,
+                vocab: Vocab | None = None) -> Path:
     """A random llama-shaped GGUF at `path` with its tensors in `types` (see _type); `tied`: no output.weight;
     `arch` its general.architecture (and key prefix), with that architecture's EXTRAS; `rope_freqs`: llama.cpp's
-    RoPE frequency factors (rope_freqs.weight)."""
+    RoPE frequency factors (rope_freqs.weight); `vocab`: its tokenizer (default: this module's byte-level one)."""
     rng = np.random.default_rng(seed)
     hd = dims.hd
     w = gguf.GGUFWriter(str(path), arch)
@@ -136,17 +140,12 @@ def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = 
     if dims.head_dim:
         w.add_key_length(hd)
         w.add_value_length(hd)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types(TOKEN_TYPES)
-    w.add_token_merges(["Ġ t"])
-    w.add_eos_token_id(EOS)
-    w.add_chat_template(CHATML)
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (len(TOKENS), dims.dim),
+    vocab = vocab or DEFAULT_VOCAB
+    vocab.write(w)
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (len(vocab.tokens), dims.dim),
                                           "output_norm.weight": (dims.dim,)}
     if not tied:
-        shapes["output.weight"] = (len(TOKENS), dims.dim)
+        shapes["output.weight"] = (len(vocab.tokens), dims.dim)
     rows = {"attn_q": dims.heads * hd, "attn_k": dims.kv * hd, "attn_v": dims.kv * hd, "attn_output": dims.dim,
             "ffn_gate": dims.ff, "ffn_up": dims.ff, "ffn_down": dims.dim}
     cols = {"attn_output": dims.heads * hd, "ffn_down": dims.ff}
