@@ -173,6 +173,15 @@ def test_byte_level_specials(bpe: Bpe) -> None:
     assert tok.eos_ids == {vocab.tokens.index("<|im_end|>"), vocab.tokens.index("<|endoftext|>")}
 
 
+def test_end_of_turn_and_message_tokens_end_generation(bpe: Bpe) -> None:
+    """llama.cpp's end-of-generation set: EOS, the declared EOT and EOM, and the control tokens that end a turn."""
+    vocab, *_, path = bpe
+    meta = read_metadata(path)
+    meta["tokenizer.ggml.eot_token_id"], meta["tokenizer.ggml.eom_token_id"] = 5, 6
+    ends = {vocab.tokens.index("<|im_end|>"), vocab.tokens.index("<|endoftext|>"), 5, 6}
+    assert ChatTokenizer.from_metadata(meta).eos_ids == ends
+
+
 # --- chat templates ----------------------------------------------------------------------------------------------
 
 

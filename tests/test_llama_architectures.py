@@ -136,3 +136,12 @@ def test_a_tokenizer_not_served_is_refused_at_load_naming_it(tmp_path: Path, mon
     with pytest.raises(WorkerError, match=message) as info:
         _loaders.load_llama(path, {}, "00" * 32, lambda: None, lambda k: None)
     assert info.value.code == "config_invalid"
+
+
+def test_qwen3_loads_through_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qwen3: Reference) -> None:
+    """LOAD's path (worker/_loaders.py: tokenizer, warm-up, JIT cache) serves it as transformers decodes it."""
+    monkeypatch.setenv(_jitfile.ENV, str(tmp_path / "jit"))
+    lm, detok = _loaders.load_llama(qwen3[0], {"max_context": 64}, "00" * 32, lambda: None, lambda k: None)
+    got, _ = lm.generate(np.array(PROMPT, dtype=np.int32), N_NEW, ignore_eos=True)
+    assert got == qwen3[1]
+    assert detok.eos_ids == lm.eos_ids
