@@ -89,6 +89,8 @@ async def _run(schedule: Schedule, base: Path, found: list[str], worlds: list[ac
         world.launcher = launcher
         async with Supervisor(config(schedule, base), launcher=launcher) as sup:
             world.sup = sup
+            for lane in sup.lanes.values():
+                sim.start_soon(world.watch_batches, lane)
             events = sup.subscribe()
             t0 = trio.current_time()
             async with trio.open_nursery() as steps:

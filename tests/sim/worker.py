@@ -19,9 +19,9 @@ import numpy as np
 import trio
 
 from tests.sim.rings import SimRings
-from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message, hello_fields, is_request
+from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, Connection, Message, hello_fields, is_request
 
-SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP")
+SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "GENERATE_PACKED", "EXECUTE_STEP")
 BURST = 100  # replies in one burst: more than the 64 frames the reply buffer once counted
 # what a request may do instead of its normal answer; each must end in a typed error at the caller, never a hang
 MISBEHAVIOURS = ("crash", "crash_after_header", "hang_silent", "hang_after_progress", "garbage", "wrong_req_id",
@@ -55,6 +55,7 @@ class SimWorker:
         self.stopping: str | None = None
         self.abort = trio.Event()
         self.rings: SimRings | None = None
+        self.batch: dict[int, list[int]] = {}  # GENERATE_PACKED: seq -> [sum of its prompt ids, max_tokens, n_gen]
         self._arena = _map_arena(env)
         self._send_lock = trio.Lock()
         self._scope = trio.CancelScope()
@@ -79,7 +80,7 @@ class SimWorker:
         raise AssertionError("unreachable")
 
     async def _session(self) -> None:
-        engine = {"engine": "sim", "version": "1", "build_flags": []}
+        engine = {"engine": "sim", "version": "1", "build_flags": [EXT_PACKED]}
         await self.send("HELLO", hello_fields(self.nonce, self.pid, DEFAULT_MAX_FRAME, engine))
         ack = await self.receive()
         if ack is None:
@@ -241,7 +242,32 @@ class SimWorker:
         if how == "exit_after_reply":
             await self.exit(0)
 
+    def packed(self, msg: Message) -> tuple[str, dict[str, Any], None]:
+        """One GENERATE_PACKED chunk: each live sequence's next tokens, written " <sum>:<n>" per token, then
+        "@g<generation>", so the driver can tell a text that moved between workers or was not its own."""
+        ids, at = np.frombuffer(msg.raw or b"", dtype="<i4"), 0
+        for seq in msg["leave"]:
+            self.batch.pop(seq, None)
+        failed = [{"seq": s, "code": "invalid_request", "msg": "not in this batch"} for s in msg["live"]
+                  if s not in self.batch]
+        for j in msg["join"]:
+            self.batch[j["seq"]] = [int(ids[at:at + j["n_tokens"]].sum()), j["max_tokens"], 0]
+            at += j["n_tokens"]
+        seqs = []
+        for seq, st in list(self.batch.items()):
+            total, most, done = st
+            k = min(msg["steps"], most - done)
+            st[2] = done + k
+            seqs.append({"seq": seq, "text": "".join(f" {total}:{done + i + 1}" for i in range(k))
+                         + f"@g{self.generation}", "n_gen": st[2], "ids": list(range(k)),
+                         "finish_reason": "length" if st[2] >= most else None})
+            if st[2] >= most:
+                del self.batch[seq]
+        return "TEXTS", {"req_id": msg["req_id"], "seqs": seqs, **({"failed": failed} if failed else {})}, None
+
     def answer(self, msg: Message) -> tuple[str, dict[str, Any], bytes | None]:
+        if msg.t == "GENERATE_PACKED":
+            return self.packed(msg)
         req_id, ids = msg["req_id"], np.frombuffer(msg.raw or b"", dtype="<i4")
         if msg.t == "EMBED_BATCH":
             rows, at = [], 0
