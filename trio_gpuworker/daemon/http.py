@@ -44,8 +44,8 @@ from .http_common import (
     error_body,
     send_events,
 )
+from .http_completions import CompletionRoutes
 from .http_fields import UnsupportedField, check_fields
-from .http_generate import GenerationRoutes
 from .http_rerank import RerankRoutes
 from .http_serving import EmbeddingRoutes
 from .http_state import StateRoutes
@@ -84,7 +84,7 @@ class Api:
     def _routes(self, state: StateRoutes, admin: AdminRoutes) -> list[Route]:
         sup, intake = self.sup, self.intake
         embeddings, rerank = EmbeddingRoutes(sup, intake, self._json), RerankRoutes(sup, intake)
-        tokens, generation = TokenRoutes(sup, self._json), GenerationRoutes(sup, intake)
+        tokens, generation = TokenRoutes(sup, self._json), CompletionRoutes(sup, intake)
         lane = r"(?P<lane>[A-Za-z0-9_-]+)"
         # method, path, handler, admin, tracked, body fields (None: no body), query parameters
         table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool, spec.Spec | None, tuple[str, ...]]] = [

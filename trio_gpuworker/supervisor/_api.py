@@ -21,9 +21,9 @@ from .._config import ModelConfig, SupervisorConfig
 from .._errors import InvalidRequest
 from .._kinds import GENERATE, RERANK
 from .._proto import EmbedBatch, Vectors
-from . import _generate
+from . import _completion
 from . import _requests as rq
-from ._generate import OnDelta
+from ._completion import OnDelta
 from ._route import EMBEDDINGS, GENERATION, RERANKING, Flight, Q, R, Route
 from ._tokenizers import Tokenizers
 
@@ -320,4 +320,4 @@ class ServingApi:
         """`request`'s completion: `generate`'s answer."""
         flight = self._flight(GENERATION, request.mc)
         flight.start(timeout)
-        return await _generate.generate(flight, request, self.tokenizers, on_delta=on_delta)
+        return await _completion.complete(flight, request, self.tokenizers, on_delta=on_delta)

@@ -46,7 +46,7 @@ def completion_logprobs(records: list[dict[str, Any]], offset: int = 0) -> dict[
             "top_logprobs": [{t["token"]: t["logprob"] for t in r["top"]} for r in records], "text_offset": offsets}
 
 
-class GenerationRoutes:
+class CompletionRoutes:
     def __init__(self, sup: Supervisor, intake: Intake) -> None:
         self.sup, self.intake = sup, intake
 

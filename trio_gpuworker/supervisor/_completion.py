@@ -23,7 +23,7 @@ from ._route import Flight
 from ._tokenizers import Tokenizers
 
 
-async def generate(flight: Flight[Generate, Text], request: CompletionRequest, tokenizers: Tokenizers, *,
+async def complete(flight: Flight[Generate, Text], request: CompletionRequest, tokenizers: Tokenizers, *,
                    on_delta: OnDelta | None) -> dict[str, Any]:
     """`request` on its `flight` (started: its deadline runs), its prompt tokenized by `tokenizers`: the answer
     {text, n_prompt, n_gen, finish_reason[, logprobs]}; `on_delta` gets the text as it is generated."""
@@ -82,4 +82,4 @@ async def _decode(flight: Flight[Generate, Text], wire: Generate, ids: np.ndarra
     return out
 
 
-__all__ = ["OnDelta", "generate"]
+__all__ = ["OnDelta", "complete"]
