@@ -39,7 +39,8 @@ CONTENT_PART: ck.Spec = {"type": None, "text": None}
 
 def arg(default: Any = dataclasses.MISSING, *, body: bool | Mapping[str, tuple[str, ...]] = True) -> Any:
     """A request field. `body`: the names a JSON body gives it under, per body shape (True: its own name in every
-    shape of the class; False: not a body field)."""
+    shape of the class; False: not a body field). A field with several names takes its value from any of them
+    (an alias), unless its class's `from_json` reads them itself."""
     return dataclasses.field(default=default, metadata={_BODY: body})
 
 
@@ -103,9 +104,7 @@ class ApiRequest(abc.ABC):
         """The fields a `shape` body takes: each field's names (None: the request reads it), then its NEUTRAL."""
         out: dict[str, ck.Neutral | None] = {}
         for f in dataclasses.fields(cls):
-            body = f.metadata.get(_BODY, False)
-            names = (f.name,) if body is True else () if body is False else body.get(shape, ())
-            out.update(dict.fromkeys(names))
+            out.update(dict.fromkeys(_names(f, shape)))
         return {**out, **cls.NEUTRAL.get(shape, {})}
 
     @staticmethod
@@ -119,10 +118,25 @@ class ApiRequest(abc.ABC):
 
     @classmethod
     def _json_args(cls, body: Mapping[str, Any], shape: str, *skip: str) -> dict[str, Any]:
-        """The body's fields that are named as the request's own, but for `skip` and the model (a JSON null is a
-        field left out: its default)."""
-        own = {f.name for f in dataclasses.fields(cls) if f.init} - {"model", *skip}
-        return {k: body[k] for k in cls.body_fields(shape) if k in own and body.get(k) is not None}
+        """Each field's value in the body, under any of its names (a JSON null is a field left out: its default;
+        two names given different values are refused), but for the model and the fields in `skip`, which
+        `from_json` reads itself."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            given = {n: body[n] for n in _names(f, shape) if body.get(n) is not None}
+            if not f.init or f.name in ("model", *skip) or not given:
+                continue
+            first, *others = given.values()
+            if any(v != first for v in others):
+                raise InvalidRequest(f"{' and '.join(given)} differ: give one of them")
+            out[f.name] = first
+        return out
+
+
+def _names(f: dataclasses.Field[Any], shape: str) -> tuple[str, ...]:
+    """The names a `shape` body gives field `f` under (the first is its own; any other, an alias)."""
+    body = f.metadata.get(_BODY, False)
+    return (f.name,) if body is True else () if body is False else body.get(shape, ())
 
 
 @api_request
@@ -227,8 +241,7 @@ class RerankRequest(ApiRequest):
         if not isinstance(query, str) or not query:
             raise InvalidRequest("'query' must be a non-empty string")
         return cls(models=models, model=model, query=query, documents=docs,
-                   return_documents=body.get("return_text" if tei else "return_documents"),
-                   **cls._json_args(body, shape, "query", "documents", "return_documents"))
+                   **cls._json_args(body, shape, "query", "documents"))
 
     def to_wire(self, query: np.ndarray, documents: list[np.ndarray]) -> Rerank:
         """The RERANK of the query's token ids and these documents' (a micro-batch of them)."""
@@ -347,12 +360,11 @@ class CompletionRequest(ApiRequest):
         model = cls.json_model(body, models)
         stream, include_usage = _stream_flags(body)
         if shape == "chat":
-            given = {"messages": _json_messages(body.get("messages")), "logprobs": _chat_logprobs(body),
-                     "max_tokens": _chat_max_tokens(body)}
+            given = {"messages": _json_messages(body.get("messages")), "logprobs": _chat_logprobs(body)}
         else:
             prompt = body.get("prompt")
             given = {"prompt": prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt}
-        args = cls._json_args(body, shape, *given, "stream")
+        args = cls._json_args(body, shape, *given, "stream", "include_usage")
         args.update((k, v) for k, v in given.items() if v is not None)
         return cls(models=models, model=model, stream=stream, include_usage=include_usage, **args)
 
@@ -376,13 +388,6 @@ def _stream_flags(body: Mapping[str, Any]) -> tuple[Any, bool]:
         if key not in STREAM_OPTIONS:
             raise UnsupportedField(f"stream_options.{key}", "is not a field this daemon implements")
     return stream, ck.check_flag(options.get("include_usage"), "'stream_options.include_usage'", False)
-
-
-def _chat_max_tokens(body: Mapping[str, Any]) -> Any:
-    both = body.get("max_tokens"), body.get("max_completion_tokens")
-    if None not in both and both[0] != both[1]:
-        raise InvalidRequest("max_tokens and max_completion_tokens differ: give one of them")
-    return both[1] if both[1] is not None else both[0]
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> Any:
