@@ -21,12 +21,13 @@ from trio_gpuworker.daemon import http_fields
 
 LM = "lm"
 IDS = np.array([1, 2, 3], dtype="<i4")
-# Every route's fields as the hand-written tables listed them before they were derived from the requests
+# Every route's fields as the hand-written tables listed them before they were derived from the requests, and
+# those added since (Voyage's top_k)
 GENERATION = {"model", "max_tokens", "grammar", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
               "stop", "logprobs", "user", "n", "frequency_penalty", "presence_penalty", "logit_bias"}
 TABLES = {
     "EMBEDDINGS": {"model", "input", "encoding_format", "dimensions", "user", "truncate", "normalize", "pooling"},
-    "RERANK": {"model", "query", "documents", "top_n", "return_documents", "max_tokens_per_doc", "truncate",
+    "RERANK": {"model", "query", "documents", "top_n", "top_k", "return_documents", "max_tokens_per_doc", "truncate",
                "priority"},
     "RERANK_TEI": {"model", "query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction"},
     "COMPLETIONS": GENERATION | {"prompt", "best_of", "echo", "suffix"},
@@ -113,7 +114,12 @@ def test_rerank_shapes_are_one_request(models: SupervisorConfig) -> None:
     old = Rerank(model_ref=MODEL, query_n_tokens=3, candidates=[{"n_tokens": 2}, {"n_tokens": 2}],
                  raw=np.concatenate([q, *docs]).astype("<i4").tobytes())
     assert wire(plain.to_wire(q, docs)) == wire(old)
+    voyage = RerankRequest.from_json({"model": MODEL, "query": "q", "documents": ["a", "b"], "top_k": 1}, models,
+                                     max_inputs=4)
+    assert voyage.top_n == 1  # Voyage's name for Cohere's top_n
     for bad in ({"query": "", "documents": ["a"]}, {"query": "q", "documents": ["a"], "top_n": 0},
+                {"query": "q", "documents": ["a"], "top_n": 1, "top_k": 2},
+                {"query": "q", "documents": ["a"], "top_k": 0},
                 {"query": "q", "documents": ["a"], "max_tokens_per_doc": True}):
         with pytest.raises(InvalidRequest):
             RerankRequest.from_json({"model": MODEL, **bad}, models, max_inputs=4)

@@ -195,7 +195,7 @@ def _is_id(x: Any) -> bool:
 @api_request
 class RerankRequest(ApiRequest):
     """The relevance of each of `documents` to `query`: a cross-encoder's logit, or a cosine for an embedding
-    model. Bodies: Cohere's and Jina's (shape ""), text-embeddings-inference's ("tei")."""
+    model. Bodies: Cohere's, Jina's and Voyage's (shape ""), text-embeddings-inference's ("tei")."""
 
     WHAT = "rerank"
     SHAPES = ("", "tei")
@@ -209,7 +209,7 @@ class RerankRequest(ApiRequest):
     documents: list[str] = arg(body={"": ("documents",), "tei": ("texts",)})
     truncate: bool = arg(True)
     max_tokens_per_doc: int | None = arg(None, body={"": ("max_tokens_per_doc",)})  # each document cut there
-    top_n: int | None = arg(None, body={"": ("top_n",)})  # of the answer: the best n (None: all)
+    top_n: int | None = arg(None, body={"": ("top_n", "top_k")})  # the answer's best n (None: all); top_k: Voyage's
     return_documents: bool = arg(False, body={"": ("return_documents",), "tei": ("return_text",)})
     raw_scores: bool = arg(False, body={"tei": ("raw_scores",)})  # TEI: no sigmoid on a cross-encoder's logit
 
