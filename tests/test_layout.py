@@ -110,3 +110,14 @@ def test_no_module_reaches_into_another_packages_private_modules() -> None:
             if leaf.startswith("_") and not leaf.startswith("__") and not inside:
                 reaching.append(f"{name} -> {dep}")
     assert reaching == []
+
+
+def test_no_class_is_a_stack_of_mixins() -> None:
+    """A class is whole or composed of objects with explicit interfaces: at most two bases (an error's place in the
+    hierarchy and the builtin it also is, like InvalidRequest(GpuWorkerError, ValueError))."""
+    stacked = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and len(node.bases) > 2:
+                stacked.append(f"{name}.{node.name}({', '.join(ast.unparse(b) for b in node.bases)})")
+    assert stacked == []
