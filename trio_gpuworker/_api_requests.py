@@ -54,12 +54,16 @@ def api_request(cls: type[A]) -> type[A]:
     return dataclasses.dataclass(frozen=True, kw_only=True)(cls)
 
 
-def serving_model(models: SupervisorConfig, model: Any, what: str) -> ModelConfig:
-    """The model's configuration (ModelNotFound if there is none), if its kind serves the API request `what`:
-    the daemon's one model lookup and kind check."""
+def configured_model(models: SupervisorConfig, model: Any) -> ModelConfig:
+    """The model's configuration: the daemon's one model lookup (ModelNotFound if there is none)."""
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string")
-    mc = models.model(model)
+    return models.model(model)
+
+
+def serving_model(models: SupervisorConfig, model: Any, what: str) -> ModelConfig:
+    """The model's configuration, if its kind serves the API request `what` (the one kind check)."""
+    mc = configured_model(models, model)
     check_serves(mc.id, mc.kind, what)
     return mc
 
@@ -80,8 +84,7 @@ class ApiRequest(abc.ABC):
     """What every request has: its model, looked up and kind-checked when it is built."""
 
     WHAT: ClassVar[str]  # the API request, as _kinds.API_REQUESTS names it: the kind check
-    SHAPES: ClassVar[tuple[str, ...]] = ("",)  # the JSON bodies it is read from
-    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {}  # per shape: fields accepted at one value only
+    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {}  # per body shape: fields accepted at one value only
 
     models: dataclasses.InitVar[SupervisorConfig]
     model: str = arg()
@@ -110,11 +113,7 @@ class ApiRequest(abc.ABC):
     @staticmethod
     def json_model(body: Mapping[str, Any], models: SupervisorConfig) -> str:
         """The body's model, if one is configured: ModelNotFound (404) comes before any other check of the body."""
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise InvalidRequest("'model' must be a string")
-        models.model(model)
-        return model
+        return configured_model(models, body.get("model")).id
 
     @classmethod
     def _json_args(cls, body: Mapping[str, Any], shape: str, *skip: str) -> dict[str, Any]:
@@ -198,7 +197,6 @@ class RerankRequest(ApiRequest):
     model. Bodies: Cohere's, Jina's and Voyage's (shape ""), text-embeddings-inference's ("tei")."""
 
     WHAT = "rerank"
-    SHAPES = ("", "tei")
     NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {
         "": {"priority": ck.only(0, "requests are served in arrival order")},
         "tei": {"truncation_direction": lambda v: None if v in ("right", "Right") else
@@ -262,6 +260,12 @@ def tei_model(models: SupervisorConfig) -> str:
 
 
 _BOTH = ("completions", "chat")
+_ONE_CHOICE: ck.Spec = {  # both completion bodies' fields that only their neutral value leaves unchanged
+    "n": ck.only(1, "one choice per request"),
+    "frequency_penalty": ck.only(0, "repetition penalties are not implemented"),
+    "presence_penalty": ck.only(0, "repetition penalties are not implemented"),
+    "logit_bias": ck.only({}, "logit biases are not implemented"),
+}
 
 
 @api_request
@@ -272,20 +276,14 @@ class CompletionRequest(ApiRequest):
     and chat completions."""
 
     WHAT = "generation"
-    SHAPES = _BOTH
-    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {shape: {
-        "n": ck.only(1, "one choice per request"),
-        "frequency_penalty": ck.only(0, "repetition penalties are not implemented"),
-        "presence_penalty": ck.only(0, "repetition penalties are not implemented"),
-        "logit_bias": ck.only({}, "logit biases are not implemented"),
-        **extra} for shape, extra in (
-        ("completions", {"best_of": ck.only(1, "one candidate per request"),
-                         "echo": ck.only(False, "the prompt is not echoed"),
-                         "suffix": ck.never("insertion is not implemented")}),
-        ("chat", {"tools": ck.only([], "tool calls are not implemented"),
-                  "tool_choice": ck.only("none", "tool calls are not implemented"),
-                  "response_format": ck.only({"type": "text"},
-                                             "structured output is not implemented (see 'grammar')")}))}
+    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {
+        "completions": {**_ONE_CHOICE, "best_of": ck.only(1, "one candidate per request"),
+                        "echo": ck.only(False, "the prompt is not echoed"),
+                        "suffix": ck.never("insertion is not implemented")},
+        "chat": {**_ONE_CHOICE, "tools": ck.only([], "tool calls are not implemented"),
+                 "tool_choice": ck.only("none", "tool calls are not implemented"),
+                 "response_format": ck.only({"type": "text"}, "structured output is not implemented (see 'grammar')")},
+    }
 
     prompt: str | None = arg(None, body={"completions": ("prompt",)})
     messages: list[dict[str, str]] | None = arg(None, body={"chat": ("messages",)})
@@ -431,6 +429,7 @@ __all__ = [
     "EmbeddingsRequest",
     "OnDelta",
     "RerankRequest",
+    "configured_model",
     "embed_batch",
     "serving_model",
     "tei_model",
