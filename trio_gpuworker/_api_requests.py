@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -106,8 +107,8 @@ class ApiRequest(abc.ABC):
     def body_fields(cls, shape: str = "") -> dict[str, ck.Neutral | None]:
         """The fields a `shape` body takes: each field's names (None: the request reads it), then its NEUTRAL."""
         out: dict[str, ck.Neutral | None] = {}
-        for f in dataclasses.fields(cls):
-            out.update(dict.fromkeys(_names(f, shape)))
+        for _, names in _body_names(cls, shape):
+            out.update(dict.fromkeys(names))
         return {**out, **cls.NEUTRAL.get(shape, {})}
 
     @staticmethod
@@ -121,21 +122,28 @@ class ApiRequest(abc.ABC):
         two names given different values are refused), but for the model and the fields in `skip`, which
         `from_json` reads itself."""
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            given = {n: body[n] for n in _names(f, shape) if body.get(n) is not None}
-            if not f.init or f.name in ("model", *skip) or not given:
+        for name, names in _body_names(cls, shape):
+            given = {n: body[n] for n in names if body.get(n) is not None}
+            if not given or name == "model" or name in skip:
                 continue
             first, *others = given.values()
             if any(v != first for v in others):
                 raise InvalidRequest(f"{' and '.join(given)} differ: give one of them")
-            out[f.name] = first
+            out[name] = first
         return out
 
 
-def _names(f: dataclasses.Field[Any], shape: str) -> tuple[str, ...]:
-    """The names a `shape` body gives field `f` under (the first is its own; any other, an alias)."""
-    body = f.metadata.get(_BODY, False)
-    return (f.name,) if body is True else () if body is False else body.get(shape, ())
+@functools.cache
+def _body_names(cls: type[ApiRequest], shape: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Each field a `shape` body gives, and the names it gives it under (the first is its own; any other, an
+    alias)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        body = f.metadata.get(_BODY, False)
+        names = (f.name,) if body is True else () if body is False else body.get(shape, ())
+        if names:
+            out.append((f.name, names))
+    return tuple(out)
 
 
 @api_request
