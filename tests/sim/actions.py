@@ -28,6 +28,9 @@ WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, ki
 # queue, a restart with backoff and a standby's load, each bounded by a window)
 BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
 ROLL_TIMEOUT_S = 60.0  # a roll-over's own deadline when the step gives none: within BOUND
+SETTLE_S = 3 * WINDOWS.control_s  # an orphan's uninstall and a hung worker's PING window, then its kill
+BIG_RING = 1 << 20  # a ring of this size is a quarter of the simulation's arena
+CANCEL_AFTER_S = (0.0, 0.001, 0.01, 0.05)  # how long a cancelled ring session runs before its cancel scope fires
 EPOCH = "SIM_SETTINGS_EPOCH"  # the env key a reload with new settings changes
 SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
@@ -241,15 +244,25 @@ class World:
         return None
 
     async def _ring(self, step: Step) -> str | None:
-        """A whole data-plane session: rings in and out, an object in, an echo step, the bytes back, release."""
+        """A whole data-plane session: rings in and out, an object in, an echo step, the bytes back, release. A
+        quarter of those without a deadline use 1 MiB rings (two such sessions fill the arena: installs wait for
+        space) and are cancelled from outside after a moment, at whatever await they have reached."""
+        if step.timeout is None and step.arg % 4 == 3:
+            with trio.move_on_after(CANCEL_AFTER_S[step.arg // 4 % len(CANCEL_AFTER_S)]):
+                await self._session(step, BIG_RING)
+            return None
+        await self._session(step, 4096)
+        return None
+
+    async def _session(self, step: Step, capacity: int) -> None:
         assert self.sup is not None and self.sup.dataplane is not None
         dp, lane = self.sup.dataplane, self._lane(step)
         ends = []
         try:
-            ingress = await dp.install_ring(lane.id, direction="ingress", capacity=4096, object_spec=SPEC,
+            ingress = await dp.install_ring(lane.id, direction="ingress", capacity=capacity, object_spec=SPEC,
                                             port_id="in", timeout=step.timeout)
             ends.append(ingress)
-            egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC,
+            egress = await dp.install_ring(lane.id, direction="egress", capacity=capacity, object_spec=SPEC,
                                            port_id="out", timeout=step.timeout)
             ends.append(egress)
             data = self._ids(64 * step.arg).astype(np.float32)
@@ -262,7 +275,6 @@ class World:
         finally:
             for end in ends:
                 await _uninstall(dp, end)
-        return None
 
     async def _echo(self, step: Step, lane: Lane, egress: Any, handle: dict[str, int], data: np.ndarray, *,
                     release: bool) -> None:
@@ -336,6 +348,20 @@ class World:
         for lane in self.sup.lanes.values():
             if lane.state in (LaneState.BUSY, LaneState.DRAINING):
                 lane.abort_in_flight()
+
+    async def check_settled(self) -> None:
+        """Once every step has ended and the lanes had time to settle (an orphaned ring's uninstall, a hung
+        worker's PING window and kill), no ring end and no arena lease is left: whatever a call did was undone,
+        however its caller left."""
+        await trio.sleep(SETTLE_S)
+        sup = self.sup
+        assert sup is not None
+        dp = sup.dataplane
+        if dp is not None and dp.ends:
+            self.found.append(f"ring ends left once every step had ended: {sorted(dp.ends)}")
+        if sup.arena is not None and sup.arena.live():
+            self.found.append(f"arena leases left once every step had ended: "
+                              f"{[le.ring_id for le in sup.arena.live()]}")
 
     def check_end(self) -> None:
         sup = self.sup

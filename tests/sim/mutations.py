@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from trio_gpuworker._errors import UnexpectedFrame
+from trio_gpuworker._errors import DeadlineExceeded, UnexpectedFrame
 from trio_gpuworker._proto import _lifecycle, _lifecycle_rules
 from trio_gpuworker.supervisor import _dataplane, _generation, _steps, _supervisor, _worker
 
@@ -112,6 +112,18 @@ def _reload_drops_its_settings(original: Any) -> Any:
     return reload
 
 
+@contextlib.contextmanager
+def _undo_on_deadline_only() -> Iterator[None]:
+    """Cancel-safety of the data plane: what a call had done was undone when its own deadline ended it, but not
+    when it was cancelled otherwise (an outer cancel scope, a failing sibling): its lease and ring stayed. Put back
+    by narrowing every `except BaseException` of the data plane's module to DeadlineExceeded."""
+    _dataplane.BaseException = DeadlineExceeded  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del _dataplane.BaseException  # type: ignore[attr-defined]
+
+
 def _holds_ignored(original: Any) -> Any:
     """Batched generation: the lane did not know a generation held live sequences, so a roll-over took over, or a
     reload stopped it, between two of their chunks."""
@@ -133,12 +145,23 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
 }
 
 
+# defects put back by a context of their own rather than by patching attributes
+CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "cancelled_calls_leave_leases": _undo_on_deadline_only,
+}
+
+
+NAMES = sorted({*MUTATIONS, *CONTEXTS})  # every known defect the simulation can put back
+
+
 @contextlib.contextmanager
 def mutated(name: str | None) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for obj, attr, make in MUTATIONS.get(name or "", []):
             stack.enter_context(_patch(obj, attr, make))
+        if (context := CONTEXTS.get(name or "")) is not None:
+            stack.enter_context(context())
         yield
 
 
-__all__ = ["MUTATIONS", "mutated"]
+__all__ = ["CONTEXTS", "MUTATIONS", "NAMES", "mutated"]

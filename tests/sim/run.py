@@ -42,7 +42,7 @@ def config(schedule: Schedule, base: Path) -> SupervisorConfig:
 
 # a run that has not ended this long (simulated) after its last step hangs somewhere, and one that takes this many
 # task steps spins: either is a finding, not a test that never ends
-HORIZON_S = act.BOUND + DRAIN_S + 4 * act.WINDOWS.shutdown_s + 60.0
+HORIZON_S = act.BOUND + act.SETTLE_S + DRAIN_S + 4 * act.WINDOWS.shutdown_s + 60.0
 MAX_BATCHES = 500_000  # scheduler batches (one per I/O wait: cheaper to count than task steps)
 
 
@@ -98,8 +98,10 @@ async def _run(schedule: Schedule, base: Path, found: list[str], worlds: list[ac
                     await trio.sleep_until(t0 + step.at)
                     check_lanes(world, events)
                     steps.start_soon(world.perform, world.begin(step))
-                with trio.move_on_after(act.BOUND):
+                with trio.move_on_after(act.BOUND) as waited:
                     await world.idle()
+                if not waited.cancelled_caught:
+                    await world.check_settled()
                 check_lanes(world, events)
                 await world.sigterm(DRAIN_S)
                 sup.close()  # as the daemon does after its drain; a parked pull ends only here
