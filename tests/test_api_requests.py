@@ -78,7 +78,7 @@ def test_embeddings_from_python_and_from_json_are_one_request(models: Supervisor
     ({"model": 3}, InvalidRequest, "'model' must be a string"),
     ({"input": "a"}, InvalidRequest, "list of strings"),
     ({"input": ["a", 1]}, InvalidRequest, r"input\[1\]"),
-    ({"pooling": "max"}, InvalidRequest, "pooling"),
+    ({"pooling": "weightedmean"}, InvalidRequest, "pooling"),
     ({"normalize": 1}, InvalidRequest, "normalize"),
     ({"truncate": "no"}, InvalidRequest, "truncate"),
     ({"dimensions": 3}, InvalidRequest, "dimensions must be one of 2"),

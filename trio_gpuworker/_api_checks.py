@@ -141,15 +141,16 @@ def check_inputs(inputs: Any, what: str) -> tuple[bool, list[Any]]:
 
 
 def check_pooling(pooling: Any, mc: ModelConfig) -> str:
+    """A request's pooling, or the model's (its `pooling` key, else its folder's: ModelConfig.defaults)."""
     if pooling is None:
-        return mc.pooling
+        return mc.defaults[0]
     if not isinstance(pooling, str) or pooling not in POOLINGS:
         raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     return pooling
 
 
 def check_normalize(normalize: Any, mc: ModelConfig) -> bool:
-    return check_flag(normalize, "normalize", mc.normalize)
+    return check_flag(normalize, "normalize", mc.defaults[1])
 
 
 def check_dimensions(dimensions: Any, mc: ModelConfig) -> int | None:

@@ -3,7 +3,10 @@ exactly once, typed, within the bound, with a result that is its own (the conten
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
+import math
 import random
 import re
 import traceback
@@ -32,6 +35,8 @@ SETTLE_S = 3 * WINDOWS.control_s  # an orphan's uninstall and a hung worker's PI
 BIG_RING = 1 << 20  # a ring of this size is a quarter of the simulation's arena
 CANCEL_AFTER_S = (0.0, 0.001, 0.01, 0.05)  # how long a cancelled ring session runs before its cancel scope fires
 EPOCH = "SIM_SETTINGS_EPOCH"  # the env key a reload with new settings changes
+MODEL_EPOCH = "SIM_MODEL_EPOCH"  # the env key a change of sim-a's settings (its tokenizer, say) changes
+TOKENIZE_S = 0.001  # from reading a model's settings to queueing the request (the daemon tokenizes off the loop)
 SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
 
@@ -42,6 +47,10 @@ class Entry:
     started: float
     done: float | None = None
     outcome: str = ""
+    gated: float = 0.0  # how long it waited at the model gate (bounded by the requests admitted before it)
+
+
+_ENTRY: contextvars.ContextVar[Entry] = contextvars.ContextVar("sim_entry")  # the entry of the running step
 
 
 @dataclass
@@ -57,6 +66,7 @@ class World:
     _roles: set[tuple[str, int]] = field(default_factory=set)
     _handles: list[tuple[str, dict[str, int], np.ndarray]] = field(default_factory=list)  # (lane, handle, bytes)
     _epoch: int = 0  # the settings a reload brings, numbered
+    _model_epoch: int = 0  # sim-a's settings, numbered: what a request admitted now is tokenized with
 
     def misbehaved(self, generation: int, what: str) -> None:
         self.injected.add(generation)
@@ -76,6 +86,7 @@ class World:
 
     async def perform(self, entry: Entry) -> None:
         step = entry.step
+        _ENTRY.set(entry)
         try:
             entry.outcome = await getattr(self, f"_{step.action}")(step) or "ok"
         except Exception as exc:
@@ -87,8 +98,11 @@ class World:
                 self.found.append(f"{step}: untyped {type(exc).__name__}: {exc}\n{text}")
                 entry.outcome = "untyped"
         entry.done = trio.current_time()
-        if entry.done - entry.started > BOUND and step.action != "park":  # a parked pull waits for its ring's end
-            self.found.append(f"{step}: took {entry.done - entry.started:.1f} s (bound {BOUND:g} s)")
+        served = entry.done - entry.started - entry.gated
+        if served > BOUND and step.action != "park":  # a parked pull waits for its ring's end
+            self.found.append(f"{step}: took {served:.1f} s (bound {BOUND:g} s)")
+        if entry.gated > BOUND:  # the gate waits for requests admitted before, each within BOUND
+            self.found.append(f"{step}: waited {entry.gated:.1f} s at the model gate (bound {BOUND:g} s)")
         self._changed.set()
 
     def _lane(self, step: Step) -> Lane:
@@ -122,22 +136,40 @@ class World:
         return None
 
     async def _generate(self, step: Step) -> str | None:
-        """A GENERATE alone (even `arg`), or 1-3 sequences decoded together in GENERATE_PACKED chunks (odd)."""
+        """A GENERATE alone (even `arg`), or 1-3 sequences decoded together in GENERATE_PACKED chunks (odd). It is
+        admitted through the model gate, as the daemon admits a request, and reads sim-a's settings there: the
+        worker that answers must have been started with those settings."""
         assert self.sup is not None
-        lane = self.sup.pick_lane("sim-a")
-        if step.arg % 2:
-            return await self._batched(step, lane)
-        ids = self._ids(1 + step.arg % 9)
-        reply = await lane.call(Generate(model_ref="sim-a", max_tokens=step.arg, raw=ids.tobytes()),
-                                timeout=step.timeout)
+        deadline = trio.current_time() + step.timeout if step.timeout is not None else math.inf
+        waiting = trio.current_time()
+        async with self.sup.gate.serving("sim-a", deadline):
+            _ENTRY.get().gated = trio.current_time() - waiting
+            epoch = self._model_epoch
+            await trio.sleep(TOKENIZE_S)
+            lane = self.sup.pick_lane("sim-a")
+            if step.arg % 2:
+                return await self._batched(step, lane, epoch)
+            ids = self._ids(1 + step.arg % 9)
+            reply = await lane.call(Generate(model_ref="sim-a", max_tokens=step.arg, raw=ids.tobytes()),
+                                    timeout=step.timeout)
         text, gen = reply.text.rsplit(" g", 1)
         if text != f"sim {int(ids.sum())}":
             self.found.append(f"{step}: text {reply.text!r} is not its own")
         if int(gen) not in self._gens_of(lane):
             self.found.append(f"{step}: answered by generation {gen}, which lane {lane.id} never ran")
+        self._check_model_epoch(step, lane, int(gen), epoch)
         return None
 
-    async def _batched(self, step: Step, lane: Lane) -> str | None:
+    def _check_model_epoch(self, step: Step, lane: Lane, gen: int, epoch: int) -> None:
+        assert self.launcher is not None
+        proc = self.launcher.procs.get((lane.id, gen))
+        served = int(proc.spec.env.get(MODEL_EPOCH, "0")) if proc is not None else epoch
+        if served != epoch:
+            self.found.append(f"{step}: admitted with sim-a's settings #{epoch}, answered by worker g{gen} started "
+                              f"with #{served} (silently wrong: tokenized with one model's settings, served "
+                              f"with another's)")
+
+    async def _batched(self, step: Step, lane: Lane, epoch: int) -> str | None:
         fields = {"max_tokens": step.arg}
         packer = packer_for(lane, "sim-a", fields)
         if packer is None:
@@ -154,6 +186,8 @@ class World:
             if "".join(parts[0::2]) != want or len(gens) != 1 or not gens <= self._gens_of(lane):
                 self.found.append(f"{step}: sequence {k}'s text {got['text']!r} is not its own, from one worker "
                                   f"of lane {lane.id}")
+            for gen in gens:
+                self._check_model_epoch(step, lane, gen, epoch)
 
         async with trio.open_nursery() as nursery:
             for k in range(1 + step.arg % 3):
@@ -188,21 +222,49 @@ class World:
         return None
 
     async def _reload(self, step: Step) -> str | None:
-        """An ordered reload; an odd `arg` brings new settings (a new env), which the worker it starts must have."""
+        """An ordered reload; an odd `arg` brings new settings (a new env), which the worker it starts must have;
+        `arg % 4 == 3` changes sim-a's settings, which every lane serving it reloads with."""
         assert self.sup is not None and self.launcher is not None
+        if step.arg % 4 == 3:
+            return await self._change_model(step)
         lane = self._lane(step)
-        settings = None
-        if step.arg % 2:
-            self._epoch += 1
-            cfg = dataclasses.replace(lane.cfg, env={**lane.cfg.env, EPOCH: str(self._epoch)})
-            settings = LaneSettings(cfg, dict(lane.loads))
+        settings = self._new_env(lane) if step.arg % 2 else None
         await self.sup.reload_lane(lane.id, timeout=step.timeout, settings=settings)
         if settings is not None:
-            proc = self.launcher.procs.get((lane.id, lane.generation))
-            epoch = int(proc.spec.env.get(EPOCH, "0")) if proc is not None else None
-            if epoch is not None and epoch < int(settings.cfg.env[EPOCH]):
-                self.found.append(f"{step}: reloaded with {EPOCH}={settings.cfg.env[EPOCH]}, its worker "
-                                  f"g{lane.generation} was started with {epoch}")
+            self._check_reloaded(step, lane, settings)
+        return None
+
+    def _new_env(self, lane: Lane) -> LaneSettings:
+        self._epoch += 1
+        env = {**lane.cfg.env, EPOCH: str(self._epoch), MODEL_EPOCH: str(self._model_epoch)}
+        return LaneSettings(dataclasses.replace(lane.cfg, env=env), dict(lane.loads))
+
+    def _check_reloaded(self, step: Step, lane: Lane, settings: LaneSettings) -> None:
+        assert self.launcher is not None
+        proc = self.launcher.procs.get((lane.id, lane.generation))
+        epoch = int(proc.spec.env.get(EPOCH, "0")) if proc is not None else None
+        if epoch is not None and epoch < int(settings.cfg.env[EPOCH]):
+            self.found.append(f"{step}: reloaded with {EPOCH}={settings.cfg.env[EPOCH]}, its worker "
+                              f"g{lane.generation} was started with {epoch}")
+
+    async def _change_model(self, step: Step) -> str | None:
+        """sim-a's settings change, as a configuration reload that changes a model's tokenizer does: through the
+        supervisor's model gate, the settings move once the requests admitted before have ended and before any
+        admitted after, and the reload of every lane serving it is queued inside the gate."""
+        assert self.sup is not None
+        entry, waiting = _ENTRY.get(), trio.current_time()
+        lanes = [ln for ln in self.sup.lanes.values() if "sim-a" in ln.loads]
+        reloading = []
+        async with trio.open_nursery() as reloads:
+            async with self.sup.gate.changing({"sim-a"}):
+                entry.gated = trio.current_time() - waiting
+                self._model_epoch += 1
+                for lane in lanes:
+                    reloading.append((lane, self._new_env(lane)))
+                    await reloads.start(functools.partial(self.sup.reload_lane, lane.id, timeout=step.timeout,
+                                                          settings=reloading[-1][1]))
+        for lane, settings in reloading:
+            self._check_reloaded(step, lane, settings)
         return None
 
     async def _roll(self, step: Step) -> str | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from trio_gpuworker._errors import DeadlineExceeded, UnexpectedFrame
 from trio_gpuworker._proto import _lifecycle, _lifecycle_rules
-from trio_gpuworker.supervisor import _dataplane, _generation, _steps, _supervisor, _worker
+from trio_gpuworker.supervisor import _dataplane, _gate, _generation, _steps, _supervisor, _worker
 
 
 def _patch(obj: Any, name: str, make: Callable[[Any], Any]) -> contextlib.AbstractContextManager[None]:
@@ -132,6 +132,16 @@ def _holds_ignored(original: Any) -> Any:
     return hold
 
 
+def _model_changes_at_once(original: Any) -> Any:
+    """Reload ordering: a model's new settings (the model table, its tokenizer) applied at once, before the
+    lanes' reloads were queued behind the requests in flight: a request tokenized in that window with the new
+    settings was served by a worker loaded with the old."""
+    @contextlib.asynccontextmanager
+    async def changing(self: Any, models: Any) -> Any:
+        yield
+    return changing
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -142,6 +152,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "reply_bursts_fault_the_worker": [(_worker.Replies, "put", _replies_counted_in_frames)],
     "reload_keeps_old_settings": [(_lifecycle.LaneLifecycle, "reload", _reload_drops_its_settings)],
     "handover_cuts_a_held_batch": [(_lifecycle.LaneLifecycle, "hold", _holds_ignored)],
+    "model_change_outruns_its_requests": [(_gate.ModelGate, "changing", _model_changes_at_once)],
 }
 
 
