@@ -22,13 +22,13 @@ from trio_gpuworker.daemon import http_fields
 LM = "lm"
 IDS = np.array([1, 2, 3], dtype="<i4")
 # Every route's fields as the hand-written tables listed them before they were derived from the requests, and
-# those added since (Voyage's top_k)
+# those added since (Voyage's top_k and truncation)
 GENERATION = {"model", "max_tokens", "grammar", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
               "stop", "logprobs", "user", "n", "frequency_penalty", "presence_penalty", "logit_bias"}
 TABLES = {
     "EMBEDDINGS": {"model", "input", "encoding_format", "dimensions", "user", "truncate", "normalize", "pooling"},
     "RERANK": {"model", "query", "documents", "top_n", "top_k", "return_documents", "max_tokens_per_doc", "truncate",
-               "priority"},
+               "truncation", "priority"},
     "RERANK_TEI": {"model", "query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction"},
     "COMPLETIONS": GENERATION | {"prompt", "best_of", "echo", "suffix"},
     "CHAT": GENERATION | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",

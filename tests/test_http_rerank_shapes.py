@@ -83,6 +83,28 @@ async def test_cohere_and_jina_shape(daemon: tuple[httpx.AsyncClient, str], plai
         assert r.status_code == 400, bad
 
 
+async def test_voyage_shape(daemon: tuple[httpx.AsyncClient, str], plain: Tokenizer) -> None:
+    """Voyage's body: `top_k` for top_n, `truncation` for truncate (false: what does not fit is refused)."""
+    http, _ = daemon
+    want = [sum(ids(plain, d)) for d in DOCS]
+    r = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": DOCS, "top_k": 2,
+                                            "truncation": True})
+    assert r.status_code == 200, r.text
+    assert [x["index"] for x in r.json()["results"]] == sorted(range(4), key=lambda i: -want[i])[:2]
+    long = "one two three four five six seven"
+    r = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": ["a", long],
+                                            "truncation": False})
+    assert r.status_code == 413 and "documents[1] is 9 tokens" in r.json()["error"]["message"]
+    r = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": ["a", long],
+                                            "truncation": True})
+    assert r.status_code == 200, r.text  # cut to the model's max_tokens, as truncate's default
+    for bad in ({"truncation": False, "truncate": True}, {"truncation": "no"}):
+        r = await http.post("/v1/rerank", json={"model": MODEL, "query": QUERY, "documents": DOCS, **bad})
+        assert r.status_code == 400, bad
+    r = await http.post("/rerank", json={"query": QUERY, "texts": DOCS, "truncation": False})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_field"  # TEI's body: not its name
+
+
 async def test_tei_shape(daemon: tuple[httpx.AsyncClient, str], plain: Tokenizer) -> None:
     http, _ = daemon
     want = [sum(ids(plain, d)) for d in DOCS]

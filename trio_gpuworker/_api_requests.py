@@ -213,7 +213,7 @@ class RerankRequest(ApiRequest):
 
     query: str = arg()
     documents: list[str] = arg(body={"": ("documents",), "tei": ("texts",)})
-    truncate: bool = arg(True)
+    truncate: bool = arg(True, body={"": ("truncate", "truncation"), "tei": ("truncate",)})  # truncation: Voyage's
     max_tokens_per_doc: int | None = arg(None, body={"": ("max_tokens_per_doc",)})  # each document cut there
     top_n: int | None = arg(None, body={"": ("top_n", "top_k")})  # the answer's best n (None: all); top_k: Voyage's
     return_documents: bool = arg(False, body={"": ("return_documents",), "tei": ("return_text",)})
