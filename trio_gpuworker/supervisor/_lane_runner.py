@@ -78,11 +78,13 @@ class LaneRunner:
     def own_job(self, t: LaneTicket) -> Job:
         """The lane's own requests: its models' LOADs, standby applies, PING, SHUTDOWN."""
         gen = self.gens.get(t.gen or -1)
-        if t.kind == Shutdown.T and gen is not None:
-            gen.wp.ordered_stop = True
-        if t.kind == Load.T:
-            self._own[t.id] = self._record_load
-        return self._jobs.setdefault(t.id, Job(t.kind, own_request(t.kind, t.model, self._settings(t).loads)))
+        job = self._jobs.setdefault(t.id, Job(t.kind, own_request(t.kind, t.model, self._settings(t).loads)))
+        match job.request:
+            case Shutdown() if gen is not None:
+                gen.wp.ordered_stop = True
+            case Load():
+                self._own[t.id] = self._record_load
+        return job
 
     def _settings(self, t: LaneTicket) -> LaneSettings:
         """The settings of the generation `t` is for: a LOAD loads what that generation was spawned with."""
@@ -140,17 +142,19 @@ class LaneRunner:
 
     async def _exchange(self, gen: Generation, t: LaneTicket, job: Job) -> None:
         n, machine, first = gen.number, self.machine, self.report.first
-        if t.kind == Load.T:
+        loading = isinstance(job.request, Load)
+        if loading:
             first.loading(t.model)
 
         def progressed() -> None:
-            if t.kind == Load.T:
+            if loading:
                 first.progressed()
             machine.progress(n, t)
 
         try:
             reply = await exchange(gen.wp, job, self.windows, on_progress=progressed,
-                                   extend=self.report.step_waits_on_us if t.kind == ExecuteStep.T else None)
+                                   extend=self.report.step_waits_on_us if isinstance(job.request, ExecuteStep)
+                                   else None)
         except InvalidRequest as exc:  # failed local validation: this request alone, nothing was written
             self.feed(machine.replied(n, t, exc, success=False, refused=True, now=trio.current_time()))
             return
