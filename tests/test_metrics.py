@@ -78,20 +78,12 @@ async def test_metrics_exposition(tmp_path: Path) -> None:
 
 async def test_model_load_gauges_and_token_counters(tmp_path: Path) -> None:
     """What a router reads: per model, worker requests waiting and running; tokens in and out."""
-    import dataclasses
-
-    from tests.test_http_openai import GGUF
-    from trio_gpuworker import BatchPolicy, LaneConfig, ModelConfig
+    from trio_gpuworker import BatchPolicy
     from trio_gpuworker.daemon.config import DEFAULT_LM
     from trio_gpuworker.supervisor import LaneState
 
     cfg = daemon_config(tmp_path, fake_command("slow", delay=1.0, on_request=1),
-                        daemon={"batching": BatchPolicy(max_delay_s=0)})
-    sup_cfg = cfg.supervisor
-    sup_cfg = dataclasses.replace(
-        sup_cfg, models=(*sup_cfg.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")),
-        lanes=(*sup_cfg.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=fake_command())))
-    cfg = dataclasses.replace(cfg, supervisor=sup_cfg)
+                        daemon={"batching": BatchPolicy(max_delay_s=0)}, lm=fake_command())
     async with trio.open_nursery() as nursery:
         daemon = await nursery.start(run_daemon, cfg)
         sup = daemon.sup

@@ -4,7 +4,6 @@ disconnect that cancels the worker's generation (no strike), and a crash mid-str
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,8 +17,6 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config, hang_up_mid_stream
 from tests.supervision_helpers import MODEL
-from tests.test_http_openai import GGUF
-from trio_gpuworker import LaneConfig, ModelConfig
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.daemon.main import Daemon
 
@@ -27,19 +24,12 @@ TOKEN_S = 0.005
 CHAT = {"model": DEFAULT_LM, "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
 
-def config(tmp_path: Path, command: tuple[str, ...]) -> Any:
-    cfg = daemon_config(tmp_path, fake_command())
-    sup = cfg.supervisor
-    sup = dataclasses.replace(sup, models=(*sup.models, ModelConfig(DEFAULT_LM, GGUF, kind="generate", format="gguf")),
-                              lanes=(*sup.lanes, LaneConfig("gen0", (DEFAULT_LM,), worker_command=command)))
-    return dataclasses.replace(cfg, supervisor=sup)
-
-
 @pytest.fixture
 async def daemon(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[tuple[httpx.AsyncClient, Daemon]]:
     behavior = getattr(request, "param", None)
     async with trio.open_nursery() as nursery:
-        client, d = await client_for(nursery, config(tmp_path, fake_command(behavior, stream_token_s=TOKEN_S)))
+        client, d = await client_for(nursery, daemon_config(tmp_path, fake_command(),
+                                                           lm=fake_command(behavior, stream_token_s=TOKEN_S)))
         async with client:
             yield client, d
         nursery.cancel_scope.cancel()
