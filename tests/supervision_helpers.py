@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -10,6 +11,10 @@ from trio_gpuworker import LaneConfig, ModelConfig, QuarantinePolicy, RestartPol
 
 FAST = Windows(inference_s=2.0, setup_s=5.0, control_s=5.0, load_s=5.0, kill_grace_s=0.5, shutdown_s=2.0)
 MODEL = "fake-embed"
+# the data-plane tests' lane "dp": real workers serving no model (echo roles), their object spec and windows
+SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
+        "sequence_policy": "strict"}
+DATAPLANE_WINDOWS = Windows(inference_s=20, setup_s=30, control_s=30, load_s=30, kill_grace_s=1, shutdown_s=5)
 
 
 def fake_config(tmp_path: Path, *commands: tuple[str, ...], windows: Windows = FAST, strikes: int = 2,
@@ -21,6 +26,13 @@ def fake_config(tmp_path: Path, *commands: tuple[str, ...], windows: Windows = F
         lanes=lanes, models=(ModelConfig(MODEL, artifact),), state_dir=tmp_path / "state",
         runtime_dir=tmp_path / "run", windows=windows, quarantine=QuarantinePolicy(strikes, cooldown_s),
         restart=RestartPolicy(backoff_s, backoff_s * 4, 2.0))
+
+
+def dataplane_config(tmp_path: Path, *, arena_bytes: int = 64 << 20, **lane: Any) -> SupervisorConfig:
+    """One lane "dp" of a real worker with no model (`lane`: its LaneConfig fields), restarted at once."""
+    return SupervisorConfig(lanes=(LaneConfig("dp", (), **lane),), models=(), state_dir=tmp_path / "state",
+                            runtime_dir=tmp_path / "run", windows=DATAPLANE_WINDOWS, arena_bytes=arena_bytes,
+                            restart=RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2))
 
 
 def rows(*lengths: int, base: int = 1) -> list[np.ndarray]:

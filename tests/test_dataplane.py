@@ -12,30 +12,19 @@ import pytest
 import trio
 
 from cython_ring import RING_VERSION, Ring, encode_header
+from tests.supervision_helpers import SPEC, dataplane_config
 from trio_gpuworker import (
-    LaneConfig,
     ObjectFailed,
     RingFault,
     StaleHandle,
     StepFailed,
     Supervisor,
-    SupervisorConfig,
-    Windows,
 )
 from trio_gpuworker._proto import ExecuteStep, InstallRing, RingReadable
 
-SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
-        "sequence_policy": "strict"}
-WINDOWS = Windows(inference_s=20, setup_s=30, control_s=30, load_s=30, kill_grace_s=1, shutdown_s=5)
-
-
-def config(tmp_path: Path) -> SupervisorConfig:
-    return SupervisorConfig(lanes=(LaneConfig("dp", ()),), models=(), state_dir=tmp_path / "state",
-                            runtime_dir=tmp_path / "run", windows=WINDOWS, arena_bytes=64 << 20)
-
 
 async def test_object_ten_times_the_ring_streams_through_and_echoes_back(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC, port_id="in")
         egress = await dp.install_ring("dp", direction="egress", capacity=4096, object_spec=SPEC, port_id="out")
@@ -71,7 +60,7 @@ async def test_linear_role_with_weights_loaded_as_objects(tmp_path: Path) -> Non
     rng = np.random.default_rng(1)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((3, 8), (8, 5), (5,)))
     spec = dict(SPEC)
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         rings = {p: await dp.install_ring("dp", direction="ingress", capacity=1024, port_id=p,
                                           object_spec=dict(spec, shape=list(a.shape)))
@@ -97,7 +86,7 @@ async def test_linear_role_with_weights_loaded_as_objects(tmp_path: Path) -> Non
     (encode_header(1, 5, 8), "sequence_violation"),
 ])
 async def test_bad_objects_fail_before_allocation_and_fault_the_ring(tmp_path: Path, header: bytes, code: str) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         end = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC)
         end.ring.write(header)  # bypasses the daemon's own validation on purpose
@@ -114,7 +103,7 @@ async def test_bad_objects_fail_before_allocation_and_fault_the_ring(tmp_path: P
 
 
 async def test_eof_mid_object(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         end = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC)
         end.ring.write(encode_header(1, 0, 64) + b"\x01" * 16)
@@ -126,7 +115,7 @@ async def test_eof_mid_object(tmp_path: Path) -> None:
 
 
 async def test_crash_mid_object_faults_rings_and_rejects_stale_handles(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         events = sup.subscribe()
         small = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC)
@@ -171,7 +160,7 @@ async def test_crash_mid_object_faults_rings_and_rejects_stale_handles(tmp_path:
 
 
 async def test_install_ring_rejects_a_bad_layout(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         lane = sup.lanes["dp"]
         install = {"ring_id": 99, "edge_id": "e", "port_id": "p", "direction": "ingress",
                    "layout": {"offset": 4096, "header_len": 128, "capacity": 1024}, "object_spec": SPEC}
@@ -191,7 +180,7 @@ async def test_file_pump_streams_a_file_through_a_small_ring(tmp_path: Path) -> 
     weights = np.random.default_rng(5).standard_normal(50_000).astype(np.float32)  # 200 KB through 4 KiB
     path = tmp_path / "weights.bin"
     path.write_bytes(weights.tobytes())
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC)
         egress = await dp.install_ring("dp", direction="egress", capacity=4096, object_spec=SPEC)

@@ -11,8 +11,9 @@ import pytest
 import trio
 import trio.testing
 
-from tests.test_dataplane_faults import SPEC, WINDOWS, wait_until
-from trio_gpuworker import DeadlineExceeded, LaneConfig, RestartPolicy, Supervisor, SupervisorConfig
+from tests.supervision_helpers import SPEC, dataplane_config
+from tests.test_dataplane_faults import wait_until
+from trio_gpuworker import DeadlineExceeded, Supervisor
 from trio_gpuworker.supervisor import DataPlane, RingEnd
 
 RING = 1 << 20  # two fit the arena below (each lease also holds its header), a third waits for space
@@ -24,12 +25,6 @@ LATE_S = 2.0  # a call bounded by TIMEOUT_S that has not ended by then ignores i
 
 class SiblingFailed(Exception):
     pass
-
-
-def config(tmp_path: Path) -> SupervisorConfig:
-    return SupervisorConfig(lanes=(LaneConfig("dp", ()),), models=(), state_dir=tmp_path / "state",
-                            runtime_dir=tmp_path / "run", windows=WINDOWS, arena_bytes=ARENA,
-                            restart=RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2))
 
 
 async def install(dp: DataPlane, direction: str = "egress", timeout: float | None = None) -> RingEnd:
@@ -74,7 +69,7 @@ async def cancel_by_failing_sibling(dp: DataPlane) -> None:
 
 @pytest.mark.parametrize("cancel", [cancel_by_outer_scope, cancel_by_failing_sibling])
 async def test_a_cancelled_install_leaves_no_lease_or_ring(tmp_path: Path, cancel) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path, arena_bytes=ARENA)) as sup:
         dp = sup.dataplane
         for _ in range(3):  # more than the arena holds: a leak would also block the install below
             await cancel(dp)
@@ -86,7 +81,7 @@ async def test_a_cancelled_install_leaves_no_lease_or_ring(tmp_path: Path, cance
 
 
 async def test_the_arena_wait_honours_the_timeout(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path, arena_bytes=ARENA)) as sup:
         dp = sup.dataplane
         held = [await install(dp), await install(dp)]  # the arena is full
         start = trio.current_time()
@@ -100,7 +95,7 @@ async def test_the_arena_wait_honours_the_timeout(tmp_path: Path) -> None:
 
 
 async def test_a_cancelled_uninstall_still_releases_the_lease(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path, arena_bytes=ARENA)) as sup:
         dp = sup.dataplane
         end = await install(dp)
         scope = trio.CancelScope()
@@ -118,7 +113,7 @@ async def test_a_cancelled_uninstall_still_releases_the_lease(tmp_path: Path) ->
 
 
 async def test_a_cancelled_load_leaves_the_ring_usable_in_order(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path, arena_bytes=ARENA)) as sup:
         dp = sup.dataplane
         ingress = await install(dp, "ingress")
         scope = trio.CancelScope()

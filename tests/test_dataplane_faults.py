@@ -15,29 +15,17 @@ import pytest
 import trio
 
 from cython_ring import EgressState, ObjectSpec, write_egress
+from tests.supervision_helpers import SPEC, dataplane_config
 from trio_gpuworker import (
-    LaneConfig,
     ObjectFailed,
-    RestartPolicy,
     RingFault,
     StepFailed,
     Supervisor,
-    SupervisorConfig,
-    Windows,
 )
 from trio_gpuworker._proto import InstallRing, RingReadable
 from trio_gpuworker.supervisor import ArenaManager
 
-SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
-        "sequence_policy": "strict"}
-WINDOWS = Windows(inference_s=20, setup_s=30, control_s=30, load_s=30, kill_grace_s=1, shutdown_s=5)
 PROMPT_S = 10.0  # far below the inference window: an answer within it is not a watchdog's doing
-
-
-def config(tmp_path: Path, **lane: Any) -> SupervisorConfig:
-    return SupervisorConfig(lanes=(LaneConfig("dp", (), **lane),), models=(), state_dir=tmp_path / "state",
-                            runtime_dir=tmp_path / "run", windows=WINDOWS, arena_bytes=64 << 20,
-                            restart=RestartPolicy(backoff_initial_s=0.05, backoff_max_s=0.2))
 
 
 async def wait_until(pred: Any, within_s: float = PROMPT_S) -> None:
@@ -52,7 +40,7 @@ def _echo_step(handle: dict[str, int], ring_id: int, extent: int, step_id: int =
 
 
 async def test_uninstall_stops_a_step_blocked_on_its_ring(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC, port_id="in")
         egress = await dp.install_ring("dp", direction="egress", capacity=1024, object_spec=SPEC, port_id="out")
@@ -78,7 +66,7 @@ async def test_uninstall_stops_a_step_blocked_on_its_ring(tmp_path: Path) -> Non
 
 
 async def test_pull_raises_when_the_daemon_finds_the_egress_fault(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         egress = await dp.install_ring("dp", direction="egress", capacity=1024, object_spec=SPEC)
         egress.ring.write(b"\x00" * 40)  # a malformed header where the worker's first object should be
@@ -88,7 +76,7 @@ async def test_pull_raises_when_the_daemon_finds_the_egress_fault(tmp_path: Path
 
 
 async def test_a_failed_step_still_releases_its_inputs(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         ingress = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC, port_id="in")
         handle = await dp.load(ingress, np.ones(8, np.float32), object_id=1, sequence=0)
@@ -106,7 +94,7 @@ async def test_a_step_that_consumes_its_inputs_frees_them_even_when_its_caller_i
     runs (an outer cancel scope, not its own deadline) leaves no handle counted live, and the handle is refused;
     the step, still blocked on the ring nobody pulls, keeps its ring until the lane is done with it, so
     uninstalling the ring stops it promptly and the healthy worker is not struck."""
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC, port_id="in")
         egress = await dp.install_ring("dp", direction="egress", capacity=1024, object_spec=SPEC, port_id="out")
@@ -131,7 +119,7 @@ async def test_a_step_that_consumes_its_inputs_frees_them_even_when_its_caller_i
 
 
 async def test_an_egress_header_the_ring_refuses_fails_the_step_typed(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         ingress = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC, port_id="in")
         egress = await dp.install_ring("dp", direction="egress", capacity=1024, port_id="out",
@@ -145,7 +133,7 @@ async def test_an_egress_header_the_ring_refuses_fails_the_step_typed(tmp_path: 
 
 
 async def test_step_failed_keeps_the_lanes_strikes(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         os.kill(lane.pid, signal.SIGKILL)
         await wait_until(lambda: lane.generation == 2)
@@ -158,7 +146,7 @@ async def test_step_failed_keeps_the_lanes_strikes(tmp_path: Path) -> None:
 
 
 async def test_a_role_id_is_configured_once(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         await sup.dataplane.configure_role("dp", "r", {"kind": "echo"})
         with pytest.raises(StepFailed) as info:
             await sup.dataplane.configure_role("dp", "r", {"kind": "linear"})
@@ -167,7 +155,7 @@ async def test_a_role_id_is_configured_once(tmp_path: Path) -> None:
 
 async def test_an_unmappable_arena_is_worker_fatal(tmp_path: Path) -> None:
     bad = {"GPUWORKER_ARENA_FD": "1000", "GPUWORKER_ARENA_BYTES": "4096"}  # no such descriptor in the worker
-    async with Supervisor(config(tmp_path, env=bad)) as sup:
+    async with Supervisor(dataplane_config(tmp_path, env=bad)) as sup:
         events = sup.subscribe()
         with trio.fail_after(PROMPT_S):
             while (event := await events.receive())["t"] != "WORKER_FATAL":
@@ -176,7 +164,7 @@ async def test_an_unmappable_arena_is_worker_fatal(tmp_path: Path) -> None:
 
 
 async def test_abort_in_flight_fails_a_blocked_step_at_once(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC, port_id="in")
         egress = await dp.install_ring("dp", direction="egress", capacity=1024, object_spec=SPEC, port_id="out")
@@ -203,7 +191,7 @@ async def test_abort_in_flight_fails_a_blocked_step_at_once(tmp_path: Path) -> N
 
 
 async def test_a_batch_with_a_bad_header_loads_the_good_objects_first(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         end = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC)
         good = [np.full(16, i, np.float32) for i in range(3)]
@@ -380,7 +368,7 @@ async def test_random_batches_echo_back_byte_for_byte(tmp_path: Path, seed: int)
     import random
 
     rng = random.Random(seed)
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         ingress = await dp.install_ring("dp", direction="ingress", capacity=RING, object_spec=BYTES, port_id="in")
         egress = await dp.install_ring("dp", direction="egress", capacity=RING, object_spec=BYTES, port_id="out")
@@ -414,7 +402,7 @@ async def _pull_n(dp: Any, end: Any, count: int, out: list) -> None:
 async def test_a_burst_longer_than_one_drain_chunk_is_drained_without_more_hints(tmp_path: Path) -> None:
     from trio_gpuworker.worker._ingress import DRAIN_CHUNK
 
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         end = await dp.install_ring("dp", direction="ingress", capacity=1 << 20, object_spec=BYTES)
         objects = [np.full(8, k % 251, np.uint8) for k in range(3 * DRAIN_CHUNK + 5)]  # one burst, one hint
@@ -424,7 +412,7 @@ async def test_a_burst_longer_than_one_drain_chunk_is_drained_without_more_hints
 
 
 async def test_graceful_shutdown_quiesces_rings_before_worker_stopped(tmp_path: Path) -> None:
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         events = sup.subscribe()
         end = await dp.install_ring("dp", direction="ingress", capacity=1024, object_spec=SPEC)

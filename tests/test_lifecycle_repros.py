@@ -16,8 +16,7 @@ import trio
 
 from tests.fakes import fake_command
 from tests.helpers import wait_until
-from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
-from tests.test_dataplane_faults import SPEC, config
+from tests.supervision_helpers import MODEL, SPEC, dataplane_config, expected_fake_rows, fake_config, rows
 from tests.test_lane_supervision import pid_alive as alive
 from trio_gpuworker import (
     GpuWorkerError,
@@ -140,7 +139,7 @@ async def test_2_an_ordered_stop_answers_the_request_in_flight(tmp_path: Path, s
 async def test_3_ring_waiters_wake_typed_after_a_reload(tmp_path: Path) -> None:
     """A pull parked on egress and a next_event parked on ingress wake with RingFault when the lane reloads, and a
     later pull on the released ring is typed too (never a bare ValueError)."""
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC, port_id="in")
         egress = await dp.install_ring("dp", direction="egress", capacity=4096, object_spec=SPEC, port_id="out")
@@ -168,7 +167,7 @@ async def test_3_ring_waiters_wake_typed_after_a_reload(tmp_path: Path) -> None:
 async def test_4_a_device_handle_does_not_resolve_on_another_lane(tmp_path: Path) -> None:
     """Two lanes' first workers: a handle made on one lane is refused on the other (it used to resolve there,
     to that worker's object with the same id: silently wrong data)."""
-    one = config(tmp_path)
+    one = dataplane_config(tmp_path)
     cfg: SupervisorConfig = dataclasses.replace(
         one, lanes=(one.lanes[0], dataclasses.replace(one.lanes[0], id="dp2")))
     async with Supervisor(cfg) as sup:

@@ -12,8 +12,8 @@ import pytest
 import trio
 
 from tests.fakes import fake_command
-from tests.supervision_helpers import fake_config
-from tests.test_dataplane_faults import SPEC, config, wait_until
+from tests.supervision_helpers import SPEC, dataplane_config, fake_config
+from tests.test_dataplane_faults import wait_until
 from trio_gpuworker import BrokenWorkerError, DeadlineExceeded, Supervisor, Windows
 from trio_gpuworker._proto import Ping, RingWritable
 from trio_gpuworker.supervisor import silence_window
@@ -34,7 +34,7 @@ def test_the_window_comes_from_the_request_kind_not_the_reported_phase():
 
 
 async def test_a_ring_whose_installer_gave_up_leaves_no_lease(tmp_path):
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp = sup.dataplane
         for _ in range(3):
             with pytest.raises(DeadlineExceeded):
@@ -46,7 +46,7 @@ async def test_a_ring_whose_installer_gave_up_leaves_no_lease(tmp_path):
 
 
 async def test_pong_reports_the_current_rss_not_the_peak(tmp_path):
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         lane = sup.lanes["dp"]
         reply = await lane.call(Ping())
         proc = Path(f"/proc/{lane.pid}")
@@ -57,7 +57,7 @@ async def test_pong_reports_the_current_rss_not_the_peak(tmp_path):
 
 
 async def test_a_crash_publishes_worker_crashed_then_ring_faults_with_their_ids(tmp_path):
-    async with Supervisor(config(tmp_path)) as sup:
+    async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         egress = await dp.install_ring("dp", direction="egress", capacity=4096, object_spec=SPEC, port_id="out")
         events = sup.subscribe()
