@@ -16,6 +16,7 @@ class GpuWorkerError(Exception):
     code: str = "internal"
 
     def to_wire(self) -> dict[str, Any]:
+        """The error as the HTTP API answers it: its wire code and message."""
         return {"code": self.code, "message": str(self)}
 
 

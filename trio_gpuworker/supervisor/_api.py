@@ -77,6 +77,7 @@ class ServingApi:
         return tok
 
     def tokenize(self, texts: list[str], *, model: str) -> list[np.ndarray]:
+        """`texts` as embedding model `model`'s token ids, one int32 array each (on the calling thread)."""
         mc = self.config.model(model)
         texts = rq.cap_texts(rq.check_texts(texts, "texts"), rq.char_cap(mc))
         rq.check_unicode(texts, "texts")
@@ -95,6 +96,7 @@ class ServingApi:
             await trio.to_thread.run_sync(self._tokenizer, model, limiter=self._cpu)
 
     def chat_tokenizer(self, model: str) -> Any:
+        """Decoder model `model`'s tokenizer with its chat template, loaded once."""
         tok = self._tokenizers.get(model)
         if tok is None:
             from ..llm_tokenizer import ChatTokenizer
