@@ -32,10 +32,16 @@ API: dict[str, set[str]] = {
         "Context", "EmbedRequest", "Engine", "GenerateRequest", "Generation", "LoadRequest", "Ranking",
         "RerankRequest", "UnloadRequest", "WorkerError", "serve",
     },
+    "trio_gpuworker.testing": {
+        "EVERY", "FAKE_MODEL", "FAKE_WORKER", "HANDSHAKE_FAULTS", "RANDOM_FAULTS", "REQUEST_FAULTS", "SIM_MODEL",
+        "FaultPlan", "Schedule", "SimLauncher", "SimProc", "Simulation", "Step", "WorldShape", "fake_supervisor",
+        "make_schedule", "run_schedule", "search", "search_schedules", "shrink", "simulate",
+    },
 }
 PUBLIC_MODULES = sorted(API)
-# the subpackages a program may import besides the top level; the others are the daemon's and the worker's own
-PUBLIC_SUBPACKAGES = {"engine", "testing"}
+# the subpackages a program may import besides the top level (and testing's pytest plugin); the others are the
+# daemon's and the worker's own
+PUBLIC_SUBPACKAGES = {"engine", "testing", "pytest_plugin"}
 INTERNAL_SUBPACKAGES = {"supervisor", "daemon", "worker", "models", "gguf_file", "llm_tokenizer", "tokenization"}
 
 
@@ -109,8 +115,9 @@ def everything_public() -> Iterator[tuple[str, Any]]:
         yield from public_objects(name)
 
 
-@pytest.mark.parametrize(("qualname", "obj"), list(everything_public()))
+@pytest.mark.parametrize(("qualname", "obj"), [(q, o) for q, o in everything_public() if callable(o)])
 def test_every_public_name_has_a_docstring(qualname: str, obj: Any) -> None:
+    """Classes and functions; a constant is described where it is defined (a comment beside it)."""
     assert own_doc(obj), f"{qualname} has no docstring of its own"
     if isinstance(obj, type):
         undocumented = [m for m, fn in public_methods(obj) if not m.endswith(".__init__") and not fn.__doc__]
@@ -132,6 +139,14 @@ def test_every_public_callable_is_typed(qualname: str, obj: Any) -> None:
             assert all(f.type for f in dataclasses.fields(obj))
     elif callable(obj):
         assert untyped(obj) == []
+
+
+def test_the_pytest_plugin_is_documented_and_typed() -> None:
+    from trio_gpuworker.testing import pytest_plugin
+
+    for name in pytest_plugin.__all__:
+        fn = getattr(pytest_plugin, name).__wrapped__  # the function under pytest's fixture wrapper
+        assert fn.__doc__ and untyped(fn) == [], name
 
 
 def test_the_version_is_the_packages() -> None:

@@ -1,5 +1,6 @@
-"""What the steps of a schedule do to the supervisor, and the ledger of every request they made: each must end
-exactly once, typed, within the bound, with a result that is its own (the content it sent) or a GpuWorkerError."""
+"""The schedules' world (docs/testing.md, 'The simulated world'): what the steps of a schedule do to the supervisor,
+and the ledger of every request they made: each must end exactly once, typed, within the bound, with a result that
+is its own (the content it sent) or a GpuWorkerError."""
 
 from __future__ import annotations
 
@@ -13,17 +14,12 @@ from typing import Any
 import numpy as np
 import trio
 
-from tests.sim.launcher import SimLauncher
-from tests.sim.schedule import Schedule, Step
-from trio_gpuworker import GpuWorkerError, Supervisor, Windows
-from trio_gpuworker._proto import Generate, LaneState, Rerank
-from trio_gpuworker.supervisor import Lane, LaneSettings, LoadSpec
+from .._errors import GpuWorkerError
+from .._proto import Generate, Rerank
+from ..supervisor import Lane, LaneSettings, LoadSpec
+from ._schedule import Schedule, Step
+from ._simulation import BOUND, HORIZON_S, MODEL, Simulation, WorldShape, run_world
 
-WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, kill_grace_s=1.0, shutdown_s=2.0,
-                  exit_status_s=0.1)
-# every request ends within this much simulated time of its start, whatever the workers do (it may wait for a
-# queue, a restart with backoff and a standby's load, each bounded by a window)
-BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
 ROLL_TIMEOUT_S = 60.0  # a roll-over's own deadline when the step gives none: within BOUND
 EPOCH = "SIM_SETTINGS_EPOCH"  # the env key a reload with new settings changes
 SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
@@ -32,6 +28,8 @@ SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float
 
 @dataclass
 class Entry:
+    """One step's request in the ledger: when it started, when it ended and how."""
+
     step: Step
     started: float
     done: float | None = None
@@ -39,21 +37,32 @@ class Entry:
 
 
 @dataclass
-class World:
-    schedule: Schedule
-    rng: random.Random
-    found: list[str]
-    sup: Supervisor | None = None
-    launcher: SimLauncher | None = None
-    injected: set[int] = field(default_factory=set)  # generations that misbehaved or that the schedule killed
+class World(Simulation):
+    """A Simulation driven by a schedule's steps (`play`)."""
+
+    schedule: Schedule | None = None
     ledger: list[Entry] = field(default_factory=list)
     _changed: trio.Event = field(default_factory=trio.Event)
     _roles: set[tuple[str, int]] = field(default_factory=set)
     _handles: list[tuple[str, dict[str, int], np.ndarray]] = field(default_factory=list)  # (lane, handle, bytes)
     _epoch: int = 0  # the settings a reload brings, numbered
 
-    def misbehaved(self, generation: int, what: str) -> None:
-        self.injected.add(generation)
+    async def play(self) -> None:
+        """The schedule's steps, each a task of its own started at its time, invariants checked before each; then the
+        end, inside the steps' nursery (a parked pull ends only with the close)."""
+        assert self.schedule is not None
+        t0 = trio.current_time()
+        async with trio.open_nursery() as steps:
+            for step in self.schedule.steps:
+                await trio.sleep_until(t0 + step.at)
+                self.check()
+                steps.start_soon(self.perform, self.begin(step))
+            with trio.move_on_after(BOUND):
+                await self.idle()
+            await self.finish()
+
+    def pending(self) -> list[str]:
+        return [str(e.step) for e in self.ledger if e.done is None]
 
     async def idle(self) -> None:
         while any(e.done is None for e in self.ledger):
@@ -69,6 +78,7 @@ class World:
         return entry
 
     async def perform(self, entry: Entry) -> None:
+        """Carry the step out and record how it ended: its outcome, or a finding."""
         step = entry.step
         try:
             entry.outcome = await getattr(self, f"_{step.action}")(step) or "ok"
@@ -97,7 +107,7 @@ class World:
     async def _embed(self, step: Step) -> str | None:
         assert self.sup is not None
         rows = [self._ids(1 + (step.arg * (k + 3)) % 17) for k in range(1 + step.arg % 6)]
-        out = await self.sup.embed_ids(rows, model="sim-a", pooling="mean", normalize=False, timeout=step.timeout)
+        out = await self.sup.embed_ids(rows, model=MODEL, pooling="mean", normalize=False, timeout=step.timeout)
         want = np.array([[r.sum(), len(r)] for r in rows], dtype=np.float32)
         if out.shape != (len(rows), 4) or not np.array_equal(out[:, :2], want):
             self.found.append(f"{step}: vectors are not its own: {out[:, :2].tolist()} != {want.tolist()}")
@@ -107,8 +117,8 @@ class World:
         assert self.sup is not None
         q, docs = self._ids(3), [self._ids(1 + k % 5) for k in range(1 + step.arg % 5)]
         raw = np.concatenate([q, *docs]).astype("<i4").tobytes()
-        reply = await self.sup.pick_lane("sim-a").call(
-            Rerank(model_ref="sim-a", query_n_tokens=len(q), candidates=[{"n_tokens": len(d)} for d in docs],
+        reply = await self.sup.pick_lane(MODEL).call(
+            Rerank(model_ref=MODEL, query_n_tokens=len(q), candidates=[{"n_tokens": len(d)} for d in docs],
                    raw=raw), timeout=step.timeout)
         scores = np.frombuffer(reply.raw or b"", dtype="<f4")
         if not np.array_equal(scores, np.array([d.sum() for d in docs], dtype=np.float32)):
@@ -117,9 +127,9 @@ class World:
 
     async def _generate(self, step: Step) -> str | None:
         assert self.sup is not None
-        lane = self.sup.pick_lane("sim-a")
+        lane = self.sup.pick_lane(MODEL)
         ids = self._ids(1 + step.arg % 9)
-        reply = await lane.call(Generate(model_ref="sim-a", max_tokens=step.arg, raw=ids.tobytes()),
+        reply = await lane.call(Generate(model_ref=MODEL, max_tokens=step.arg, raw=ids.tobytes()),
                                 timeout=step.timeout)
         text, gen = reply.text.rsplit(" g", 1)
         if text != f"sim {int(ids.sum())}":
@@ -175,23 +185,12 @@ class World:
         self.sup.router.resume(self._lane(step).id)
         return None
 
-    def _target(self, step: Step) -> Any:
-        m = self._lane(step).machine
-        g = m.standby if step.arg and m.standby is not None else m.active
-        lane_id = self._lane(step).id
-        proc = self.launcher.procs.get((lane_id, g.number)) if g is not None and self.launcher is not None else None
-        if proc is not None:
-            self.injected.add(g.number)
-        return proc
-
     async def _kill(self, step: Step) -> str | None:
-        if (proc := self._target(step)) is not None:
-            proc.crash()
+        self.kill(self._lane(step), standby=bool(step.arg))
         return None
 
     async def _hang(self, step: Step) -> str | None:
-        if (proc := self._target(step)) is not None:
-            proc.worker.hung.set()
+        self.hang(self._lane(step), standby=bool(step.arg))
         return None
 
     async def _abort(self, step: Step) -> str | None:
@@ -285,32 +284,19 @@ class World:
 
     # --- the end ---------------------------------------------------------------------------------
 
-    async def sigterm(self, drain_s: float) -> None:
-        """As the daemon's SIGTERM does: wait (bounded) for what is in flight, abort what still runs, then the
-        supervisor closes (stop admitting, shut every worker down in order)."""
-        with trio.move_on_after(drain_s):
-            await self.idle()
-        assert self.sup is not None
-        for lane in self.sup.lanes.values():
-            if lane.state in (LaneState.BUSY, LaneState.DRAINING):
-                lane.abort_in_flight()
-
     def check_end(self) -> None:
-        sup = self.sup
-        assert sup is not None
         for e in self.ledger:
             if e.done is None:
                 self.found.append(f"{e.step}: never answered")
-        for lane in sup.lanes.values():
-            if lane.state is not LaneState.STOPPED:
-                self.found.append(f"{lane.id}: {lane.state.value} after the supervisor closed")
-        dp = sup.dataplane
-        if dp is not None and dp.ends:
-            self.found.append(f"ring ends left: {sorted(dp.ends)}")
-        if dp is not None and dp.steps.handles.count():
-            self.found.append(f"device handles left: {dp.steps.handles.count()}")
-        if sup.arena is not None and sup.arena.live():
-            self.found.append(f"arena leases left: {[le.ring_id for le in sup.arena.live()]}")
+        super().check_end()
+
+
+def run_schedule(schedule: Schedule, directory: Path) -> list[str]:
+    """Play `schedule` in the world it describes (state under `directory`); what it found wrong."""
+    world = World(schedule.seed, random.Random(schedule.seed ^ 0x5EED), [], schedule=schedule)
+    shape = WorldShape(schedule.lanes, schedule.standby, schedule.strikes, schedule.fault_rate)
+    last = schedule.steps[-1].at if schedule.steps else 0.0
+    return run_world(world, lambda w: world.play(), shape, directory, last + HORIZON_S)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -333,3 +319,5 @@ async def _pull(dp: Any, end: Any, got: list[Any]) -> None:
     except GpuWorkerError:
         pass
 
+
+__all__ = ["ROLL_TIMEOUT_S", "Entry", "World", "run_schedule"]
