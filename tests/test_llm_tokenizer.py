@@ -133,13 +133,10 @@ def test_chat_template_matches_reference(
     assert tok.encode(got) == _llama_cpp_style(ref, want)
 
 
-def test_default_system_prompt_comes_from_the_gguf(tok: ChatTokenizer) -> None:
+def test_default_system_prompt_comes_from_the_template(tok: ChatTokenizer) -> None:
     template = read_metadata(GGUF)["tokenizer.chat_template"]
-    assert tok.default_system and tok.default_system in template
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert text == (
-        f"<|im_start|>system\n{tok.default_system}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    )
+    system = tok.apply_chat_template([{"role": "user", "content": "hi"}]).split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n") and system[len("<|im_start|>system\n"):] in template
 
 
 def test_special_ids(tok: ChatTokenizer) -> None:
@@ -151,13 +148,13 @@ def test_special_ids(tok: ChatTokenizer) -> None:
 
 def test_does_not_import_tinygrad() -> None:
     code = "import sys, trio_gpuworker.llm_tokenizer as t; t.ChatTokenizer.from_gguf(sys.argv[1]); print(sorted(" \
-        "m for m in sys.modules if m.split('.')[0] in ('tinygrad', 'torch', 'transformers', 'jinja2')))"
+        "m for m in sys.modules if m.split('.')[0] in ('tinygrad', 'torch', 'transformers')))"
     out = subprocess.run([sys.executable, "-c", code, str(GGUF)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_rejects_unknown_pre_tokenizer() -> None:
     meta = read_metadata(GGUF)
-    meta["tokenizer.ggml.pre"] = "llama-bpe"
+    meta["tokenizer.ggml.pre"] = "falcon"
     with pytest.raises(ValueError, match="pre-tokenizer"):
         ChatTokenizer.from_metadata(meta)

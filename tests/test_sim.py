@@ -22,6 +22,7 @@ CATCHES: dict[str, int | Schedule] = {
     "quiesced_ring_waiters_hang": 208,
     "reply_bursts_fault_the_worker": 7,
     "reload_keeps_old_settings": 5,
+    "handover_cuts_a_held_batch": 144,
     # none of seeds 0..1999 catches it since: the schedule seed 1623 drew before, pinned whole
     "handles_cross_lanes": Schedule(seed=1623, lanes=2, standby=False, strikes=3, fault_rate=0.0, steps=(
         Step(0.001, "kill", 0, 1), Step(0.301, "rerank", 0, 10), Step(4.301, "ring", 0, 1, 0.5),

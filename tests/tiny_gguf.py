@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from tests.tiny_vocab import Vocab
+
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
@@ -24,7 +26,8 @@ CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['con
 
 @dataclass(frozen=True)
 class Dims:
-    """K-quant rows are whole 256-weight blocks, so every row length (dim, ff) is a multiple of 256."""
+    """K-quant rows are whole 256-weight blocks, so every row length (dim, ff, heads * head_dim) is a multiple of
+    256. `head_dim` 0: dim // heads."""
 
     dim: int = 256
     heads: int = 4
@@ -32,6 +35,11 @@ class Dims:
     ff: int = 512
     layers: int = 2
     context: int = 256
+    head_dim: int = 0
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.dim // self.heads
 
 
 def _bytes_to_unicode() -> list[str]:
@@ -49,6 +57,7 @@ def _bytes_to_unicode() -> list[str]:
 TOKENS = [*_bytes_to_unicode(), "Ġt", "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 TOKEN_TYPES = [1] * 257 + [3, 3, 3]
 EOS = TOKENS.index("<|im_end|>")
+DEFAULT_VOCAB = Vocab("gpt2", TOKENS, TOKEN_TYPES, bos=None, eos=EOS, template=CHATML, merges=["Ġ t"], pre="default")
 
 
 def _k_blocks(rng: np.random.Generator, n: int, typ: T, std: float) -> np.ndarray:
@@ -90,12 +99,35 @@ def _type(types: TypeOf, name: str) -> T:
     return types.get(kind, T.F32)
 
 
+# What each architecture adds to llama's tensors, per layer: Qwen2's q/k/v biases, Qwen3's q/k RMS norms.
+EXTRAS: dict[str, tuple[str, ...]] = {"qwen2": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+                                      "qwen3": ("attn_q_norm.weight", "attn_k_norm.weight")}
+
+
+def _extra_shapes(arch: str, dims: Dims, i: int) -> dict[str, tuple[int, ...]]:
+    size = {"attn_q.bias": dims.heads * dims.hd, "attn_k.bias": dims.kv * dims.hd, "attn_v.bias": dims.kv * dims.hd,
+            "attn_q_norm.weight": dims.hd, "attn_k_norm.weight": dims.hd}
+    return {f"blk.{i}.{n}": (size[n],) for n in EXTRAS.get(arch, ())}
+
+
+def _random(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Biases about as large as the projections they are added to, norm weights near 1, matrices scaled so each
+    output is about as large as its input."""
+    if name.endswith(".bias"):
+        return rng.standard_normal(shape) * 0.5
+    if len(shape) == 1:
+        return 1 + rng.standard_normal(shape) * 0.1
+    return rng.standard_normal(shape) * (0.1 if name == "token_embd.weight" else shape[-1] ** -0.5)
+
+
 def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = True, seed: int = 0,
-                arch: str = "llama", rope_freqs: np.ndarray | None = None) -> Path:
-    """A random llama GGUF at `path` with its tensors in `types` (see _type); `tied`: no output.weight; `arch` its
-    general.architecture (and key prefix); `rope_freqs`: llama.cpp's RoPE frequency factors (rope_freqs.weight)."""
+                arch: str = "llama", rope_freqs: np.ndarray | None = None, rope_base: float = 10000.0,
+                vocab: Vocab | None = None) -> Path:
+    """A random llama-shaped GGUF at `path` with its tensors in `types` (see _type); `tied`: no output.weight;
+    `arch` its general.architecture (and key prefix), with that architecture's EXTRAS; `rope_freqs`: llama.cpp's
+    RoPE frequency factors (rope_freqs.weight); `vocab`: its tokenizer (default: this module's byte-level one)."""
     rng = np.random.default_rng(seed)
-    hd = dims.dim // dims.heads
+    hd = dims.hd
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(dims.layers)
     w.add_context_length(dims.context)
@@ -104,29 +136,27 @@ def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = 
     w.add_head_count(dims.heads)
     w.add_head_count_kv(dims.kv)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TOKENS)
-    w.add_token_types(TOKEN_TYPES)
-    w.add_token_merges(["Ġ t"])
-    w.add_eos_token_id(EOS)
-    w.add_chat_template(CHATML)
-    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (len(TOKENS), dims.dim),
+    w.add_rope_freq_base(rope_base)
+    if dims.head_dim:
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+    vocab = vocab or DEFAULT_VOCAB
+    vocab.write(w)
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (len(vocab.tokens), dims.dim),
                                           "output_norm.weight": (dims.dim,)}
     if not tied:
-        shapes["output.weight"] = (len(TOKENS), dims.dim)
-    rows = {"attn_q": dims.dim, "attn_k": dims.kv * hd, "attn_v": dims.kv * hd, "attn_output": dims.dim,
+        shapes["output.weight"] = (len(vocab.tokens), dims.dim)
+    rows = {"attn_q": dims.heads * hd, "attn_k": dims.kv * hd, "attn_v": dims.kv * hd, "attn_output": dims.dim,
             "ffn_gate": dims.ff, "ffn_up": dims.ff, "ffn_down": dims.dim}
+    cols = {"attn_output": dims.heads * hd, "ffn_down": dims.ff}
     for i in range(dims.layers):
         shapes[f"blk.{i}.attn_norm.weight"] = shapes[f"blk.{i}.ffn_norm.weight"] = (dims.dim,)
         for m in MATRICES:
-            shapes[f"blk.{i}.{m}.weight"] = (rows[m], dims.ff if m == "ffn_down" else dims.dim)
+            shapes[f"blk.{i}.{m}.weight"] = (rows[m], cols.get(m, dims.dim))
+        shapes.update(_extra_shapes(arch, dims, i))
     for name, shape in shapes.items():
-        std = 0.1 if name == "token_embd.weight" else shape[-1] ** -0.5
-        # norms: weights near 1
-        x = 1 + rng.standard_normal(shape) * 0.1 if len(shape) == 1 else rng.standard_normal(shape) * std
-        typ = _type(types, name)
+        x = _random(rng, name, shape)
+        typ = T.F32 if name.endswith(".bias") else _type(types, name)
         w.add_tensor(name, encode(rng, x.astype(np.float32), typ), raw_dtype=typ)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32), raw_dtype=T.F32)
@@ -140,7 +170,7 @@ def write_llama(path: Path, types: TypeOf, dims: Dims = Dims(), *, tied: bool = 
 def llama3_rope_factors(dims: Dims, theta: float, factor: float, low: float, high: float, original: int) -> np.ndarray:
     """Llama 3's rope scaling as llama.cpp's converter writes it (rope_freqs.weight): per frequency, 1 above the high
     frequency cut, `factor` below the low one, and the smooth blend between."""
-    hd = dims.dim // dims.heads
+    hd = dims.hd
     out = []
     for freq in 1.0 / theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd):
         wavelen = 2 * np.pi / freq

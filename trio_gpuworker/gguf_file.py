@@ -152,10 +152,13 @@ _CONTROL = 3  # llama.cpp token type
 _END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>")
 
 
+_END_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
 def end_of_generation_ids(meta: dict[str, Any]) -> set[int]:
-    """Like llama.cpp's end-of-generation set: the declared EOS plus control tokens that end a turn."""
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    out = {int(eos)} if isinstance(eos, int) else set()
+    """Like llama.cpp's end-of-generation set: the declared EOS, end-of-turn and end-of-message tokens, plus control
+    tokens that end a turn."""
+    out = {int(v) for k in _END_KEYS if isinstance(v := meta.get(k), int)}
     types = meta.get("tokenizer.ggml.token_type") or []
     for i, t in enumerate(meta.get("tokenizer.ggml.tokens") or []):
         if t in _END_MARKERS and i < len(types) and types[i] == _CONTROL:

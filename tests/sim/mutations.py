@@ -112,6 +112,14 @@ def _reload_drops_its_settings(original: Any) -> Any:
     return reload
 
 
+def _holds_ignored(original: Any) -> Any:
+    """Batched generation: the lane did not know a generation held live sequences, so a roll-over took over, or a
+    reload stopped it, between two of their chunks."""
+    def hold(self: Any, gen: int, on: bool, now: float) -> Any:
+        return original(self, gen, False, now)
+    return hold
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -121,6 +129,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
                             (_supervisor.Supervisor, "_lane", _lane_local_generations)],
     "reply_bursts_fault_the_worker": [(_worker.Replies, "put", _replies_counted_in_frames)],
     "reload_keeps_old_settings": [(_lifecycle.LaneLifecycle, "reload", _reload_drops_its_settings)],
+    "handover_cuts_a_held_batch": [(_lifecycle.LaneLifecycle, "hold", _holds_ignored)],
 }
 
 

@@ -216,14 +216,14 @@ class Api(AdminRoutes, StateRoutes, GenerationRoutes, RerankRoutes, TokenRoutes)
             if route.tracked and not self.admitting:
                 raise HttpError(503, "shutting_down", "gpuworkerd is draining; no new requests are admitted",
                                 {"retry-after": str(DRAIN_RETRY_AFTER_S), "connection": "close"})
+            if route.tracked:  # in flight from its admission: a drain waits for its body's upload too
+                self._enter()
+                tracked = True
             received = True  # from here the body is read whole, or the answer closes the connection
             body = await self._json_body(scope, receive) if method == "POST" else None
             model = self._model_label(body)
             if route.fields is not None and body is not None:
                 check_fields(body, route.fields)
-            if route.tracked:
-                self._enter()
-                tracked = True
             status = await self._run(route, params, body, receive, send)
             outcome = "ok" if status < 400 else str(status)
         except ClientGone:

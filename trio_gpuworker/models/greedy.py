@@ -18,6 +18,7 @@ import numpy as np
 from .._proto import PACKED_SLOTS
 from ..gguf_file import GGUFTensor, end_of_generation_ids
 from . import quant
+from .architectures import BIASES, HEAD_NORMS, architecture, optional
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
 PREFILL_CHUNK = 32
@@ -33,18 +34,21 @@ class GreedyDecoder(abc.ABC):
     batches = False  # has _batched_step and BATCH + 1 cache slots
 
     def _hparams(self, kv: dict[str, Any], raw: Mapping[str, GGUFTensor], max_context: int) -> np.ndarray:
-        """The GGUF's llama hyperparameters, onto self; returns RoPE's inverse frequencies (float64, head_dim / 2):
+        """The GGUF's hyperparameters (of any architecture in models/architectures.py), onto self, with whether its
+        layers have q/k/v biases and q/k head norms; returns RoPE's inverse frequencies (float64, head_dim / 2):
         base ** (-2i / head_dim), each divided by its factor where the file has `rope_freqs.weight` (llama.cpp's
         frequency factors: a Llama 3 model's rope scaling, written out per frequency)."""
-        arch = kv["general.architecture"]
-        if arch != "llama":
-            raise ValueError(f"unsupported architecture {arch!r}")
+        arch = architecture(kv)
         g = lambda k, d=None: kv.get(f"{arch}.{k}", d)  # noqa: E731
         self.n_layers, self.dim = int(g("block_count")), int(g("embedding_length"))
         self.n_heads, self.n_kv = int(g("attention.head_count")), int(g("attention.head_count_kv"))
         self.head_dim = int(g("attention.key_length", self.dim // self.n_heads))
+        if int(g("attention.value_length", self.head_dim)) != self.head_dim:
+            raise ValueError("value heads of another size than key heads are not supported")
         if int(g("rope.dimension_count", self.head_dim)) != self.head_dim:
             raise ValueError("partial RoPE is not supported")
+        self.biases = optional(raw, BIASES, self.n_layers)
+        self.head_norms = optional(raw, HEAD_NORMS, self.n_layers)
         self.eps = float(g("attention.layer_norm_rms_epsilon"))
         self.max_context = min(max_context, int(g("context_length")))
         self.eos_ids = end_of_generation_ids(kv)

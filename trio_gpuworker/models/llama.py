@@ -1,4 +1,5 @@
-"""Llama-architecture decoder (SmolLM2) as tinygrad-generated kernels: GGUF weights, KV cache, greedy generation.
+"""Llama-shaped decoder (llama, qwen2, qwen3: models/architectures.py) as tinygrad-generated kernels: GGUF weights,
+KV cache, greedy generation.
 
 This is the decoder for every device tinygrad drives (CUDA, NV, ...), and `decoder = "graph"` on CPU. On CPU the
 default is llama_fused.py (one hand-written kernel per step over packed weights, ~14x faster there); both
@@ -23,6 +24,7 @@ from tinygrad.uop.ops import resolve
 from .._kinds import DEFAULT_CONTEXT
 from ..gguf_file import GGUFTensor, read_tensors
 from . import quant
+from .architectures import BIASES, HEAD_NORMS, llama_layout
 from .greedy import PREFILL_CHUNK, GreedyDecoder
 
 _SPLIT = 64
@@ -43,7 +45,7 @@ def _mv(x: Tensor, w: Tensor) -> Tensor:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # GGUF llama Q/K rows are permuted for llama.cpp's "normal" RoPE, which rotates adjacent pairs.
+    # Q/K rows are ordered for llama.cpp's "normal" RoPE, which rotates adjacent pairs (models/architectures.py).
     *lead, hd = x.shape
     x = x.reshape(*lead, hd // 2, 2)
     x0, x1 = x[..., 0], x[..., 1]
@@ -56,6 +58,17 @@ class _Dims:
     n_kv: int
     head_dim: int
     eps: float
+    biases: bool  # q/k/v biases
+    head_norms: bool  # q/k RMS norms per head, ahead of RoPE
+
+
+def _project(h: Tensor, w: Tensor, b: Tensor, heads: int, d: _Dims, norm: Tensor | None = None) -> Tensor:
+    """h @ w.T (+ b) as (heads, T, head_dim), each head RMS-normed by `norm` where the model has head norms."""
+    y = _mv(h, w) + b if d.biases else _mv(h, w)
+    y = y.reshape(h.shape[0], heads, d.head_dim)
+    if norm is not None and d.head_norms:
+        y = _rms_norm(y, norm, d.eps)
+    return y.transpose(0, 1)
 
 
 # One traced body shared by all layers (weights are explicit inputs), so tinygrad schedules it once
@@ -64,13 +77,14 @@ class _Dims:
 def _block(
     x: Tensor, cache: Tensor, cos: Tensor, sin: Tensor, start: UOp, d: _Dims,
     attn_norm: Tensor, wq: Tensor, wk: Tensor, wv: Tensor, wo: Tensor,
-    ffn_norm: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, pos: Tensor,
+    ffn_norm: Tensor, wg: Tensor, wu: Tensor, wd: Tensor,
+    bq: Tensor, bk: Tensor, bv: Tensor, qn: Tensor, kn: Tensor, pos: Tensor,
 ) -> Tensor:
     T, (H, KV, hd) = x.shape[0], (d.n_heads, d.n_kv, d.head_dim)
     h = _rms_norm(x, attn_norm, d.eps)
-    q = _rope(_mv(h, wq).reshape(T, H, hd).transpose(0, 1), cos, sin)
-    k = _rope(_mv(h, wk).reshape(T, KV, hd).transpose(0, 1), cos, sin)
-    v = _mv(h, wv).reshape(T, KV, hd).transpose(0, 1)
+    q = _rope(_project(h, wq, bq, H, d, qn), cos, sin)
+    k = _rope(_project(h, wk, bk, KV, d, kn), cos, sin)
+    v = _project(h, wv, bv, KV, d)
     # Write this step's K/V into the cache and read it back in the same graph. Rows past the prompt in
     # a padded chunk write junk beyond the prompt; decode overwrites each slot before a query can see it.
     kv = Tensor(cache.uop.after(cache[:, :, start : start + T].uop.store(Tensor.stack(k, v).uop)))
@@ -91,6 +105,7 @@ def _block(
 class LlamaLM(GreedyDecoder):
     def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int) -> None:
         inv_freq = self._hparams(kv, raw, max_context)
+        raw = llama_layout(kv, raw, self.head_dim)
 
         # Dequantise once at load (models/quant.py, any GGUF type): a float32 matvec beats re-unpacking Q4_1
         # nibbles on every token here.
@@ -102,9 +117,14 @@ class LlamaLM(GreedyDecoder):
         self.vocab_size = int(self.tok_embd.shape[0])
         self.output = w("output.weight") if "output.weight" in raw else self.tok_embd
         self.out_norm = w("output_norm.weight")
+        # A model without biases or head norms passes one zero in their place, which _block never reads.
+        unused = Tensor.zeros(1).contiguous()
+        extras = (*BIASES, *HEAD_NORMS)
+        has = {n: self.biases for n in BIASES} | {n: self.head_norms for n in HEAD_NORMS}
         self.layers = [
             {k: w(f"blk.{i}.{k}.weight") for k in
              ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+            | {n: w(f"blk.{i}.{n}") if has[n] else unused for n in extras}
             for i in range(self.n_layers)
         ]
         # Slots past max_context absorb the padding of a final prefill chunk.
@@ -114,9 +134,9 @@ class LlamaLM(GreedyDecoder):
         self.sin = Tensor(np.sin(ang).astype(np.float32)).contiguous()
         self.pos = Tensor.arange(slots, dtype=dtypes.int32).contiguous()
         self.cache = [Tensor.zeros(2, self.n_kv, slots, self.head_dim).contiguous() for _ in self.layers]
-        Tensor.realize(self.tok_embd, self.output, self.out_norm, self.cos, self.sin, self.pos, *self.cache,
-                       *[t for lay in self.layers for t in lay.values()])
-        self.dims = _Dims(self.n_heads, self.n_kv, self.head_dim, self.eps)
+        Tensor.realize(self.tok_embd, self.output, self.out_norm, self.cos, self.sin, self.pos, *self.cache, unused,
+                       *{id(t): t for lay in self.layers for t in lay.values()}.values())
+        self.dims = _Dims(self.n_heads, self.n_kv, self.head_dim, self.eps, self.biases, self.head_norms)
         self._start = UOp.variable("start_pos", 0, self.max_context - 1)
         self._last = UOp.variable("last_row", 0, PREFILL_CHUNK - 1)
         self._prefill = TinyJit(self._forward)

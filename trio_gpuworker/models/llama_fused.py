@@ -1,4 +1,5 @@
-"""Llama-architecture decoder (SmolLM2) for tinygrad's CPU device: packed GGUF weights, KV cache, greedy generation.
+"""Llama-shaped decoder (llama, qwen2, qwen3: models/architectures.py) for tinygrad's CPU device: packed GGUF weights,
+KV cache, greedy generation.
 
 The CPU default (`decoder = "fused"`): its kernel is C source run through tinygrad's custom_kernel, so tinygrad
 compiles, caches, captures and replays it, but it only runs where tinygrad compiles C (CPU). Other devices use
@@ -28,6 +29,7 @@ from tinygrad import Tensor, TinyJit, dtypes
 from .._kinds import DEFAULT_CONTEXT
 from ..gguf_file import GGUFTensor, read_tensors
 from . import ckernel, csource, quant
+from .architectures import BIASES, HEAD_NORMS, llama_layout
 from .greedy import BATCH, PREFILL_CHUNK, GreedyDecoder
 
 
@@ -45,6 +47,8 @@ class LlamaDims:
     nl: int
     eps: float
     g: int  # rows per packed group (quant.G)
+    biases: int  # 1: q/k/v biases
+    head_norms: int  # 1: q/k RMS norms per head, ahead of RoPE
     type_embd: int
     type_out: int
     type_qkv: int
@@ -78,8 +82,10 @@ class FusedLlamaLM(GreedyDecoder):
 
     def __init__(self, kv: dict[str, Any], raw: dict[str, GGUFTensor], max_context: int, threads: int = 1) -> None:
         inv_freq = self._hparams(kv, raw, max_context)
+        raw = llama_layout(kv, raw, self.head_dim)
         self.ff = int(raw["blk.0.ffn_gate.weight"].shape[0])
-        if self.dim % 32 or self.ff % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
+        qd = self.n_heads * self.head_dim
+        if self.dim % 32 or self.ff % 32 or qd % 32 or self.head_dim % 16 or self.n_heads % self.n_kv:
             raise ValueError("dimensions must be multiples of the 32-element quant block")
 
         def mat(typ: int, *names: str, interleave: bool = False) -> np.ndarray:
@@ -90,6 +96,12 @@ class FusedLlamaLM(GreedyDecoder):
 
         def vec(name: str) -> np.ndarray:
             return quant.f32(raw[name].typ, raw[name].data)
+
+        def per_layer(names: tuple[str, ...], present: bool) -> Tensor:
+            """Vectors `names` of every layer back to back; one zero, which the kernel never reads, when absent."""
+            if not present:
+                return Tensor.zeros(1).contiguous()
+            return Tensor(np.concatenate([vec(f"blk.{i}.{n}") for i in range(self.n_layers) for n in names]))
 
         def stacked(kind: str, *names: str, interleave: bool = False) -> Tensor:
             """One matrix kind of every layer back to back, in the one layout the kernel reads the kind in."""
@@ -115,6 +127,8 @@ class FusedLlamaLM(GreedyDecoder):
         self.wo = stacked("o", "attn_output")
         self.wgu = stacked("gu", "ffn_gate", "ffn_up", interleave=True)
         self.wd = stacked("d", "ffn_down")
+        self.bqkv = per_layer(BIASES, self.biases)
+        self.head_norm = per_layer(HEAD_NORMS, self.head_norms)
         # Slots past max_context absorb the padding of a final prefill chunk.
         self.slots = self.max_context + PREFILL_CHUNK
         # RoPE factors in float64, computed as the reference does (complex exponential of pos * inv_freq).
@@ -125,7 +139,7 @@ class FusedLlamaLM(GreedyDecoder):
         # once a sequence reaches it: ~460 MB at the default context, most of it never touched.
         self.cache = Tensor.empty((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim)
         self.weights = [self.tok_embd, self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.wgu, self.wd,
-                        self.rope, self.out_norm, self.output]
+                        self.rope, self.out_norm, self.output, self.bqkv, self.head_norm]
         # The kernel's host table (kernels/threads.h): this process's pthread functions and expf, written before
         # each step.
         self.threads = threads
@@ -140,9 +154,7 @@ class FusedLlamaLM(GreedyDecoder):
         self._ids = {n: Tensor.zeros(3 * n + 1, dtype=dtypes.int32).contiguous().realize() for n in STEPS}
         # The kernel's scratch, persistent too: its last vocab_size floats are the step's logits, which sampling
         # and logprobs read in place after the replay (greedy never does).
-        nqkv = (self.n_heads + 2 * self.n_kv) * self.head_dim
-        self._scratch = {s.t: Tensor.zeros(s.t * 2 * self.dim + s.t * max(nqkv + self.dim, 3 * self.ff)
-                                           + s.heads * self.vocab_size).contiguous().realize() for s in STEPS.values()}
+        self._scratch = {s.t: Tensor.zeros(self._scratch_floats(s)).contiguous().realize() for s in STEPS.values()}
         self._last_t = 1
 
     @classmethod
@@ -155,6 +167,12 @@ class FusedLlamaLM(GreedyDecoder):
         if warmup:
             lm.warmup()
         return lm
+
+    def _scratch_floats(self, step: Step) -> int:
+        """kernels/llama_forward.c's scratch: x and h, then q|k|v and the attention output or the gate/up pairs and
+        their product, then the logits."""
+        nqkv, qd = (self.n_heads + 2 * self.n_kv) * self.head_dim, self.n_heads * self.head_dim
+        return step.t * 2 * self.dim + step.t * max(nqkv + qd, 3 * self.ff) + step.heads * self.vocab_size
 
     def _prefill_step(self, tokens: np.ndarray, start: int, last: int, slot: int = 0) -> int:
         n = len(tokens)
@@ -191,15 +209,16 @@ class FusedLlamaLM(GreedyDecoder):
         H, KV, HD, ty = self.n_heads, self.n_kv, self.head_dim, self.types
         dims = LlamaDims(d=self.dim, h=H, kv=KV, hd=HD, ff=self.ff, v=self.vocab_size, s=self.slots,
                          nl=self.n_layers, eps=self.eps, g=quant.G, type_embd=self.embd_type, type_out=self.out_type,
-                         type_qkv=ty["q"], type_o=ty["o"], type_gu=ty["gu"], type_down=ty["d"])
+                         type_qkv=ty["q"], type_o=ty["o"], type_gu=ty["gu"], type_down=ty["d"],
+                         biases=int(self.biases), head_norms=int(self.head_norms))
         return csource.source("llama_forward.c", dims, STEPS[t])
 
     def _forward(self, ids: Tensor) -> Tensor:
         """ids (3T + 1,) int32: T tokens, their positions, their cache slots, the rows in use -> next ids (HEADS,)."""
         T, D, FF, V = (ids.shape[0] - 1) // 3, self.dim, self.ff, self.vocab_size
         nqkv, step, scratch = (self.n_heads + 2 * self.n_kv) * self.head_dim, STEPS[T], self._scratch[T]
-        assert scratch.shape[0] == T * 2 * D + T * max(nqkv + D, 3 * FF) + step.heads * V
-        macs = T * self.n_layers * D * (nqkv + D + 3 * FF) + D * V
+        assert scratch.shape[0] == self._scratch_floats(step)
+        macs = T * self.n_layers * D * (nqkv + self.n_heads * self.head_dim + 3 * FF) + D * V
         mem = sum(w.nbytes() for w in (self.wqkv, self.wo, self.wgu, self.wd, self.output))
         return ckernel.kernel("forward", self.source(T), [Tensor.empty(step.heads, dtype=dtypes.int32), scratch,
                               self.cache], [ids, self._host, *self.weights], inout=(2,), ops=2 * macs,

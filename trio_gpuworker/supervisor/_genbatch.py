@@ -116,7 +116,9 @@ class Packer:
     def _sync_hold(self) -> None:
         """The lane knows which generation holds live sequences: a roll-over or an ordered reload lets them finish
         there before that generation stops (their next chunks are pinned to it)."""
-        holder = self.generation if self.live else None
+        if not self.live:
+            self.generation = None  # a batch that starts again may start on another worker
+        holder = self.generation
         if holder != self._held:
             if self._held is not None:
                 self.lane.hold(self._held, False)

@@ -20,11 +20,11 @@ import cbor2
 import numpy as np
 import trio
 
-from .._proto import CLOSED, DEFAULT_MAX_FRAME, Connection, Message, hello_fields, is_request
+from .._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, Connection, Message, hello_fields, is_request
 from ._plan import FaultPlan
 from ._sim_rings import SimRings
 
-SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "EXECUTE_STEP")
+SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "GENERATE_PACKED", "EXECUTE_STEP")
 BURST = 100  # replies in one burst: more than the 64 frames the reply buffer once counted
 OVERSIZE = struct.pack("<I", 0xFFFFFFF0)  # a frame length far past any max_frame
 FLOOD = b"fake worker flood " * 7 + b"\n"  # 127 bytes, written 8257 times: ~1 MiB
@@ -50,6 +50,7 @@ class SimWorker:
         self.stopping: str | None = None
         self.abort = trio.Event()
         self.rings: SimRings | None = None
+        self.batch: dict[int, list[int]] = {}  # GENERATE_PACKED: seq -> [sum of its prompt ids, max_tokens, n_gen]
         self._arena = _map_arena(env)
         self._send_lock = trio.Lock()
         self._scope = trio.CancelScope()
@@ -92,7 +93,7 @@ class SimWorker:
 
     async def _hello(self) -> None:
         """HELLO, or the plan's handshake fault instead."""
-        engine = {"engine": "sim", "version": "1", "build_flags": []}
+        engine = {"engine": "sim", "version": "1", "build_flags": [EXT_PACKED]}
         hello = hello_fields(self.nonce, self.pid, DEFAULT_MAX_FRAME, engine)
         fault = self.plan.handshake if self.plan.handshake is not None and self.plan.claim() else None
         if fault is not None:
@@ -270,7 +271,32 @@ class SimWorker:
                 completed += 1
                 await self.send("PROGRESS", {"req_id": req_id, "completed": completed, "phase": "inference"})
 
+    def packed(self, msg: Message) -> tuple[str, dict[str, Any], None]:
+        """One GENERATE_PACKED chunk: each live sequence's next tokens, written " <sum>:<n>" per token, then
+        "@g<generation>", so the driver can tell a text that moved between workers or was not its own."""
+        ids, at = np.frombuffer(msg.raw or b"", dtype="<i4"), 0
+        for seq in msg["leave"]:
+            self.batch.pop(seq, None)
+        failed = [{"seq": s, "code": "invalid_request", "msg": "not in this batch"} for s in msg["live"]
+                  if s not in self.batch]
+        for j in msg["join"]:
+            self.batch[j["seq"]] = [int(ids[at:at + j["n_tokens"]].sum()), j["max_tokens"], 0]
+            at += j["n_tokens"]
+        seqs = []
+        for seq, st in list(self.batch.items()):
+            total, most, done = st
+            k = min(msg["steps"], most - done)
+            st[2] = done + k
+            seqs.append({"seq": seq, "text": "".join(f" {total}:{done + i + 1}" for i in range(k))
+                         + f"@g{self.generation}", "n_gen": st[2], "ids": list(range(k)),
+                         "finish_reason": "length" if st[2] >= most else None})
+            if st[2] >= most:
+                del self.batch[seq]
+        return "TEXTS", {"req_id": msg["req_id"], "seqs": seqs, **({"failed": failed} if failed else {})}, None
+
     def answer(self, msg: Message) -> tuple[str, dict[str, Any], bytes | None]:
+        if msg.t == "GENERATE_PACKED":
+            return self.packed(msg)
         req_id, ids = msg["req_id"], np.frombuffer(msg.raw or b"", dtype="<i4")
         if msg.t == "EMBED_BATCH":
             rows, at = [], 0

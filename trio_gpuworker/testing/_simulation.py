@@ -108,6 +108,9 @@ class Simulation:
         if (proc := self.worker(lane, standby)) is not None:
             proc.worker.hung.set()
 
+    def watch(self, nursery: trio.Nursery) -> None:
+        """Start, in `nursery`, the watchers that check invariants between the scenario's checks (none here)."""
+
     def pending(self) -> list[str]:
         """What the scenario started and nothing has answered yet (for the report of a run that did not end)."""
         return []
@@ -242,6 +245,7 @@ async def _run(world: Simulation, scenario: Scenario, shape: WorldShape, directo
         world.launcher = launcher
         async with Supervisor(shape.config(directory), launcher=launcher) as sup:
             world.sup = sup
+            world.watch(sim)
             world.events = sup.subscribe()
             try:
                 await scenario(world)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,9 @@ import trio
 
 from .._errors import GpuWorkerError
 from .._proto import Generate, Rerank
+from .._proto._lifecycle_parts import Stop
 from ..supervisor import Lane, LaneSettings, LoadSpec
+from ..supervisor._genbatch import _PACKERS, packer_for
 from ._schedule import Schedule, Step
 from ._simulation import BOUND, HORIZON_S, MODEL, Simulation, WorldShape, run_world
 
@@ -126,8 +129,11 @@ class World(Simulation):
         return None
 
     async def _generate(self, step: Step) -> str | None:
+        """A GENERATE alone (even `arg`), or 1-3 sequences decoded together in GENERATE_PACKED chunks (odd)."""
         assert self.sup is not None
         lane = self.sup.pick_lane(MODEL)
+        if step.arg % 2:
+            return await self._batched(step, lane)
         ids = self._ids(1 + step.arg % 9)
         reply = await lane.call(Generate(model_ref=MODEL, max_tokens=step.arg, raw=ids.tobytes()),
                                 timeout=step.timeout)
@@ -137,6 +143,47 @@ class World(Simulation):
         if int(gen) not in self._gens_of(lane):
             self.found.append(f"{step}: answered by generation {gen}, which lane {lane.id} never ran")
         return None
+
+    async def _batched(self, step: Step, lane: Lane) -> str | None:
+        fields = {"max_tokens": step.arg}
+        packer = packer_for(lane, MODEL, fields)
+        if packer is None:
+            return "alone"
+
+        async def one(k: int) -> None:
+            ids = self._ids(1 + (step.arg + k) % 9)
+            got = await packer.generate(dict(fields), ids, timeout=step.timeout, on_delta=None, timing=None)
+            if got is None:
+                return
+            parts = re.split(r"@g(\d+)", got["text"])
+            want = "".join(f" {int(ids.sum())}:{n}" for n in range(1, step.arg + 1))
+            gens = {int(g) for g in parts[1::2]}
+            if "".join(parts[0::2]) != want or len(gens) != 1 or not gens <= self._gens_of(lane):
+                self.found.append(f"{step}: sequence {k}'s text {got['text']!r} is not its own, from one worker "
+                                  f"of lane {lane.id}")
+
+        async with trio.open_nursery() as nursery:
+            for k in range(1 + step.arg % 3):
+                nursery.start_soon(one, k)
+        return None
+
+    def watch(self, nursery: trio.Nursery) -> None:
+        """The batch watcher of every lane (`watch_batches`)."""
+        for lane in self.supervisor.lanes.values():
+            nursery.start_soon(self.watch_batches, lane)
+
+    async def watch_batches(self, lane: Lane) -> None:
+        """After every change of the lane: a worker that holds a batch's live sequences is never stopped for a
+        reload or a roll-over (their next chunks are pinned to it; they would fail)."""
+        seen: set[int] = set()
+        while True:
+            await lane.runner.changed.wait()
+            for packer in _PACKERS.get(lane, {}).values():
+                g = lane.machine.gens.get(packer.generation) if packer.live and packer.generation else None
+                if g is not None and g.stop in (Stop.RELOAD, Stop.RETIRE) and g.number not in seen:
+                    seen.add(g.number)
+                    self.found.append(f"lane {lane.id}: generation {g.number} stopped ({g.stop.value}) while it "
+                                      f"held {len(packer.live)} live batched sequence(s)")
 
     def _gens_of(self, lane: Lane) -> set[int]:
         assert self.launcher is not None

@@ -221,13 +221,14 @@ def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, veri
     verify()  # before the artifact is read or anything from the cache runs
 
     def build() -> tuple[Any, Any]:
+        detokenizer = ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization in the worker
         lm = cls.load(path, max_context=context, warmup=False, **({"threads": threads} if decoder == "fused" else {}))
         stats = BeamStats(beam)
         with beam_shape(beam, stats):
             lm.warmup(progress)
         if beam:
             _log(f"worker: generate model {path.name}: {stats.describe()}")
-        return lm, ChatTokenizer.from_gguf(path)  # ids in, text out: no tokenization in the worker
+        return lm, detokenizer
 
     extra: dict[str, Any] = {"max_context": context, "beam": beam, "decoder": decoder}
     fused = ("trio_gpuworker.models.csource", "trio_gpuworker.models.ckernel")
@@ -236,8 +237,10 @@ def load_llama(path: Path, rc: LoadConfig | Mapping[str, Any], digest: str, veri
 
         extra["kernels_sha256"] = csource.digest()
         extra["threads"] = threads
-    modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.llm_tokenizer",
-               "trio_gpuworker.models.quant", "trio_gpuworker.gguf_file", *(fused if decoder == "fused" else ()))
+    modules = (cls.__module__, "trio_gpuworker.models.greedy", "trio_gpuworker.models.architectures",
+               "trio_gpuworker.llm_tokenizer", "trio_gpuworker.chat_template", "trio_gpuworker.models.quant",
+               "trio_gpuworker.gguf_file",
+               *(fused if decoder == "fused" else ()))
     model, _, outcome = _cached(path, GENERATE, _key(digest, GENERATE, modules, extra), build)
     _log(f"worker: generate model {path.name}: jit cache {outcome}")
     return model

@@ -5,18 +5,22 @@
    slot (HEADS == T: a next id per row), so the weights are read once for all of them. The host's table
    (kernels/threads.h) says how many threads share the step and gives the SiLU's expf (libm's, called through
    the table: the kernel links nothing).
-   Defines (models/llama_fused.py LlamaDims and Step): T, NT, SPLIT, HEADS, D, H, KV, HD, FF, V, S, NL, EPS, G
-   and the GGML type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU, TYPE_DOWN. */
+   Where the model has them (BIASES, HEAD_NORMS: models/architectures.py), q/k/v biases are added to the
+   projections and each q and k head is RMS-normed ahead of RoPE.
+   Defines (models/llama_fused.py LlamaDims and Step): T, NT, SPLIT, HEADS, D, H, KV, HD, FF, V, S, NL, EPS, G,
+   BIASES, HEAD_NORMS and the GGML type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU,
+   TYPE_DOWN. */
 #include "llama_math.h"
 #include "quant.h"
 #include "threads.h"
 
 #define NQKV ((H + 2 * KV) * HD)
+#define QD (H * HD)  /* the attention output's width: D unless the heads have a size of their own */
 #define GQ (H / KV)
 #define SQRT_HD __builtin_sqrt((double)HD)
 /* packed bytes of one layer's matrix of each kind: rows x blocks per row x bytes per block */
 #define SZQKV ((long)NQKV * (D / 32) * BS(TYPE_QKV))
-#define SZO ((long)D * (D / 32) * BS(TYPE_O))
+#define SZO ((long)D * (QD / 32) * BS(TYPE_O))
 #define SZGU ((long)2 * FF * (D / 32) * BS(TYPE_GU))
 #define SZD ((long)D * (FF / 32) * BS(TYPE_DOWN))
 #define SLOT ((long)NL * 2 * KV * S * HD)  /* cache floats of one sequence */
@@ -50,12 +54,24 @@
 /* Layer weights are stacked: layer l's block of a kind starts at l * its size. Scratch: x, h, then either
    q|k|v + attention output, or gate/up pairs + their product; HEADS rows of logits last. ids: T tokens, each
    row's position, each row's cache slot, then n, the rows in use (the rest are padding, never read: a matmul's
-   last tile takes fewer rows, kernels/qmatmul.h). */
+   last tile takes fewer rows, kernels/qmatmul.h). bqkv: each layer's q|k|v biases (NQKV floats); hn: each
+   layer's q then k head norm weights (2 HD floats); each is one unread float in a model without them. */
 typedef struct {
   int *out; float *scr, *cache; const int *ids;
   const unsigned char *embd; const float *an; const unsigned char *wqkv, *wo; const float *fn;
   const unsigned char *wgu, *wd; const double *rope; const float *on; const unsigned char *wout;
+  const float *bqkv, *hn;
 } job;
+
+/* one row's q|k|v: biases added, then each q and k head RMS-normed, where the model has them */
+INL void qkv_extras(float *restrict q, const float *restrict b, const float *restrict hn) {
+  if (BIASES) for (int i = 0; i < NQKV; i++) q[i] = q[i] + b[i];
+  if (HEAD_NORMS) for (int hh = 0; hh < H + KV; hh++) {
+    float y[HD];
+    rmsnorm(y, q + hh * HD, hn + (hh < H ? 0 : HD), HD, EPS);
+    for (int i = 0; i < HD; i++) q[hh * HD + i] = y[i];
+  }
+}
 
 /* this thread's share of a matmul's O output rows, in whole groups of G: [*o0, *o1) */
 INL void share(int O, int tid, int nt, int *o0, int *o1) { *o0 = O / G * tid / nt * G; *o1 = O / G * (tid + 1) / nt * G; }
@@ -67,6 +83,7 @@ INL void run(job *j, team_t *tm, int tid) {
   const unsigned char *restrict embd = j->embd, *restrict wqkv = j->wqkv, *restrict wo = j->wo, *restrict wgu = j->wgu;
   const unsigned char *restrict wd = j->wd, *restrict wout = j->wout;
   const float *restrict an = j->an, *restrict fn = j->fn, *restrict on = j->on; const double *restrict rope = j->rope;
+  const float *restrict bqkv = j->bqkv, *restrict hn = j->hn;
   const int nt = tm->nt;
   const expf_fn ex = tm->tt->expf;
   int sense = 0, o0, o1;
@@ -75,7 +92,7 @@ INL void run(job *j, team_t *tm, int tid) {
   /* at least one row in use: the JIT cache's probe replays every graph on all-zero ids */
   const int n = ids[3 * T] < 1 ? 1 : ids[3 * T] > T ? T : ids[3 * T];
   float *x = scr, *h = x + T * D, *qkv = h + T * D, *ao = qkv + T * NQKV, *gu = qkv, *a = gu + T * 2 * FF;
-  float *lg = qkv + T * (NQKV + D > 3 * FF ? NQKV + D : 3 * FF);
+  float *lg = qkv + T * (NQKV + QD > 3 * FF ? NQKV + QD : 3 * FF);
   double sc[GQ][S + 8];
   if (tid == 0) for (int t = 0; t < n; t++) for (int b = 0; b < D / 32; b++) {
     v16 lo, hi;
@@ -93,6 +110,7 @@ INL void run(job *j, team_t *tm, int tid) {
     for (int t = tid; t < n; t += nt) {
       int pos = ps[t]; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD, *kc = KC(t), *vc = VC(t);
       const double *cs = rope + (long)pos * HD;
+      qkv_extras(q, bqkv + (long)l * NQKV, hn + (long)l * 2 * HD);
       /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
       for (int i = 0; i < (H + KV) * HD / 2; i++) {
         #pragma clang fp contract(off)
@@ -131,11 +149,11 @@ INL void run(job *j, team_t *tm, int tid) {
           for (int i = 0; i < HD; i++) o[r][i] += p * vv[i];
         }
       }
-      for (int r = 0; r < GQ; r++) for (int i = 0; i < HD; i++) ao[t * D + (g * GQ + r) * HD + i] = (float)o[r][i];
+      for (int r = 0; r < GQ; r++) for (int i = 0; i < HD; i++) ao[t * QD + (g * GQ + r) * HD + i] = (float)o[r][i];
     }
     SYNC;
     share(D, tid, nt, &o0, &o1);
-    mmo(h + o0, D, ao, D, wo + l * SZO + (long)o0 * (D / 32) * BS(TYPE_O), o1 - o0, D / 32, n);
+    mmo(h + o0, D, ao, QD, wo + l * SZO + (long)o0 * (QD / 32) * BS(TYPE_O), o1 - o0, QD / 32, n);
     SYNC;
     if (tid == 0) {
       for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
@@ -176,7 +194,8 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
     const host_table *restrict tt, const unsigned char *restrict embd, const float *restrict an,
     const unsigned char *restrict wqkv, const unsigned char *restrict wo, const float *restrict fn,
     const unsigned char *restrict wgu, const unsigned char *restrict wd, const double *restrict rope,
-    const float *restrict on, const unsigned char *restrict wout) {
-  job j = {out, scr, cache, ids, embd, an, wqkv, wo, fn, wgu, wd, rope, on, wout};
+    const float *restrict on, const unsigned char *restrict wout, const float *restrict bqkv,
+    const float *restrict hn) {
+  job j = {out, scr, cache, ids, embd, an, wqkv, wo, fn, wgu, wd, rope, on, wout, bqkv, hn};
   team_run(tt, MAXT, body, &j);
 }
