@@ -20,14 +20,15 @@ def gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
 
 
-def hidden(w: dict[str, np.ndarray], cfg: dict, ids: np.ndarray, types: np.ndarray | None = None) -> np.ndarray:
-    """(len(ids), hidden) final hidden states of one sequence."""
+def hidden(w: dict[str, np.ndarray], cfg: dict, ids: np.ndarray, types: np.ndarray | None = None,
+           positions: np.ndarray | None = None) -> np.ndarray:
+    """(len(ids), hidden) final hidden states of one sequence (at positions 0, 1, ... unless given)."""
     g = {k: v.astype(np.float64) for k, v in w.items()}
     eps, nh = cfg["layer_norm_eps"], cfg["num_attention_heads"]
     e = "embeddings."
     tt = np.zeros_like(ids) if types is None else types
     x = g[e + "word_embeddings.weight"][ids] + g[e + "token_type_embeddings.weight"][tt]
-    x = x + g[e + "position_embeddings.weight"][: len(ids)]
+    x = x + g[e + "position_embeddings.weight"][np.arange(len(ids)) if positions is None else positions]
     x = _ln(x, g[e + "LayerNorm.weight"], g[e + "LayerNorm.bias"], eps)
     L, h = x.shape
     hd = h // nh

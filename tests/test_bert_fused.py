@@ -79,7 +79,7 @@ def test_rejects_bad_rows_and_artifacts(single: tuple, tmp_path: pathlib.Path) -
         with pytest.raises(ValueError, match=match):
             ce.score(rows, types)
     with pytest.raises(ValueError, match="pooling"):
-        FusedBertEncoder.load(art, cfg).embed([ok], "max", True)
+        FusedBertEncoder.load(art, cfg).embed([ok], "weightedmean", True)
     with pytest.raises(ValueError, match="not a file"):
         FusedCrossEncoder.load(tmp_path / "nope.safetensors", cfg)
     (cut := tmp_path / "cut.safetensors").write_bytes(art.read_bytes()[:-100])

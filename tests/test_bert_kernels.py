@@ -88,10 +88,17 @@ def _tiny_weights(cfg: BertConfig) -> dict[str, np.ndarray]:
             .astype(np.float32) for k, s in cfg.shapes().items()}
 
 
+def _poolings(h: np.ndarray) -> list[np.ndarray]:
+    """mean, [CLS], max and last token of one sequence's states, in _proto POOLINGS' order."""
+    return [h.mean(0), h[0], h.max(0), h[-1]]
+
+
 @pytest.mark.parametrize("threads, wide", [(1, 0), (2, 0), (3, 0), (2, 1)])
-def test_whole_encoder_matches_the_numpy_reference(threads: int, wide: int) -> None:
-    """Sequences of mixed lengths packed back to back, token types, and a team of threads that splits both
-    the tokens (row blocks) and the heads (attention) of every layer."""
+@pytest.mark.parametrize("offset", [0, 2], ids=["bert", "xlm-roberta"])
+def test_whole_encoder_matches_the_numpy_reference(threads: int, wide: int, offset: int) -> None:
+    """Sequences of mixed lengths packed back to back, token types, position ids as the host numbers them
+    (XLM-RoBERTa's from its padding id + 1, a padding id inside a row at the padding id), a team of threads that
+    splits both the tokens (row blocks) and the heads (attention) of every layer, and every pooling."""
     cfg = BertConfig.from_dict(TINY)
     w = _tiny_weights(cfg)
     maxlp, mb = 128, 8  # a small row block, so a thread runs several
@@ -99,20 +106,23 @@ def test_whole_encoder_matches_the_numpy_reference(threads: int, wide: int) -> N
     cap = Capacity(cap=CAP, maxlp=maxlp, mb=mb, threads=threads,
                    scratch=bert_fused.scratch_floats(dims, CAP, maxlp, mb, threads))
     lib = build("bert_encode.c", dims, cap, spec(wide=wide))
-    lens = [1, 7, 128, 2, 33, 13, 64, 5]
+    lens = [1, 7, 126, 2, 33, 13, 64, 5]
     rows = [RNG.integers(0, 97, n).astype(np.int32) for n in lens]
     types = [(np.arange(n) >= n // 2).astype(np.int32) for n in lens]
+    positions = [np.arange(n, dtype=np.int32) + offset for n in lens]
+    if offset:
+        positions[4][5:] -= 1  # a padding id at 5 keeps position 1 and is not counted
+        positions[4][5] = 1
     inp = np.zeros(bert_fused.IN_INTS, np.int32)
-    pack_rows(inp, rows, types)
-    out = np.full((CAP, 2 * 64), np.nan, np.float32)
+    pack_rows(inp, rows, types, positions)
+    out = np.full((CAP, 4 * 64), np.nan, np.float32)
     scr = np.zeros(cap.scratch, np.float32)
     table = ckernel.host_table(threads)
     weights = pack_weights(cfg, w)
     lib.encode(ptr(out), ptr(scr), ptr(inp), ptr(table), *[ptr(a) for a in weights])
-    for i, (r, t) in enumerate(zip(rows, types, strict=True)):
-        h = hidden(w, TINY, r, t)
-        np.testing.assert_allclose(out[i, :64], h.mean(0), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(out[i, 64:], h[0], rtol=1e-4, atol=1e-4)
+    for i, (r, t, p) in enumerate(zip(rows, types, positions, strict=True)):
+        want = np.concatenate(_poolings(hidden(w, TINY, r, t, p)))
+        np.testing.assert_allclose(out[i], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("cpu", [None, "x86-64-v3", "icelake-server"], ids=["native", "avx2", "avx512"])
@@ -127,7 +137,7 @@ def test_the_kernels_build_for_avx2_and_avx512_and_link_nothing(cpu: str | None)
     dims = BertDims(h=384, nh=12, hd=32, ff=1536, nl=6, eps=1e-12, act=0)
     cap = Capacity(cap=CAP, maxlp=256, mb=48, threads=2, scratch=bert_fused.scratch_floats(dims, CAP, 256, 48, 2))
     llama = LlamaDims(d=576, h=9, kv=3, hd=64, ff=1536, v=49152, s=2080, nl=30, eps=1e-5, g=4, type_embd=8,
-                      type_out=8, type_qkv=3, type_o=3, type_gu=3, type_down=3)
+                      type_out=8, type_qkv=3, type_o=3, type_gu=3, type_down=3, biases=1, head_norms=1)
     sources = [("encode", csource.source("bert_encode.c", dims, cap))]
     sources += [("forward", csource.source("llama_forward.c", llama, step)) for step in STEPS.values()]
     for entry, src in sources:

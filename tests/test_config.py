@@ -67,7 +67,7 @@ def test_env_overrides_paths_and_listeners() -> None:
     ("[models.m]\npath = '/nope/model.safetensors'" + LANE, "models.m.path"),
     ("[models.m]\npath = 'pkg:not_a_package_xyz/x'" + LANE, "models.m.path"),
     (MODEL + "kind = 'dance'" + LANE, "models.m.kind"),
-    (MODEL + "pooling = 'max'" + LANE, "models.m.pooling"),
+    (MODEL + "pooling = 'weightedmean'" + LANE, "models.m.pooling"),
     (MODEL + "digest = 'abc'" + LANE, "models.m.digest"),
     (MODEL + "colour = 'red'" + LANE, "models.m.colour"),
     (MODEL + '\n[[lanes]]\nid = "l0"\nmodels = ["other"]\n', "lanes[0].models"),

@@ -142,7 +142,7 @@ def test_rejects_bad_rows(single: tuple) -> None:
     with pytest.raises(ValueError, match="1-D integer"):
         ce.score([ok.astype(np.float32)], None)
     with pytest.raises(ValueError, match="pooling"):
-        BertEncoder.load(*single[2:]).embed([ok], "max", True)
+        BertEncoder.load(*single[2:]).embed([ok], "weightedmean", True)
 
 
 def test_load_errors(single: tuple, tmp_path: pathlib.Path) -> None:

@@ -101,6 +101,35 @@ async def test_a_failed_step_still_releases_its_inputs(tmp_path: Path) -> None:
         assert released.value.code == "invalid_device_handle"  # the failed step already freed it
 
 
+async def test_a_step_that_consumes_its_inputs_frees_them_even_when_its_caller_is_cancelled(tmp_path: Path) -> None:
+    """Once written, the worker frees the inputs of a `release_inputs_after` step: a caller cancelled while the step
+    runs (an outer cancel scope, not its own deadline) leaves no handle counted live, and the handle is refused;
+    the step, still blocked on the ring nobody pulls, keeps its ring until the lane is done with it, so
+    uninstalling the ring stops it promptly and the healthy worker is not struck."""
+    async with Supervisor(config(tmp_path)) as sup:
+        dp = sup.dataplane
+        ingress = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC, port_id="in")
+        egress = await dp.install_ring("dp", direction="egress", capacity=1024, object_spec=SPEC, port_id="out")
+        data = np.arange(4096, dtype=np.float32)  # 16x the egress ring, and nobody pulls: the step blocks
+        handle = await dp.load(ingress, data, object_id=1, sequence=0)
+        await dp.configure_role("dp", "echo", {"kind": "echo"})
+        assert dp.steps.handles.count() == 1
+        with trio.fail_after(PROMPT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(functools.partial(dp.execute_step, "dp", "echo", 1,
+                                                     *_echo_step(handle, egress.ring_id, data.nbytes),
+                                                     release_inputs_after=True))
+                await wait_until(lambda: egress.ring.readable == egress.ring.capacity)  # written, and blocked
+                nursery.cancel_scope.cancel()
+        assert dp.steps.handles.count() == 0
+        with pytest.raises(StepFailed) as info:
+            await dp.release_handle("dp", handle)
+        assert info.value.code == "invalid_device_handle"
+        with trio.fail_after(PROMPT_S):  # the step still holds the lane: the uninstall reaches the worker past it
+            await dp.uninstall_ring(egress)
+        assert egress.released and sup.lanes["dp"].generation == 1 and sup.lanes["dp"].policy.strikes == 0
+
+
 async def test_an_egress_header_the_ring_refuses_fails_the_step_typed(tmp_path: Path) -> None:
     async with Supervisor(config(tmp_path)) as sup:
         dp = sup.dataplane

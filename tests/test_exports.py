@@ -42,7 +42,8 @@ PUBLIC_MODULES = sorted(API)
 # the subpackages a program may import besides the top level (and testing's pytest plugin); the others are the
 # daemon's and the worker's own
 PUBLIC_SUBPACKAGES = {"engine", "testing", "pytest_plugin"}
-INTERNAL_SUBPACKAGES = {"supervisor", "daemon", "worker", "models", "gguf_file", "llm_tokenizer", "tokenization"}
+INTERNAL_SUBPACKAGES = {"supervisor", "daemon", "worker", "models", "gguf_file", "llm_tokenizer", "tokenization",
+                        "chat_template", "encoder_folder"}
 
 
 def public_objects(name: str) -> Iterator[tuple[str, Any]]:

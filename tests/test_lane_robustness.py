@@ -31,7 +31,7 @@ async def test_request_failing_the_schema_fails_alone(tmp_path: Path) -> None:
     async with Supervisor(fake_config(tmp_path, fake_command())) as sup:
         lane = sup.lanes["lane0"]
         with pytest.raises(InvalidRequest, match="pooling"):
-            await lane.call(EmbedBatch(**batch_fields(1, pooling="max"), raw=np.ones(1, "<i4").tobytes()))
+            await lane.call(EmbedBatch(**batch_fields(1, pooling="weightedmean"), raw=np.ones(1, "<i4").tobytes()))
         rs = rows(3, 2)
         out = await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True)
         np.testing.assert_array_equal(out[:, :3], expected_fake_rows(rs))

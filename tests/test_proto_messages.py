@@ -201,7 +201,7 @@ def test_the_sender_is_the_classes() -> None:
 def test_typed_send_validates_like_send() -> None:
     daemon, _ = established()
     with pytest.raises(LocalProtocolError, match="pooling"):
-        daemon.send_message(p.EmbedBatch(req_id=1, model_ref="m", pooling="max", normalize=True, items=[]))
+        daemon.send_message(p.EmbedBatch(req_id=1, model_ref="m", pooling="weightedmean", normalize=True, items=[]))
 
 
 # --- hypothesis ----------------------------------------------------------------------------------------------

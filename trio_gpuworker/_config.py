@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._kinds import DEFAULT_MAX_TOKENS, EMBEDDING, KINDS, MODEL_KINDS, RuntimeConfig, runtime_config
+from . import encoder_folder
+from ._kinds import DEFAULT_MAX_TOKENS, EMBEDDING, KINDS, MODEL_KINDS, POOLINGS, RuntimeConfig, runtime_config
 
 MiB = 1 << 20
 
@@ -21,8 +22,8 @@ class ModelConfig:
     kind: str = EMBEDDING  # one of _kinds.KINDS
     format: str = "safetensors"
     digest: str | None = None  # sha256 hex; computed once at startup when absent
-    pooling: str = "mean"
-    normalize: bool = True
+    pooling: str | None = None  # the default of requests; None: the folder's (encoder_folder.py), else mean
+    normalize: bool | None = None  # the default of requests; None: the folder's, else unit length
     max_tokens: int = DEFAULT_MAX_TOKENS
     tokenizer_path: Path | None = None  # default: tokenizer.json beside the artifact
     # The kind's RuntimeConfig; a table given here is checked and converted (ConfigError naming the key).
@@ -30,6 +31,8 @@ class ModelConfig:
     beam: int = 0  # BEAM search width for the warm-up shapes at LOAD (0: tinygrad's hand-coded kernels)
     # Leading sizes an embedding model was trained to be cut to (Matryoshka); what `dimensions` may ask for
     matryoshka_dims: tuple[int, ...] = ()
+    # (pooling, normalize) of requests that name neither: these keys where set, else the folder's
+    defaults: tuple[str, bool] = field(init=False, repr=False, compare=False)
 
     def tunes_on(self, device: str) -> bool:
         """Whether a BEAM search changes this model's kernels on `device`: a `beam` and tinygrad-generated kernels
@@ -53,6 +56,12 @@ class ModelConfig:
             object.__setattr__(self, "runtime_config", runtime_config(self.kind, rc))
         except ValueError as exc:
             raise ConfigError(f"{key}.runtime_config: {exc}") from exc
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ConfigError(f"{key}.pooling: {self.pooling!r} is not one of {', '.join(POOLINGS)}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ConfigError(f"{key}.normalize: expected bool, got {self.normalize!r}")
+        folder = self.path if self.kind == EMBEDDING else None
+        object.__setattr__(self, "defaults", encoder_folder.defaults(folder, self.pooling, self.normalize))
 
     @property
     def encoder(self) -> bool:

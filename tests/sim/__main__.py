@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.sim.mutations import MUTATIONS, mutated
+from tests.sim.mutations import NAMES, mutated
 from trio_gpuworker.testing import make_schedule, run_schedule, search_schedules, shrink
 
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--jobs", type=int, default=2)
     r.add_argument("--steps", type=int, default=14)
     m = sub.add_parser("mutate")
-    m.add_argument("name", choices=sorted(MUTATIONS))
+    m.add_argument("name", choices=NAMES)
     m.add_argument("--seeds", default="0:2000")
     m.add_argument("--jobs", type=int, default=2)
     m.add_argument("--steps", type=int, default=14)
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("seed", type=int)
     rp.add_argument("--steps", type=int, default=14)
     rp.add_argument("--shrink", action="store_true")
-    rp.add_argument("--mutation", choices=sorted(MUTATIONS))
+    rp.add_argument("--mutation", choices=NAMES)
     args = p.parse_args(argv)
     if args.cmd == "replay":
         base = Path(tempfile.mkdtemp(prefix="gpuworker-sim-"))

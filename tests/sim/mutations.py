@@ -8,9 +8,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from trio_gpuworker._errors import UnexpectedFrame
+from trio_gpuworker._errors import DeadlineExceeded, UnexpectedFrame
 from trio_gpuworker._proto import _lifecycle, _lifecycle_rules
-from trio_gpuworker.supervisor import _dataplane, _generation, _steps, _supervisor, _worker
+from trio_gpuworker.supervisor import _dataplane, _gate, _generation, _steps, _supervisor, _worker
 
 
 def _patch(obj: Any, name: str, make: Callable[[Any], Any]) -> contextlib.AbstractContextManager[None]:
@@ -112,12 +112,34 @@ def _reload_drops_its_settings(original: Any) -> Any:
     return reload
 
 
+@contextlib.contextmanager
+def _undo_on_deadline_only() -> Iterator[None]:
+    """Cancel-safety of the data plane: what a call had done was undone when its own deadline ended it, but not
+    when it was cancelled otherwise (an outer cancel scope, a failing sibling): its lease and ring stayed. Put back
+    by narrowing every `except BaseException` of the data plane's module to DeadlineExceeded."""
+    _dataplane.BaseException = DeadlineExceeded  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        del _dataplane.BaseException  # type: ignore[attr-defined]
+
+
 def _holds_ignored(original: Any) -> Any:
     """Batched generation: the lane did not know a generation held live sequences, so a roll-over took over, or a
     reload stopped it, between two of their chunks."""
     def hold(self: Any, gen: int, on: bool, now: float) -> Any:
         return original(self, gen, False, now)
     return hold
+
+
+def _model_changes_at_once(original: Any) -> Any:
+    """Reload ordering: a model's new settings (the model table, its tokenizer) applied at once, before the
+    lanes' reloads were queued behind the requests in flight: a request tokenized in that window with the new
+    settings was served by a worker loaded with the old."""
+    @contextlib.asynccontextmanager
+    async def changing(self: Any, models: Any) -> Any:
+        yield
+    return changing
 
 
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
@@ -130,7 +152,17 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "reply_bursts_fault_the_worker": [(_worker.Replies, "put", _replies_counted_in_frames)],
     "reload_keeps_old_settings": [(_lifecycle.LaneLifecycle, "reload", _reload_drops_its_settings)],
     "handover_cuts_a_held_batch": [(_lifecycle.LaneLifecycle, "hold", _holds_ignored)],
+    "model_change_outruns_its_requests": [(_gate.ModelGate, "changing", _model_changes_at_once)],
 }
+
+
+# defects put back by a context of their own rather than by patching attributes
+CONTEXTS: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "cancelled_calls_leave_leases": _undo_on_deadline_only,
+}
+
+
+NAMES = sorted({*MUTATIONS, *CONTEXTS})  # every known defect the simulation can put back
 
 
 @contextlib.contextmanager
@@ -138,7 +170,9 @@ def mutated(name: str | None) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for obj, attr, make in MUTATIONS.get(name or "", []):
             stack.enter_context(_patch(obj, attr, make))
+        if (context := CONTEXTS.get(name or "")) is not None:
+            stack.enter_context(context())
         yield
 
 
-__all__ = ["MUTATIONS", "mutated"]
+__all__ = ["CONTEXTS", "MUTATIONS", "NAMES", "mutated"]

@@ -10,6 +10,7 @@ from ._extensions import LOADED_BLOCK as EXT_LOADED_BLOCK
 from ._extensions import LONG as EXT_LONG
 from ._extensions import MAX_TOP_LOGPROBS, PACKED_SLOTS, V3_MAX_GEN_TOKENS, advertised
 from ._extensions import PACKED as EXT_PACKED
+from ._extensions import POOLING as EXT_POOLING
 from ._extensions import SAMPLING as EXT_SAMPLING
 from ._extensions import STREAM as EXT_STREAM
 from ._extensions import describe as describe_extensions
@@ -44,6 +45,7 @@ from ._lifecycle_parts import (
     Send,
     Settings,
     Spawn,
+    Stop,
 )
 from ._lifecycle_parts import Ticket as LaneTicket
 from ._lifecycle_table import (
@@ -142,6 +144,7 @@ __all__ = [
     "EXT_LOADED_BLOCK",
     "EXT_LONG",
     "EXT_PACKED",
+    "EXT_POOLING",
     "EXT_SAMPLING",
     "EXT_STREAM",
     "FAILED_REPLIES",
@@ -242,6 +245,7 @@ __all__ = [
     "Spec",
     "StepCompleted",
     "StepFailed",
+    "Stop",
     "StrikePolicy",
     "Text",
     "TextDelta",

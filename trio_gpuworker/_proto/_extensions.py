@@ -19,6 +19,8 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
 - LOADED_BLOCK: INSTALL_RING `loaded_block: true`; the worker then reports that ingress ring's completions as
   LOADED_BLOCK {ring_id, edge_id, port_id, worker_generation} + a raw frame of four little-endian u64s per object
   (OBJECTS_LOADED's row columns), instead of OBJECTS_LOADED's CBOR rows: no encoding, check or decoding per row.
+- POOLING: EMBED_BATCH `pooling` beyond the reference's `mean` and `cls`: `max` (each dimension's largest value over
+  the tokens) and `lasttoken` (the last token's state), as sentence-transformers pools.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ LONG = "gpuworker.long_generation"
 CANCEL = "gpuworker.cancel"
 PACKED = "gpuworker.packed_generation"
 LOADED_BLOCK = "gpuworker.loaded_block"
-ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK)
+POOLING = "gpuworker.pooling"
+ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK, POOLING)
+
+V3_POOLINGS = ("mean", "cls")  # the reference's EMBED_BATCH poolings
+MORE_POOLINGS = ("max", "lasttoken")  # the POOLING extension's
 
 V3_MAX_GEN_TOKENS = 64  # the reference's GENERATE limit ("micro-LLM is <= 64 tokens")
 PACKED_SLOTS = 4  # GENERATE_PACKED: sequences one batch holds at once
@@ -54,6 +60,8 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
         return frozenset({PACKED})
     if t == "INSTALL_RING":
         return frozenset({LOADED_BLOCK}) if fields.get("loaded_block") else frozenset()
+    if t == "EMBED_BATCH":
+        return frozenset({POOLING}) if fields.get("pooling") in MORE_POOLINGS else frozenset()
     if t != "GENERATE":
         return frozenset()
     need = set()
@@ -69,9 +77,11 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
 def describe(missing: frozenset[str]) -> str:
     what = {STREAM: "streamed text", SAMPLING: "sampling, stop sequences or logprobs",
             LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation",
-            PACKED: "batched generation", LOADED_BLOCK: "binary ingress completions"}
+            PACKED: "batched generation", LOADED_BLOCK: "binary ingress completions",
+            POOLING: f"pooling {' or '.join(MORE_POOLINGS)}"}
     return ", ".join(what[m] for m in sorted(missing))
 
 
-__all__ = ["ALL", "CANCEL", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "PACKED", "PACKED_SLOTS", "SAMPLING",
-           "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "advertised", "describe", "required"]
+__all__ = ["ALL", "CANCEL", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "MORE_POOLINGS", "PACKED", "PACKED_SLOTS",
+           "POOLING", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "V3_POOLINGS", "advertised",
+           "describe", "required"]

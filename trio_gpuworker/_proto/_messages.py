@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._extensions import MORE_POOLINGS, V3_POOLINGS
 from ._fields import (
     BOTH,
     DAEMON,
@@ -33,7 +34,7 @@ SEQ_RESULT = record(seq=uint, text=text, n_gen=uint, ids=list_of(uint),
                     finish_reason=optional(one_of("stop", "length")))
 CANDIDATE = record(n_tokens=uint)
 PHASES = ("setup", "inference", "control")
-POOLINGS = ("mean", "cls")
+POOLINGS = V3_POOLINGS + MORE_POOLINGS  # the last two only to a worker with the POOLING extension (_extensions.py)
 STOP_MODES = ("graceful", "abort_in_flight")
 TEXT = text  # inside a class with a field named `text`, that name is the field
 

@@ -21,7 +21,7 @@ from .._config import (
     Windows,
 )
 from .._errors import ConfigError
-from .._kinds import EMBEDDING, GENERATE, MODEL_KINDS, POOLINGS
+from .._kinds import EMBEDDING, GENERATE, MODEL_KINDS
 from .http_config import DEFAULT_LISTEN, HttpConfig, parse_http
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
@@ -132,8 +132,6 @@ def _model(mid: str, raw: Any, base: Path) -> ModelConfig:
         raw["format"] = "gguf" if path.suffix == ".gguf" else "safetensors"
     m = _table(key, raw, ModelConfig, id=mid, path=path, runtime_config=rc, matryoshka_dims=dims,
                tokenizer_path=resolve_artifact(f"{key}.tokenizer_path", tok, base) if tok else None)
-    if m.pooling not in POOLINGS:
-        raise ConfigError(f"{key}.pooling: {m.pooling!r} is not one of {', '.join(POOLINGS)}")
     if m.format not in ("safetensors", "gguf"):
         raise ConfigError(f"{key}.format: {m.format!r} is not safetensors or gguf")
     if m.digest is not None and (len(m.digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in m.digest)):

@@ -38,7 +38,7 @@ class EmbedRequest:
     model_ref: str
     model: Any  # what `load` returned for model_ref
     token_ids: list[np.ndarray]  # one int32 array per item, none empty
-    pooling: str  # "mean" or "cls"
+    pooling: str  # "mean" or "cls" ("max", "lasttoken" too to an engine that advertises gpuworker.pooling)
     normalize: bool  # each vector scaled to unit length
 
 

@@ -1,8 +1,10 @@
-"""BERT encoder (all-MiniLM-L6-v2 and friends) in tinygrad, with bucketed, JIT-compiled batches.
+"""BERT and XLM-RoBERTa encoders (all-MiniLM-L6-v2, bge, e5, multilingual-e5 and friends) in tinygrad, with
+bucketed, JIT-compiled batches.
 
-Weights use the Hugging Face BertModel names (an optional ``bert.`` prefix is accepted, so a
-BertForSequenceClassification checkpoint loads too). Inputs are token ids that already carry
-[CLS]/[SEP]; this module never tokenizes.
+Weights use the Hugging Face BertModel / XLMRobertaModel names (an optional ``bert.`` or ``roberta.`` prefix is
+accepted, so a ...ForSequenceClassification checkpoint loads too). XLM-RoBERTa is BERT's body with its positions
+counted from the padding id + 1 and one token type. Inputs are token ids that already carry [CLS]/[SEP] (<s>/</s>);
+this module never tokenizes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ _ACTS: dict[str, Callable[[Tensor], Tensor]] = {"gelu": _gelu, "gelu_new": _gelu
                                                 "relu": _relu}
 
 
+# model_type -> the prefix of the encoder body's weights in its task checkpoints (...ForSequenceClassification)
+ARCHITECTURES = {"bert": "bert.", "xlm-roberta": "roberta."}
+
+
 @dataclass(frozen=True)
 class BertConfig:
     vocab_size: int
@@ -52,15 +58,19 @@ class BertConfig:
     type_vocab_size: int
     layer_norm_eps: float
     hidden_act: str
+    model_type: str = "bert"  # one of ARCHITECTURES
+    pad_token_id: int = 1  # XLM-RoBERTa's: where its positions start (below)
+    bos_token_id: int = 0  # XLM-RoBERTa's <s> and </s>
+    eos_token_id: int = 2
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> BertConfig:
         if not isinstance(config, dict):
-            raise ValueError(f"bert config must be a JSON object, got {type(config).__name__}")
-        if config.get("model_type", "bert") != "bert":
-            raise ValueError(f"bert config: unsupported model_type {config.get('model_type')!r}")
+            raise ValueError(f"encoder config must be a JSON object, got {type(config).__name__}")
+        if (kind := config.get("model_type", "bert")) not in ARCHITECTURES:
+            raise ValueError(f"encoder config: unsupported model_type {kind!r} (served: {', '.join(ARCHITECTURES)})")
         if (pet := config.get("position_embedding_type", "absolute")) != "absolute":
-            raise ValueError(f"bert config: unsupported position_embedding_type {pet!r}, expected 'absolute'")
+            raise ValueError(f"encoder config: unsupported position_embedding_type {pet!r}, expected 'absolute'")
         vals: dict[str, Any] = {}
         for name in (
             "vocab_size",
@@ -73,17 +83,51 @@ class BertConfig:
         ):
             v = config.get(name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"bert config: {name} must be a positive int, got {v!r}")
+                raise ValueError(f"encoder config: {name} must be a positive int, got {v!r}")
             vals[name] = v
+        if kind != "bert":
+            vals |= _token_ids(config, {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}, vals["vocab_size"])
         eps = config.get("layer_norm_eps", 1e-12)
         if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0 < eps < 1:
-            raise ValueError(f"bert config: layer_norm_eps must be a float in (0, 1), got {eps!r}")
+            raise ValueError(f"encoder config: layer_norm_eps must be a float in (0, 1), got {eps!r}")
         act = config.get("hidden_act", "gelu")
         if act not in _ACTS:
-            raise ValueError(f"bert config: unsupported hidden_act {act!r} (supported: {sorted(_ACTS)})")
+            raise ValueError(f"encoder config: unsupported hidden_act {act!r} (supported: {sorted(_ACTS)})")
         if (h := vals["hidden_size"]) % (nh := vals["num_attention_heads"]):
-            raise ValueError(f"bert config: hidden_size {h} is not divisible by num_attention_heads {nh}")
-        return cls(**vals, layer_norm_eps=float(eps), hidden_act=act)
+            raise ValueError(f"encoder config: hidden_size {h} is not divisible by num_attention_heads {nh}")
+        out = cls(**vals, layer_norm_eps=float(eps), hidden_act=act, model_type=kind)
+        if out.max_tokens < 2:
+            raise ValueError(f"encoder config: max_position_embeddings {out.max_position_embeddings} leaves "
+                             f"{out.max_tokens} positions past the padding id")
+        return out
+
+    @property
+    def roberta(self) -> bool:
+        return self.model_type == "xlm-roberta"
+
+    @property
+    def first_position(self) -> int:
+        """The position id of a row's first token: XLM-RoBERTa counts from its padding id + 1."""
+        return self.pad_token_id + 1 if self.roberta else 0
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest row the position table holds."""
+        return self.max_position_embeddings - self.first_position
+
+    @property
+    def special_ids(self) -> tuple[int, int] | None:
+        """XLM-RoBERTa's (<s>, </s>), which wrap rows and pairs where BERT's [CLS] and [SEP] do; None for BERT,
+        whose ids the daemon's tokenizer gives."""
+        return (self.bos_token_id, self.eos_token_id) if self.roberta else None
+
+    def positions(self, row: np.ndarray) -> np.ndarray:
+        """One row's position ids as transformers numbers them: 0, 1, ... for BERT; for XLM-RoBERTa the count of
+        non-padding tokens so far plus the padding id, and the padding id on a padding token."""
+        if not self.roberta:
+            return np.arange(len(row), dtype=np.int32)
+        real = row != self.pad_token_id
+        return np.where(real, np.cumsum(real) + self.pad_token_id, self.pad_token_id).astype(np.int32)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the encoder body needs, by Hugging Face name (without the ``bert.`` prefix)."""
@@ -106,10 +150,29 @@ class BertConfig:
         return s
 
 
+def _token_ids(config: dict[str, Any], defaults: dict[str, int], vocab: int) -> dict[str, int]:
+    out = {}
+    for name, default in defaults.items():
+        v = config.get(name, default)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < vocab:
+            raise ValueError(f"encoder config: {name} must be an id below vocab_size {vocab}, got {v!r}")
+        out[name] = v
+    return out
+
+
+def bare(name: str) -> str:
+    """A tensor's name without a task checkpoint's prefix (``bert.``, ``roberta.``) on the encoder body's."""
+    for prefix in ARCHITECTURES.values():
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
 def load_weights(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
     """Reads a safetensors file, checks every needed tensor is there with the right shape, moves them to the device.
 
-    A leading ``bert.`` is stripped from names; tensors not in ``shapes`` (position_ids, unused heads) are ignored.
+    A leading ``bert.`` or ``roberta.`` is stripped from names; tensors not in ``shapes`` (position_ids, unused
+    heads) are ignored.
     """
     found = checked_tensors(artifact_path, shapes)
     # DISK tensors -> device float32 buffers, realized now so the first request does not pay for the copy.
@@ -119,7 +182,7 @@ def load_weights(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ...]]
 
 
 def checked_tensors(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
-    """The safetensors file's tensors (lazy DISK views, ``bert.`` stripped), once every one of ``shapes`` is
+    """The safetensors file's tensors (lazy DISK views, named `bare`), once every one of ``shapes`` is
     there, float, with its shape, and the file is not truncated (ValueError otherwise)."""
     path = pathlib.Path(artifact_path)
     if not path.is_file():
@@ -137,7 +200,7 @@ def checked_tensors(artifact_path: pathlib.Path, shapes: dict[str, tuple[int, ..
         raw = safe_load(path)
     except Exception as e:
         raise ValueError(f"model artifact {str(path)!r} is not a readable safetensors file: {e}") from e
-    found = {k.removeprefix("bert."): v for k, v in raw.items()}
+    found = {bare(k): v for k, v in raw.items()}
     if missing := [k for k in shapes if k not in found]:
         raise ValueError(f"model artifact {str(path)!r} lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     if bad := [
@@ -218,12 +281,12 @@ class BertBody:
     def _ln(self, x: Tensor, wb: tuple[Tensor, Tensor]) -> Tensor:
         return x.layernorm(eps=self.cfg.layer_norm_eps) * wb[0] + wb[1]
 
-    def __call__(self, ids: Tensor, token_types: Tensor, mask: Tensor) -> Tensor:
+    def __call__(self, ids: Tensor, token_types: Tensor, positions: Tensor, mask: Tensor) -> Tensor:
         (B, L), nh = ids.shape, self.cfg.num_attention_heads
         hd = self.cfg.hidden_size // nh
         # Activations stay (B*L, hidden): the dense kernels (96% of the time) then depend on B*L alone, so
         # micro-batch shapes with equal token counts share their compiled and BEAM-tuned kernels.
-        x = self._ln(self.word[ids] + self.pos[:L] + self.typ[token_types], self.emb_ln).reshape(B * L, -1)
+        x = self._ln(self.word[ids] + self.pos[positions] + self.typ[token_types], self.emb_ln).reshape(B * L, -1)
         # Additive key mask as in HF (finfo.min there; any huge negative underflows exp() to exactly 0).
         bias = ((1.0 - mask.float()) * -1e9).reshape(B, 1, 1, L)
         for lw in self.layers:
@@ -247,10 +310,8 @@ class BucketedBert(abc.ABC):
     SIZES: ClassVar[tuple[int, ...]] = BATCH_SIZES
 
     def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
-        if not 2 <= max_tokens <= cfg.max_position_embeddings:
-            raise ValueError(
-                f"max_tokens {max_tokens} must be in [2, max_position_embeddings={cfg.max_position_embeddings}]"
-            )
+        if not 2 <= max_tokens <= cfg.max_tokens:
+            raise ValueError(f"max_tokens {max_tokens} must be in [2, {cfg.max_tokens}] (the position table's)")
         self.cfg, self.body, self.max_tokens = cfg, BertBody(cfg, weights), max_tokens
         self.buckets = buckets(max_tokens)
         # one TinyJit per (length, batch); the JIT cache puts restored ones in (worker/_warmcache.py)
@@ -268,8 +329,8 @@ class BucketedBert(abc.ABC):
     def _head(self, h: Tensor, mask: Tensor) -> Tensor:
         """The task head on the encoder's hidden states (pooling, or pooler + classifier)."""
 
-    def _forward(self, ids: Tensor, tt: Tensor, mask: Tensor) -> Tensor:
-        return self._head(self.body(ids, tt, mask), mask).realize()
+    def _forward(self, ids: Tensor, tt: Tensor, pos: Tensor, mask: Tensor) -> Tensor:
+        return self._head(self.body(ids, tt, pos, mask), mask).realize()
 
     def _sizes(self, length: int) -> tuple[int, ...]:
         return sizes_for(length, self.SIZES)
@@ -323,17 +384,17 @@ class BucketedBert(abc.ABC):
         done = 0
         for L, B, sel in plan_rows([len(a) for a in ids], self.buckets, self.SIZES, self._tuned):
             take = len(sel)
-            x, t, m = np.zeros((B, L), np.int32), np.zeros((B, L), np.int32), np.zeros((B, L), np.int32)
+            x, t, p, m = (np.zeros((B, L), np.int32) for _ in range(4))
             for j, i in enumerate(sel):
                 n = len(ids[i])
-                x[j, :n], m[j, :n] = ids[i], 1
+                x[j, :n], p[j, :n], m[j, :n] = ids[i], self.cfg.positions(ids[i]), 1
                 if types is not None:
                     t[j, :n] = tts[i]
             # Padded rows attend to one token so no softmax row is all-masked; their output is dropped.
             m[take:, 0] = 1
             if (jit := self.jits.get((L, B))) is None:
                 jit = self.jits[(L, B)] = TinyJit(self._forward)
-            res = jit(*(Tensor(a, device=Device.DEFAULT) for a in (x, t, m))).numpy()
+            res = jit(*(Tensor(a, device=Device.DEFAULT) for a in (x, t, p, m))).numpy()
             out[sel] = res[:take].reshape(take, width)
             done += take
             if progress is not None:
@@ -346,18 +407,19 @@ class BertEncoder(BucketedBert):
     def load(cls, artifact_path: pathlib.Path, config: dict[str, Any],
              max_tokens: int = DEFAULT_MAX_TOKENS) -> BertEncoder:
         cfg = BertConfig.from_dict(config)
-        return cls(
-            cfg, load_weights(artifact_path, cfg.shapes()), max_tokens=min(max_tokens, cfg.max_position_embeddings)
-        )
+        return cls(cfg, load_weights(artifact_path, cfg.shapes()), max_tokens=min(max_tokens, cfg.max_tokens))
 
     def _width(self) -> int:
-        return 2 * self.dims
+        return len(POOLINGS) * self.dims
 
     def _head(self, h: Tensor, mask: Tensor) -> Tensor:
-        # Both poolings in one JIT so the cache key stays (length, batch); choosing one is a host-side slice.
+        # Every pooling in one JIT so the cache key stays (length, batch); choosing one is a host-side slice. Rows
+        # are padded on the right: a row's last token is where its mask steps down.
         m = mask.float().unsqueeze(-1)
         mean = (h * m).sum(1) / m.sum(1).maximum(1e-9)
-        return Tensor.stack(mean, h[:, 0], dim=1)
+        top = (m > 0).where(h, float("-inf")).max(1)
+        last = m - m[:, 1:].pad(((0, 0), (0, 1), (0, 0)))
+        return Tensor.stack(mean, h[:, 0], top, (h * last).sum(1), dim=1)
 
     def embed(self, rows: list[np.ndarray], pooling: str, normalize: bool, progress: Progress = None) -> np.ndarray:
         check_pooling(pooling)
@@ -366,12 +428,14 @@ class BertEncoder(BucketedBert):
 
 def check_pooling(pooling: str) -> None:
     if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
+        raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
 
 
-def pool(both: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
-    """(n, 2 * dims) mean-pooled | [CLS] states -> (n, dims) of one pooling, optionally unit length."""
-    v = np.ascontiguousarray(both.reshape(len(both), 2, both.shape[1] // 2)[:, 0 if pooling == "mean" else 1])
+def pool(every: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
+    """(n, len(POOLINGS) * dims), each row's poolings in POOLINGS' order (mean | [CLS] | max | last token) -> (n,
+    dims) of one pooling, optionally unit length."""
+    k = len(POOLINGS)
+    v = np.ascontiguousarray(every.reshape(len(every), k, every.shape[1] // k)[:, POOLINGS.index(pooling)])
     # torch.nn.functional.normalize semantics: x / max(||x||, 1e-12)
     if normalize:
         v /= np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)

@@ -1,4 +1,5 @@
-"""BERT encoder and cross-encoder for tinygrad's CPU device as one fused C kernel (kernels/bert_encode.c).
+"""BERT and XLM-RoBERTa encoders and cross-encoders for tinygrad's CPU device as one fused C kernel
+(kernels/bert_encode.c).
 
 The CPU default (`encoder = "fused"`); other devices run bert.py, whose kernels tinygrad generates. The kernel
 is C source run through tinygrad's custom_kernel (models/ckernel.py), so tinygrad compiles, caches, captures
@@ -20,10 +21,10 @@ import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 from tinygrad.nn.state import safe_load_metadata
 
-from .._kinds import DEFAULT_MAX_TOKENS, MAX_THREADS
+from .._kinds import DEFAULT_MAX_TOKENS, MAX_THREADS, POOLINGS
 from . import ckernel, csource
-from .bert import BertConfig, check_pooling, check_rows, check_types, checked_tensors, pool
-from .cross_encoder import head_shapes, num_labels
+from .bert import BertConfig, bare, check_pooling, check_rows, check_types, checked_tensors, pool
+from .cross_encoder import head_names, head_shapes, num_labels
 
 Progress = Callable[[int], None] | None
 
@@ -50,14 +51,16 @@ class BertDims:
 
 @dataclass(frozen=True)
 class Capacity:
-    """One call's buffers: tokens, the longest sequence (rounded up to NR), rows per row block, threads, and
-    the scratch floats they need (the kernel's layout, checked by the kernel at compile time)."""
+    """One call's buffers: tokens, the longest sequence (rounded up to NR), rows per row block, threads, the
+    scratch floats they need (the kernel's layout, checked by the kernel at compile time), and the poolings
+    written per sequence (POOLINGS)."""
 
     cap: int
     maxlp: int
     mb: int
     threads: int
     scratch: int
+    pools: int = len(POOLINGS)
 
 
 def supported(cfg: BertConfig) -> None:
@@ -107,7 +110,8 @@ def pack_weights(cfg: BertConfig, w: dict[str, np.ndarray]) -> list[np.ndarray]:
     ]
 
 
-def pack_rows(view: np.ndarray, rows: list[np.ndarray], types: list[np.ndarray] | None) -> None:
+def pack_rows(view: np.ndarray, rows: list[np.ndarray], types: list[np.ndarray] | None,
+              positions: list[np.ndarray]) -> None:
     """The kernel's `in` buffer (kernels/bert_encode.c) for rows of at most CAP tokens in all."""
     lens = np.array([len(r) for r in rows], np.int32)
     n = int(lens.sum())
@@ -117,18 +121,19 @@ def pack_rows(view: np.ndarray, rows: list[np.ndarray], types: list[np.ndarray] 
     view[2 : 3 + len(rows)] = np.concatenate([[0], np.cumsum(lens)])
     view[3 + CAP : 3 + CAP + n] = np.concatenate(rows)
     view[3 + 2 * CAP : 3 + 2 * CAP + n] = np.concatenate(types) if types is not None else 0
+    view[3 + 3 * CAP : 3 + 3 * CAP + n] = np.concatenate(positions)
 
 
-IN_INTS = 3 + 3 * CAP  # the `in` buffer: counts, offsets, ids, token types
+IN_INTS = 3 + 4 * CAP  # the `in` buffer: counts, offsets, ids, token types, position ids
 
 
 class FusedBert:
-    """Packed weights and the captured kernel; `_pooled` runs rows to their mean-pooled | [CLS] states."""
+    """Packed weights and the captured kernel; `_pooled` runs rows to their poolings (POOLINGS' order)."""
 
     def __init__(self, cfg: BertConfig, w: dict[str, np.ndarray],
                  max_tokens: int = DEFAULT_MAX_TOKENS, threads: int = 1) -> None:
-        if not 2 <= max_tokens <= min(cfg.max_position_embeddings, CAP):
-            raise ValueError(f"max_tokens {max_tokens} must be in [2, {min(cfg.max_position_embeddings, CAP)}]")
+        if not 2 <= max_tokens <= min(cfg.max_tokens, CAP):
+            raise ValueError(f"max_tokens {max_tokens} must be in [2, {min(cfg.max_tokens, CAP)}]")
         if not 1 <= threads <= MAX_THREADS:
             raise ValueError(f"threads must be 1..{MAX_THREADS}, got {threads}")
         supported(cfg)
@@ -155,9 +160,10 @@ class FusedBert:
         checked_tensors(artifact_path, shapes)
         _, start, meta = safe_load_metadata(artifact_path)
         data = np.memmap(artifact_path, np.uint8, "r").view(np.ndarray)
+        names = {bare(k): k for k in meta if k != "__metadata__"}
         out = {}
         for name, shape in shapes.items():
-            v = meta[name] if name in meta else meta["bert." + name]
+            v = meta[names[name]]
             lo, hi = (start + int(o) for o in v["data_offsets"])
             raw = data[lo:hi]
             if v["dtype"] == "BF16":
@@ -169,7 +175,7 @@ class FusedBert:
 
     def _forward(self, inp: Tensor) -> Tensor:
         src = csource.source("bert_encode.c", self.spec, self.capacity)
-        out, scr = Tensor.empty(CAP * 2 * self.spec.h), Tensor.empty(self.capacity.scratch)
+        out, scr = Tensor.empty(CAP * self.capacity.pools * self.spec.h), Tensor.empty(self.capacity.scratch)
         d, toks = self.spec, CAP
         macs = toks * d.nl * d.h * (4 * d.h + 2 * d.ff)
         mem = sum(w.nbytes() for w in self.weights[4:])
@@ -184,10 +190,10 @@ class FusedBert:
                 progress(k + 1)
 
     def _pooled(self, rows: list[np.ndarray], types: list[np.ndarray] | None, progress: Progress = None) -> np.ndarray:
-        """(len(rows), 2 * hidden): each row's mean-pooled and [CLS] final hidden states. Rows go in calls of
-        at most CAP tokens, in order; `progress(rows done)` after each call."""
-        h = self.spec.h
-        out = np.zeros((len(rows), 2 * h), np.float32)
+        """(len(rows), pools * hidden): each row's final hidden states pooled every way, in POOLINGS' order. Rows
+        go in calls of at most CAP tokens, in order; `progress(rows done)` after each call."""
+        width = self.capacity.pools * self.spec.h
+        out = np.zeros((len(rows), width), np.float32)
         np.frombuffer(self._host.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[:] = \
             ckernel.host_table(self.threads)
         view = np.frombuffer(self._in.uop.buffer.as_memoryview(force_zero_copy=True), np.int32)
@@ -197,9 +203,10 @@ class FusedBert:
             while end < len(rows) and n + len(rows[end]) <= self.call_tokens:
                 n += len(rows[end])
                 end += 1
-            pack_rows(view, rows[done:end], types[done:end] if types is not None else None)
+            pack_rows(view, rows[done:end], types[done:end] if types is not None else None,
+                      [self.cfg.positions(r) for r in rows[done:end]])
             res = self._jit(self._in).uop.buffer.as_memoryview(force_zero_copy=True)
-            out[done:end] = np.frombuffer(res, np.float32, (end - done) * 2 * h).reshape(-1, 2 * h)
+            out[done:end] = np.frombuffer(res, np.float32, (end - done) * width).reshape(-1, width)
             done = end
             if progress is not None:
                 progress(done)
@@ -214,7 +221,7 @@ class FusedBertEncoder(FusedBert):
              threads: int = 1) -> FusedBertEncoder:
         cfg = BertConfig.from_dict(config)
         supported(cfg)
-        return cls(cfg, cls.read(artifact_path, cfg.shapes()), min(max_tokens, cfg.max_position_embeddings), threads)
+        return cls(cfg, cls.read(artifact_path, cfg.shapes()), min(max_tokens, cfg.max_tokens), threads)
 
     @property
     def dims(self) -> int:
@@ -227,15 +234,16 @@ class FusedBertEncoder(FusedBert):
 
 
 class FusedCrossEncoder(FusedBert):
-    """cross_encoder.BertCrossEncoder's interface on the fused kernel: classifier(tanh(pooler([CLS]))), the
-    head in numpy (two small matmuls per batch)."""
+    """cross_encoder.BertCrossEncoder's interface on the fused kernel: out(tanh(dense([CLS]))), the head in numpy
+    (two small matmuls per batch)."""
 
     def __init__(self, cfg: BertConfig, w: dict[str, np.ndarray], num_labels: int, max_tokens: int = DEFAULT_MAX_TOKENS,
                  threads: int = 1) -> None:
         super().__init__(cfg, w, max_tokens, threads)
         self.num_labels = num_labels
-        self.pool_w, self.pool_b = w["pooler.dense.weight"], w["pooler.dense.bias"]
-        self.cls_w, self.cls_b = w["classifier.weight"], w["classifier.bias"]
+        dense, out = head_names(cfg)
+        self.pool_w, self.pool_b = w[dense + ".weight"], w[dense + ".bias"]
+        self.cls_w, self.cls_b = w[out + ".weight"], w[out + ".bias"]
 
     @classmethod
     def load(cls, artifact_path: pathlib.Path, config: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -244,7 +252,7 @@ class FusedCrossEncoder(FusedBert):
         supported(cfg)
         n = num_labels(config)
         w = cls.read(artifact_path, cfg.shapes() | head_shapes(cfg, n))
-        return cls(cfg, w, n, min(max_tokens, cfg.max_position_embeddings), threads)
+        return cls(cfg, w, n, min(max_tokens, cfg.max_tokens), threads)
 
     def logits(self, pairs: list[np.ndarray], token_type_ids: list[np.ndarray] | None,
                progress: Progress = None) -> np.ndarray:
@@ -252,7 +260,9 @@ class FusedCrossEncoder(FusedBert):
         ids = check_rows(pairs, "rows", self.cfg.vocab_size, self.max_tokens)
         tts = check_types(ids, token_type_ids, self.cfg.type_vocab_size, self.max_tokens) \
             if token_type_ids is not None else None
-        cls_h = self._pooled(ids, tts, progress)[:, self.spec.h:]
+        h = self.spec.h
+        at = POOLINGS.index("cls") * h
+        cls_h = self._pooled(ids, tts, progress)[:, at : at + h]
         pooled = np.tanh(cls_h @ self.pool_w.T + self.pool_b)
         return np.ascontiguousarray(pooled @ self.cls_w.T + self.cls_b, dtype=np.float32)
 

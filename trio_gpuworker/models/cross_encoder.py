@@ -1,4 +1,5 @@
-"""BERT sequence-classification cross-encoder (e.g. ms-marco-MiniLM rerankers) on the shared encoder body."""
+"""BERT and XLM-RoBERTa sequence-classification cross-encoders (ms-marco-MiniLM, bge-reranker and friends) on the
+shared encoder body."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ from .bert import BertConfig, BucketedBert, Progress, load_weights
 
 
 class BertCrossEncoder(BucketedBert):
-    """Scores ``[CLS] query [SEP] doc [SEP]`` rows as BertForSequenceClassification: classifier(tanh(pooler([CLS])))."""
+    """Scores ``[CLS] query [SEP] doc [SEP]`` rows (``<s> query </s></s> doc </s>``) as ...ForSequenceClassification
+    does: out(tanh(dense([CLS]))), with the layers `head_names` gives."""
 
     def __init__(self, cfg: BertConfig, weights: dict[str, Tensor], num_labels: int,
                  max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         super().__init__(cfg, weights, max_tokens)
         self.num_labels = num_labels
-        self.pool_w, self.pool_b = weights["pooler.dense.weight"], weights["pooler.dense.bias"]
-        self.cls_w, self.cls_b = weights["classifier.weight"], weights["classifier.bias"]
+        dense, out = head_names(cfg)
+        self.pool_w, self.pool_b = weights[dense + ".weight"], weights[dense + ".bias"]
+        self.cls_w, self.cls_b = weights[out + ".weight"], weights[out + ".bias"]
 
     @classmethod
     def load(cls, artifact_path: pathlib.Path, config: dict[str, Any],
@@ -28,7 +31,7 @@ class BertCrossEncoder(BucketedBert):
         cfg = BertConfig.from_dict(config)
         n = num_labels(config)
         shapes = cfg.shapes() | head_shapes(cfg, n)
-        return cls(cfg, load_weights(artifact_path, shapes), n, max_tokens=min(max_tokens, cfg.max_position_embeddings))
+        return cls(cfg, load_weights(artifact_path, shapes), n, max_tokens=min(max_tokens, cfg.max_tokens))
 
     def _width(self) -> int:
         return self.num_labels
@@ -71,7 +74,13 @@ def num_labels(config: dict[str, Any]) -> int:
     return n
 
 
+def head_names(cfg: BertConfig) -> tuple[str, str]:
+    """The classification head's two layers: BERT's pooler and classifier; XLM-RoBERTa's classifier.dense and
+    classifier.out_proj (the same tanh between them, on the first token)."""
+    return ("classifier.dense", "classifier.out_proj") if cfg.roberta else ("pooler.dense", "classifier")
+
+
 def head_shapes(cfg: BertConfig, n: int) -> dict[str, tuple[int, ...]]:
     h = cfg.hidden_size
-    return {"pooler.dense.weight": (h, h), "pooler.dense.bias": (h,), "classifier.weight": (n, h),
-            "classifier.bias": (n,)}
+    dense, out = head_names(cfg)
+    return {dense + ".weight": (h, h), dense + ".bias": (h,), out + ".weight": (n, h), out + ".bias": (n,)}

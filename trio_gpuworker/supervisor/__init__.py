@@ -9,6 +9,7 @@ from ._batching import Batcher
 from ._dataplane import DataPlane, RingEnd
 from ._events import EventBus
 from ._gate import ModelGate
+from ._genbatch import Packer, packer_for
 from ._jobs import Job, LaneSettings, LoadSpec
 from ._lane import Lane
 from ._launcher import Launched, Launcher, ProcessLauncher, WorkerSpec
@@ -35,6 +36,7 @@ __all__ = [
            "LoadSpec",
            "LogRing",
            "ModelGate",
+           "Packer",
            "ProcessLauncher",
            "RingEnd",
            "Router",
@@ -44,4 +46,5 @@ __all__ = [
            "WorkerSpec",
            "describe_progress",
            "load_spec",
+           "packer_for",
 ]

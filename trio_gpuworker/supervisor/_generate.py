@@ -132,8 +132,10 @@ async def generate(api: GenerateHost, prompt: str | None, *, model: str, message
         tok = await trio.to_thread.run_sync(api.chat_tokenizer, model, limiter=api._cpu)
 
         def encode() -> np.ndarray:
-            text = prompt if messages is None else tok.apply_chat_template(messages, add_generation_prompt=True)
-            return np.asarray(tok.encode(text), dtype="<i4")
+            # a plain prompt gets the BOS its GGUF asks for; a chat template writes its own specials
+            if messages is None:
+                return np.asarray(tok.encode(prompt, add_special=True), dtype="<i4")
+            return np.asarray(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)), dtype="<i4")
 
         ids = await api._off_loop(encode)
         if len(ids) + max_tokens > context:

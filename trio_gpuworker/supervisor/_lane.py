@@ -235,10 +235,12 @@ class Lane:
         return job.result
 
     async def call_gathering(self, request: WireMessage, *, timeout: float | None = None,
-                             generation: int | None = None) -> tuple[Reply, tuple[WireMessage, ...]]:
+                             generation: int | None = None, on_started: Callable[[], None] | None = None,
+                             on_settled: Callable[[], None] | None = None,
+                             ) -> tuple[Reply, tuple[WireMessage, ...]]:
         """`call`, and the intermediate replies that came before the terminal one (EXECUTE_STEP's
         OBJECT_PRODUCED), in order."""
-        job = await self._run(request, timeout, None, None, None, None, generation)
+        job = await self._run(request, timeout, None, on_settled, None, on_started, generation)
         assert job.result is not None
         return job.result, job.extras
 

@@ -43,8 +43,9 @@ def check_texts(texts: Any, what: str, *, allow_empty: bool = True) -> list[str]
 
 
 def check_pooling(pooling: Any, mc: ModelConfig) -> str:
+    """A request's pooling, or the model's (its `pooling` key, else its folder's: ModelConfig.defaults)."""
     if pooling is None:
-        return mc.pooling
+        return mc.defaults[0]
     if not isinstance(pooling, str) or pooling not in POOLINGS:
         raise InvalidRequest(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
     return pooling
@@ -52,7 +53,7 @@ def check_pooling(pooling: Any, mc: ModelConfig) -> str:
 
 def check_normalize(normalize: Any, mc: ModelConfig) -> bool:
     if normalize is None:
-        return mc.normalize
+        return mc.defaults[1]
     if not isinstance(normalize, bool):
         raise InvalidRequest(f"normalize must be a boolean, got {normalize!r}")
     return normalize

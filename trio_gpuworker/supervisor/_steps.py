@@ -63,19 +63,39 @@ class Steps:
         for binding in inputs:
             self.handles.check(lane, binding["device_handle"], "invalid_input_handle")
         generation = lane.generation  # the inputs' (checked): a later generation must never get this step
+
+        written = settled = False
+
+        def started() -> None:
+            """Once the step is written the worker frees its inputs (`release_inputs_after`), whether it succeeds
+            or not, and whether or not its caller waits for the answer."""
+            nonlocal written
+            written = True
+            if release_inputs_after:
+                for binding in inputs:
+                    self.handles.consumed(lane, binding["device_handle"])
+
+        def done() -> None:
+            """The step holds its output rings until the lane is done with it, not until its caller leaves: an
+            abandoned step still blocked on a ring is waiting on us (its watchdog extends), and uninstalling that
+            ring must reach the worker past it."""
+            nonlocal settled
+            if not settled:
+                settled = True
+                for end in ends:
+                    end.steps -= 1
+
         for end in ends:
             end.steps += 1
         try:
             reply, produced = await lane.call_gathering(
                 ExecuteStep(role_id=role_id, step_id=step_id, inputs=inputs,
                             outputs=[{"flags": 0, **o} for o in outputs], runtime=runtime or {},
-                            release_inputs_after=release_inputs_after), timeout=timeout, generation=generation)
+                            release_inputs_after=release_inputs_after), timeout=timeout, generation=generation,
+                on_started=started, on_settled=done)
         finally:
-            for end in ends:
-                end.steps -= 1
-        if release_inputs_after:  # consumed whether the step succeeded or not
-            for binding in inputs:
-                self.handles.consumed(lane, binding["device_handle"])
+            if not written:  # never sent, and now never will be (a caller that left drops its queued request)
+                done()
         if isinstance(reply, wire.StepFailed):
             raise StepFailed(reply.reason, reply.msg or "step failed")
         return [{"t": m.T, **m.to_fields()} for m in produced]

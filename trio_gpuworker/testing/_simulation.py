@@ -34,9 +34,10 @@ WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, ki
 # queue, a restart with backoff and a standby's load, each bounded by a window)
 BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
 DRAIN_S = 5.0  # the SIGTERM drain bound at the end of every run
+SETTLE_S = 3 * WINDOWS.control_s  # an orphan's uninstall and a hung worker's PING window, then its kill
 # a run that has not ended this long (simulated) after its scenario hangs somewhere, and one that takes this many
 # scheduler batches spins: either is a finding, not a run that never ends
-HORIZON_S = BOUND + DRAIN_S + 4 * WINDOWS.shutdown_s + 60.0
+HORIZON_S = BOUND + SETTLE_S + DRAIN_S + 4 * WINDOWS.shutdown_s + 60.0
 SCENARIO_HORIZON_S = 3600.0  # a scenario of one's own ends within this much simulated time, its end included
 MAX_BATCHES = 500_000  # scheduler batches (one per I/O wait: cheaper to count than task steps)
 
@@ -172,6 +173,19 @@ class Simulation:
             if lane.state in (LaneState.BUSY, LaneState.DRAINING):
                 lane.abort_in_flight()
 
+    async def check_settled(self, settle_s: float = SETTLE_S) -> None:
+        """Once everything the scenario started has ended and the lanes had `settle_s` to settle (an orphaned
+        ring's uninstall, a hung worker's PING window and kill), no ring end and no arena lease is left: whatever a
+        call did was undone, however its caller left (its deadline, an outer cancel scope, a failing sibling)."""
+        await trio.sleep(settle_s)
+        sup = self.supervisor
+        dp = sup.dataplane
+        if dp is not None and dp.ends:
+            self.found.append(f"ring ends left once every step had ended: {sorted(dp.ends)}")
+        if sup.arena is not None and sup.arena.live():
+            self.found.append(f"arena leases left once every step had ended: "
+                              f"{[le.ring_id for le in sup.arena.live()]}")
+
     def check_end(self) -> None:
         """After the supervisor closed: every lane stopped, no ring, device handle or arena lease left."""
         sup = self.supervisor
@@ -262,5 +276,5 @@ async def _run(world: Simulation, scenario: Scenario, shape: WorldShape, directo
         sim.cancel_scope.cancel()
 
 
-__all__ = ["BOUND", "DRAIN_S", "HORIZON_S", "MODEL", "WINDOWS", "Scenario", "Simulation", "WorldShape", "run_world",
-           "simulate"]
+__all__ = ["BOUND", "DRAIN_S", "HORIZON_S", "MODEL", "SETTLE_S", "WINDOWS", "Scenario", "Simulation", "WorldShape",
+           "run_world", "simulate"]

@@ -4,7 +4,10 @@ is its own (the content it sent) or a GpuWorkerError."""
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
+import math
 import random
 import re
 import traceback
@@ -16,15 +19,17 @@ import numpy as np
 import trio
 
 from .._errors import GpuWorkerError
-from .._proto import Generate, Rerank
-from .._proto._lifecycle_parts import Stop
-from ..supervisor import Lane, LaneSettings, LoadSpec
-from ..supervisor._genbatch import _PACKERS, packer_for
+from .._proto import Generate, Rerank, Stop
+from ..supervisor import Lane, LaneSettings, LoadSpec, Packer, packer_for
 from ._schedule import Schedule, Step
 from ._simulation import BOUND, HORIZON_S, MODEL, Simulation, WorldShape, run_world
 
 ROLL_TIMEOUT_S = 60.0  # a roll-over's own deadline when the step gives none: within BOUND
+BIG_RING = 1 << 20  # a ring of this size is a quarter of the simulation's arena
+CANCEL_AFTER_S = (0.0, 0.001, 0.01, 0.05)  # how long a cancelled ring session runs before its cancel scope fires
 EPOCH = "SIM_SETTINGS_EPOCH"  # the env key a reload with new settings changes
+MODEL_EPOCH = "SIM_MODEL_EPOCH"  # the env key a change of sim-a's settings (its tokenizer, say) changes
+TOKENIZE_S = 0.001  # from reading a model's settings to queueing the request (the daemon tokenizes off the loop)
 SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
 
@@ -37,6 +42,10 @@ class Entry:
     started: float
     done: float | None = None
     outcome: str = ""
+    gated: float = 0.0  # how long it waited at the model gate (bounded by the requests admitted before it)
+
+
+_ENTRY: contextvars.ContextVar[Entry] = contextvars.ContextVar("sim_entry")  # the entry of the running step
 
 
 @dataclass
@@ -45,10 +54,12 @@ class World(Simulation):
 
     schedule: Schedule | None = None
     ledger: list[Entry] = field(default_factory=list)
+    packers: dict[str, dict[str, Packer]] = field(default_factory=dict)  # lane -> model -> the batch its steps joined
     _changed: trio.Event = field(default_factory=trio.Event)
     _roles: set[tuple[str, int]] = field(default_factory=set)
     _handles: list[tuple[str, dict[str, int], np.ndarray]] = field(default_factory=list)  # (lane, handle, bytes)
     _epoch: int = 0  # the settings a reload brings, numbered
+    _model_epoch: int = 0  # sim-a's settings, numbered: what a request admitted now is tokenized with
 
     async def play(self) -> None:
         """The schedule's steps, each a task of its own started at its time, invariants checked before each; then the
@@ -60,8 +71,10 @@ class World(Simulation):
                 await trio.sleep_until(t0 + step.at)
                 self.check()
                 steps.start_soon(self.perform, self.begin(step))
-            with trio.move_on_after(BOUND):
+            with trio.move_on_after(BOUND) as waited:
                 await self.idle()
+            if not waited.cancelled_caught:
+                await self.check_settled()
             await self.finish()
 
     def pending(self) -> list[str]:
@@ -83,6 +96,7 @@ class World(Simulation):
     async def perform(self, entry: Entry) -> None:
         """Carry the step out and record how it ended: its outcome, or a finding."""
         step = entry.step
+        _ENTRY.set(entry)
         try:
             entry.outcome = await getattr(self, f"_{step.action}")(step) or "ok"
         except Exception as exc:
@@ -94,8 +108,11 @@ class World(Simulation):
                 self.found.append(f"{step}: untyped {type(exc).__name__}: {exc}\n{text}")
                 entry.outcome = "untyped"
         entry.done = trio.current_time()
-        if entry.done - entry.started > BOUND and step.action != "park":  # a parked pull waits for its ring's end
-            self.found.append(f"{step}: took {entry.done - entry.started:.1f} s (bound {BOUND:g} s)")
+        served = entry.done - entry.started - entry.gated
+        if served > BOUND and step.action != "park":  # a parked pull waits for its ring's end
+            self.found.append(f"{step}: took {served:.1f} s (bound {BOUND:g} s)")
+        if entry.gated > BOUND:  # the gate waits for requests admitted before, each within BOUND
+            self.found.append(f"{step}: waited {entry.gated:.1f} s at the model gate (bound {BOUND:g} s)")
         self._changed.set()
 
     def _lane(self, step: Step) -> Lane:
@@ -129,26 +146,45 @@ class World(Simulation):
         return None
 
     async def _generate(self, step: Step) -> str | None:
-        """A GENERATE alone (even `arg`), or 1-3 sequences decoded together in GENERATE_PACKED chunks (odd)."""
+        """A GENERATE alone (even `arg`), or 1-3 sequences decoded together in GENERATE_PACKED chunks (odd). It is
+        admitted through the model gate, as the daemon admits a request, and reads sim-a's settings there: the
+        worker that answers must have been started with those settings."""
         assert self.sup is not None
-        lane = self.sup.pick_lane(MODEL)
-        if step.arg % 2:
-            return await self._batched(step, lane)
-        ids = self._ids(1 + step.arg % 9)
-        reply = await lane.call(Generate(model_ref=MODEL, max_tokens=step.arg, raw=ids.tobytes()),
-                                timeout=step.timeout)
+        deadline = trio.current_time() + step.timeout if step.timeout is not None else math.inf
+        waiting = trio.current_time()
+        async with self.sup.gate.serving(MODEL, deadline):
+            _ENTRY.get().gated = trio.current_time() - waiting
+            epoch = self._model_epoch
+            await trio.sleep(TOKENIZE_S)
+            lane = self.sup.pick_lane(MODEL)
+            if step.arg % 2:
+                return await self._batched(step, lane, epoch)
+            ids = self._ids(1 + step.arg % 9)
+            reply = await lane.call(Generate(model_ref=MODEL, max_tokens=step.arg, raw=ids.tobytes()),
+                                    timeout=step.timeout)
         text, gen = reply.text.rsplit(" g", 1)
         if text != f"sim {int(ids.sum())}":
             self.found.append(f"{step}: text {reply.text!r} is not its own")
         if int(gen) not in self._gens_of(lane):
             self.found.append(f"{step}: answered by generation {gen}, which lane {lane.id} never ran")
+        self._check_model_epoch(step, lane, int(gen), epoch)
         return None
 
-    async def _batched(self, step: Step, lane: Lane) -> str | None:
+    def _check_model_epoch(self, step: Step, lane: Lane, gen: int, epoch: int) -> None:
+        assert self.launcher is not None
+        proc = self.launcher.procs.get((lane.id, gen))
+        served = int(proc.spec.env.get(MODEL_EPOCH, "0")) if proc is not None else epoch
+        if served != epoch:
+            self.found.append(f"{step}: admitted with sim-a's settings #{epoch}, answered by worker g{gen} started "
+                              f"with #{served} (silently wrong: tokenized with one model's settings, served "
+                              f"with another's)")
+
+    async def _batched(self, step: Step, lane: Lane, epoch: int) -> str | None:
         fields = {"max_tokens": step.arg}
         packer = packer_for(lane, MODEL, fields)
         if packer is None:
             return "alone"
+        self.packers.setdefault(lane.id, {})[MODEL] = packer  # the one packer_for keeps for the lane and model
 
         async def one(k: int) -> None:
             ids = self._ids(1 + (step.arg + k) % 9)
@@ -161,6 +197,8 @@ class World(Simulation):
             if "".join(parts[0::2]) != want or len(gens) != 1 or not gens <= self._gens_of(lane):
                 self.found.append(f"{step}: sequence {k}'s text {got['text']!r} is not its own, from one worker "
                                   f"of lane {lane.id}")
+            for gen in gens:
+                self._check_model_epoch(step, lane, gen, epoch)
 
         async with trio.open_nursery() as nursery:
             for k in range(1 + step.arg % 3):
@@ -178,7 +216,7 @@ class World(Simulation):
         seen: set[int] = set()
         while True:
             await lane.runner.changed.wait()
-            for packer in _PACKERS.get(lane, {}).values():
+            for packer in self.packers.get(lane.id, {}).values():
                 g = lane.machine.gens.get(packer.generation) if packer.live and packer.generation else None
                 if g is not None and g.stop in (Stop.RELOAD, Stop.RETIRE) and g.number not in seen:
                     seen.add(g.number)
@@ -200,21 +238,49 @@ class World(Simulation):
         return None
 
     async def _reload(self, step: Step) -> str | None:
-        """An ordered reload; an odd `arg` brings new settings (a new env), which the worker it starts must have."""
+        """An ordered reload; an odd `arg` brings new settings (a new env), which the worker it starts must have;
+        `arg % 4 == 3` changes sim-a's settings, which every lane serving it reloads with."""
         assert self.sup is not None and self.launcher is not None
+        if step.arg % 4 == 3:
+            return await self._change_model(step)
         lane = self._lane(step)
-        settings = None
-        if step.arg % 2:
-            self._epoch += 1
-            cfg = dataclasses.replace(lane.cfg, env={**lane.cfg.env, EPOCH: str(self._epoch)})
-            settings = LaneSettings(cfg, dict(lane.loads))
+        settings = self._new_env(lane) if step.arg % 2 else None
         await self.sup.reload_lane(lane.id, timeout=step.timeout, settings=settings)
         if settings is not None:
-            proc = self.launcher.procs.get((lane.id, lane.generation))
-            epoch = int(proc.spec.env.get(EPOCH, "0")) if proc is not None else None
-            if epoch is not None and epoch < int(settings.cfg.env[EPOCH]):
-                self.found.append(f"{step}: reloaded with {EPOCH}={settings.cfg.env[EPOCH]}, its worker "
-                                  f"g{lane.generation} was started with {epoch}")
+            self._check_reloaded(step, lane, settings)
+        return None
+
+    def _new_env(self, lane: Lane) -> LaneSettings:
+        self._epoch += 1
+        env = {**lane.cfg.env, EPOCH: str(self._epoch), MODEL_EPOCH: str(self._model_epoch)}
+        return LaneSettings(dataclasses.replace(lane.cfg, env=env), dict(lane.loads))
+
+    def _check_reloaded(self, step: Step, lane: Lane, settings: LaneSettings) -> None:
+        assert self.launcher is not None
+        proc = self.launcher.procs.get((lane.id, lane.generation))
+        epoch = int(proc.spec.env.get(EPOCH, "0")) if proc is not None else None
+        if epoch is not None and epoch < int(settings.cfg.env[EPOCH]):
+            self.found.append(f"{step}: reloaded with {EPOCH}={settings.cfg.env[EPOCH]}, its worker "
+                              f"g{lane.generation} was started with {epoch}")
+
+    async def _change_model(self, step: Step) -> str | None:
+        """sim-a's settings change, as a configuration reload that changes a model's tokenizer does: through the
+        supervisor's model gate, the settings move once the requests admitted before have ended and before any
+        admitted after, and the reload of every lane serving it is queued inside the gate."""
+        assert self.sup is not None
+        entry, waiting = _ENTRY.get(), trio.current_time()
+        lanes = [ln for ln in self.sup.lanes.values() if MODEL in ln.loads]
+        reloading = []
+        async with trio.open_nursery() as reloads:
+            async with self.sup.gate.changing({MODEL}):
+                entry.gated = trio.current_time() - waiting
+                self._model_epoch += 1
+                for lane in lanes:
+                    reloading.append((lane, self._new_env(lane)))
+                    await reloads.start(functools.partial(self.sup.reload_lane, lane.id, timeout=step.timeout,
+                                                          settings=reloading[-1][1]))
+        for lane, settings in reloading:
+            self._check_reloaded(step, lane, settings)
         return None
 
     async def _roll(self, step: Step) -> str | None:
@@ -245,15 +311,25 @@ class World(Simulation):
         return None
 
     async def _ring(self, step: Step) -> str | None:
-        """A whole data-plane session: rings in and out, an object in, an echo step, the bytes back, release."""
+        """A whole data-plane session: rings in and out, an object in, an echo step, the bytes back, release. A
+        quarter of those without a deadline use 1 MiB rings (two such sessions fill the arena: installs wait for
+        space) and are cancelled from outside after a moment, at whatever await they have reached."""
+        if step.timeout is None and step.arg % 4 == 3:
+            with trio.move_on_after(CANCEL_AFTER_S[step.arg // 4 % len(CANCEL_AFTER_S)]):
+                await self._session(step, BIG_RING)
+            return None
+        await self._session(step, 4096)
+        return None
+
+    async def _session(self, step: Step, capacity: int) -> None:
         assert self.sup is not None and self.sup.dataplane is not None
         dp, lane = self.sup.dataplane, self._lane(step)
         ends = []
         try:
-            ingress = await dp.install_ring(lane.id, direction="ingress", capacity=4096, object_spec=SPEC,
+            ingress = await dp.install_ring(lane.id, direction="ingress", capacity=capacity, object_spec=SPEC,
                                             port_id="in", timeout=step.timeout)
             ends.append(ingress)
-            egress = await dp.install_ring(lane.id, direction="egress", capacity=4096, object_spec=SPEC,
+            egress = await dp.install_ring(lane.id, direction="egress", capacity=capacity, object_spec=SPEC,
                                            port_id="out", timeout=step.timeout)
             ends.append(egress)
             data = self._ids(64 * step.arg).astype(np.float32)
@@ -266,7 +342,6 @@ class World(Simulation):
         finally:
             for end in ends:
                 await _uninstall(dp, end)
-        return None
 
     async def _echo(self, step: Step, lane: Lane, egress: Any, handle: dict[str, int], data: np.ndarray, *,
                     release: bool) -> None:

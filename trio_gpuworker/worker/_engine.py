@@ -55,14 +55,17 @@ def truncate_pair(n_a: int, n_b: int, budget: int) -> tuple[int, int]:
 
 
 def compose_pairs(query: np.ndarray, docs: list[np.ndarray], cls_id: int, sep_id: int,
-                  max_tokens: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """[CLS] query [SEP] doc [SEP] with token types 0.../1..., truncated to max_tokens like the tokenizer."""
+                  max_tokens: int, roberta: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """[CLS] query [SEP] doc [SEP] with token types 0.../1..., truncated to max_tokens like the tokenizer; with
+    `roberta`, XLM-RoBERTa's <s> query </s></s> doc </s>, every token of type 0 (it has one type)."""
+    middle = [sep_id, sep_id] if roberta else [sep_id]
     pairs, types = [], []
     for doc in docs:
-        nq, nd = truncate_pair(len(query), len(doc), max_tokens - 3)
-        ids = np.concatenate([[cls_id], query[:nq], [sep_id], doc[:nd], [sep_id]]).astype(np.int32)
+        nq, nd = truncate_pair(len(query), len(doc), max_tokens - 2 - len(middle))
+        ids = np.concatenate([[cls_id], query[:nq], middle, doc[:nd], [sep_id]]).astype(np.int32)
         pairs.append(ids)
-        types.append(np.concatenate([np.zeros(nq + 2, np.int32), np.ones(nd + 1, np.int32)]))
+        types.append(np.concatenate([np.zeros(nq + 1 + len(middle), np.int32),
+                                     np.full(nd + 1, 0 if roberta else 1, np.int32)]))
     return pairs, types
 
 
@@ -124,7 +127,7 @@ class Engine(BaseEngine):
             raise WorkerError("model_not_loaded", f"no rerank or embedding model {request.model_ref!r} loaded")
         q, docs = request.query, request.candidates
         if m.kind == RERANK:
-            pairs, types = compose_pairs(q, docs, m.cls_id, m.sep_id, m.max_tokens)
+            pairs, types = compose_pairs(q, docs, m.cls_id, m.sep_id, m.max_tokens, m.roberta)
             return Ranking(m.impl.score(pairs, types, ctx.progress), "cross_encoder")
         wrap = lambda r: np.concatenate([[m.cls_id], r[: m.max_tokens - 2], [m.sep_id]]).astype(np.int32)  # noqa: E731
         vecs = m.impl.embed([wrap(q)] + [wrap(d) for d in docs], "mean", True, ctx.progress)
@@ -148,7 +151,10 @@ class _Served:
         self.impl = impl
         self.kind = cfg.kind
         self.dims = int(impl.dims) if KINDS[cfg.kind].encoder and hasattr(impl, "dims") else 0
-        self.cls_id, self.sep_id = cfg.ids
+        encoder = impl.cfg if KINDS[cfg.kind].encoder else None  # models/bert.py BertConfig
+        self.roberta = encoder is not None and encoder.roberta
+        # the daemon's [CLS]/[SEP] (from its tokenizer), or XLM-RoBERTa's <s>/</s> from the model's config
+        self.cls_id, self.sep_id = encoder.special_ids if self.roberta else cfg.ids
         self.max_tokens = cfg.max_tokens
         self.detokenizer = detokenizer  # a decoder's: ids in, text out
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from .. import encoder_folder
 from .._errors import WorkerError
 from .._kinds import EMBEDDING, GENERATE, DecoderRuntime, EncoderRuntime, LoadConfig
 from . import _jitcache, _jitfile, _warmcache
@@ -106,12 +107,18 @@ def _load_fused(kind: str, path: Path, config: dict[str, Any], max_tokens: int, 
 
 def load_encoder(cfg: LoadConfig, path: Path, digest: str, verify: Callable[[], None],
                  progress: ModelProgress) -> tuple[Any, None]:
-    """_kinds.KINDS' loader of embedding and rerank models: (encoder, no detokenizer)."""
+    """_kinds.KINDS' loader of embedding and rerank models: (encoder, no detokenizer). An embedding model's
+    sentence-transformers folder must pool and normalise in a way the encoders serve (encoder_folder.read)."""
     cfg_path = path.with_name("config.json")
     try:
         config = json.loads(cfg_path.read_text())
     except (OSError, ValueError) as exc:
         raise WorkerError("config_invalid", f"cannot read {cfg_path}: {exc}") from exc
+    if cfg.kind == EMBEDDING:
+        try:
+            encoder_folder.read(path)
+        except ValueError as exc:
+            raise WorkerError("config_invalid", f"cannot load {path}: {exc}") from exc
     return load_bert(cfg.kind, path, config, cfg, digest, verify, progress), None
 
 

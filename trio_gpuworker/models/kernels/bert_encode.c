@@ -1,11 +1,13 @@
-/* The fused BERT encoder (models/bert_fused.py): one call runs a pack of sequences, their tokens back to
-   back with no padding, through the embeddings and every layer, and writes each sequence's mean-pooled and
-   [CLS] hidden states. Defines (BertDims, Capacity): H, NH, HD, FF, NL, EPS, ACT; CAP (tokens per call),
-   MAXLP (longest sequence, rounded up to NR), MB (rows per row block), THREADS (at most), SCRATCH (floats).
+/* The fused BERT (and XLM-RoBERTa) encoder (models/bert_fused.py): one call runs a pack of sequences, their
+   tokens back to back with no padding, through the embeddings and every layer, and writes each sequence's
+   final hidden states pooled four ways: mean | [CLS] | max | last token. Defines (BertDims, Capacity): H, NH,
+   HD, FF, NL, EPS, ACT; CAP (tokens per call), MAXLP (longest sequence, rounded up to NR), MB (rows per row
+   block), THREADS (at most), SCRATCH (floats), POOLS (poolings per sequence).
 
    Threads split the work without sharing a row block: each owns a slice of the tokens for the row-local
    work (embeddings, projections, FFN, LayerNorms) and a slice of the heads for attention, so a layer needs
-   two barriers. in: n_seq, n_tok, n_seq + 1 sequence offsets, then CAP ids and CAP token types. */
+   two barriers. in: n_seq, n_tok, n_seq + 1 sequence offsets, then CAP ids, CAP token types and CAP position
+   ids (the host numbers positions: XLM-RoBERTa's start past its padding id). */
 #include "bert_attention.h"
 #include "threads.h"
 
@@ -16,6 +18,7 @@
 _Static_assert(MR <= 16 && THREADS <= MAXT && SCRATCH >= (long)CAP * 5 * H + THREADS * THREAD_SCRATCH,
                "the host's scratch does not fit this layout (models/bert_fused.py scratch_floats)");
 _Static_assert(H % NR == 0 && FF % NR == 0 && H % VW == 0, "hidden and FFN sizes must be multiples of NR");
+_Static_assert(POOLS == 4, "the poolings written are mean, [CLS], max and last token (_proto POOLINGS' order)");
 
 typedef struct {
   float *out, *scr;
@@ -37,8 +40,21 @@ INL void row_block(job *j, int l, int r0, int r1, float *ffn) {
   if (l + 1 < NL) gemm_bias(m, H3, H, x, H, j->wqkv + (long)(l + 1) * H * H3, qkv, H3, j->bqkv + (l + 1) * H3);
 }
 
+/* o = mean | first | max | last of the n rows of x */
+INL void pool(float *restrict o, const float *restrict x, int n) {
+  float *mean = o, *first = o + H, *top = o + 2 * H, *last = o + 3 * H;
+  for (int i = 0; i < H; i++) { mean[i] = 0; first[i] = x[i]; top[i] = x[i]; last[i] = x[(long)(n - 1) * H + i]; }
+  for (int t = 0; t < n; t++) for (int i = 0; i < H; i++) {
+    float v = x[(long)t * H + i];
+    mean[i] += v;
+    top[i] = v > top[i] ? v : top[i];
+  }
+  for (int i = 0; i < H; i++) mean[i] /= n;
+}
+
 INL void run(job *j, team_t *tm, int tid) {
   const int n_seq = j->in[0], n_tok = j->in[1], *off = j->in + 2, *ids = j->in + 2 + CAP + 1, *tys = ids + CAP;
+  const int *pids = tys + CAP;
   const int nt = tm->nt;
   float *x = j->scr, *qkv = x + (long)CAP * H, *ctx = qkv + (long)CAP * H3;
   float *mine = ctx + (long)CAP * H + tid * THREAD_SCRATCH, *kv = mine + (long)MB * FF, *sc = kv + 2L * HD * MAXLP;
@@ -47,10 +63,9 @@ INL void run(job *j, team_t *tm, int tid) {
   t1 = t1 < n_tok ? t1 : n_tok;
   t0 = t0 < t1 ? t0 : t1;
   int sense = 0;
-  for (int s = 0, t = 0; s < n_seq; s++) for (int p = 0; p < off[s + 1] - off[s]; p++, t++) {
-    if (t < t0 || t >= t1) continue;
+  for (int t = t0; t < t1; t++) {
     float *xt = x + (long)t * H;
-    const float *w = j->word + (long)ids[t] * H, *ps = j->pos + (long)p * H, *ty = j->type + (long)tys[t] * H;
+    const float *w = j->word + (long)ids[t] * H, *ps = j->pos + (long)pids[t] * H, *ty = j->type + (long)tys[t] * H;
     for (int i = 0; i < H; i++) xt[i] = (w[i] + ty[i]) + ps[i];
     layernorm(xt, j->eln, j->eln + H, H, EPS);
   }
@@ -68,13 +83,8 @@ INL void run(job *j, team_t *tm, int tid) {
     for (int r = t0; r < t1; r += MB) row_block(j, l, r, r + MB < t1 ? r + MB : t1, mine);
   }
   team_sync(tm, &sense);
-  for (int s = tid; s < n_seq; s += nt) {
-    float *o = j->out + (long)s * 2 * H;
-    int n = off[s + 1] - off[s];
-    for (int i = 0; i < H; i++) o[i] = 0;
-    for (int t = off[s]; t < off[s + 1]; t++) for (int i = 0; i < H; i++) o[i] += x[(long)t * H + i];
-    for (int i = 0; i < H; i++) { o[i] /= n; o[H + i] = x[(long)off[s] * H + i]; }
-  }
+  for (int s = tid; s < n_seq; s += nt)
+    pool(j->out + (long)s * POOLS * H, x + (long)off[s] * H, off[s + 1] - off[s]);
 }
 
 static void body(team_t *tm, int tid) { run((job *)tm->job, tm, tid); }
