@@ -22,6 +22,7 @@ from trio_gpuworker._proto import (
     DAEMON,
     EXT_CANCEL,
     EXT_LONG,
+    EXT_POOLING,
     EXT_SAMPLING,
     EXT_STREAM,
     Cancel,
@@ -60,6 +61,15 @@ class Embedder(Engine):
         return np.array([[float(ids.sum()), float(len(ids))] for ids in request.token_ids])
 
 
+class Pooler(Embedder):
+    poolings = ("mean", "max")
+
+    def embed(self, request: EmbedRequest, ctx: Context) -> np.ndarray:
+        if request.pooling == "max":
+            return np.array([[float(ids.max()), float(len(ids))] for ids in request.token_ids])
+        return super().embed(request, ctx)
+
+
 class Echo(Engine):
     """Streams the prompt back, one token's text at a time, as slowly as `delay` says."""
 
@@ -84,6 +94,7 @@ def test_extensions_follow_what_the_class_implements() -> None:
     assert Engine().extensions() == Embedder().extensions() == frozenset()
     assert Echo().extensions() == {EXT_CANCEL, EXT_STREAM}
     assert Plain().extensions() == {EXT_CANCEL, EXT_SAMPLING, EXT_LONG}
+    assert Pooler().extensions() == {EXT_POOLING}
 
 
 def test_requests_follow_the_methods() -> None:
@@ -203,6 +214,19 @@ async def test_load_embed_and_the_errors_they_answer(tmp_path: Path) -> None:
         assert (await d.reply())[1]["code"] == "invalid_request"
         await d.request(EmbedBatch, model_ref="bad", pooling="mean", normalize=False, items=items, raw=ids)
         assert (await d.reply())[1]["code"] == "model_load_failed"
+
+
+async def test_an_engine_listing_max_pooling_advertises_it_and_is_sent_it(tmp_path: Path) -> None:
+    path, digest = artifact(tmp_path)
+    async with session(Pooler()) as (d, hello):
+        assert hello["engine"]["build_flags"] == [EXT_POOLING]
+        await d.request(Load, artifact_path=str(path), artifact_digest=digest, format="x", runtime_config={})
+        assert (await d.reply())[1].t == "LOADED"
+        items = [{"id": 0, "n_tokens": 3}, {"id": 1, "n_tokens": 1}]
+        await d.request(EmbedBatch, model_ref="model", pooling="max", normalize=False, items=items,
+                        raw=np.array([1, 9, 3, 4], "<i4").tobytes())
+        _, vectors = await d.reply()
+        assert np.frombuffer(vectors.raw, "<f4").tolist() == [9, 3, 4, 1]
 
 
 async def test_a_generator_streams_deltas_then_text() -> None:

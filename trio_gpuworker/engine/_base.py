@@ -19,6 +19,7 @@ from .._errors import WorkerError
 from .._proto import (
     EXT_CANCEL,
     EXT_LONG,
+    EXT_POOLING,
     EXT_SAMPLING,
     EXT_STREAM,
     V3_MAX_GEN_TOKENS,
@@ -85,6 +86,8 @@ class Engine:
     version: ClassVar[str] = "0"  # HELLO's engine.version
     sampling: ClassVar[bool] = False  # `generate` honours temperature, top_p, top_k, seed, stop and logprobs
     max_new_tokens: ClassVar[int] = V3_MAX_GEN_TOKENS  # the most tokens `generate` makes per request
+    # the EMBED_BATCH poolings `embed` serves: protocol v3's mean and cls, or also max and lasttoken
+    poolings: ClassVar[tuple[str, ...]] = ("mean", "cls")
 
     # --- the five methods ------------------------------------------------------------------------
 
@@ -113,8 +116,11 @@ class Engine:
 
     def extensions(self) -> frozenset[str]:
         """The protocol extensions HELLO advertises, from what the class implements: cancellation with any
-        `generate`, streaming with a generator `generate`, sampling and long generation as the class says."""
+        `generate`, streaming with a generator `generate`, sampling, long generation and the poolings beyond mean
+        and cls as the class says."""
         found: set[str] = set()
+        if type(self).embed is not Engine.embed and {"max", "lasttoken"} & set(self.poolings):
+            found.add(EXT_POOLING)
         generate = type(self).generate
         if generate is not Engine.generate:
             found.add(EXT_CANCEL)
