@@ -1,5 +1,10 @@
+import re
+from pathlib import Path
+
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
+
+VERSION = re.search(r'__version__ = "(.+)"', (Path(__file__).parent / "trio_gpuworker/_version.py").read_text())
 
 extensions = [
     Extension(f"cython_ring.{name}", [f"cython_ring/{name}.pyx"], include_dirs=["cython_ring"],
@@ -9,7 +14,7 @@ extensions = [
 
 setup(
     name="trio-gpuworker",
-    version="0.1.0",
+    version=VERSION.group(1),
     python_requires=">=3.11",
     packages=find_packages(include=["trio_gpuworker", "trio_gpuworker.*", "cython_ring"]),
     package_data={"cython_ring": ["*.pxd", "*.h", "*.pyx"], "trio_gpuworker.models": ["kernels/*.c", "kernels/*.h"]},

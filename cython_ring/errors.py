@@ -18,6 +18,7 @@ class GpuWorkerError(Exception):
     http_status: int = 500
 
     def to_wire(self) -> dict[str, Any]:
+        """The error as the HTTP API answers it: its wire code and message."""
         return {"code": self.code, "message": str(self)}
 
     def http_headers(self) -> dict[str, str]:

@@ -3,6 +3,9 @@ import shutil
 
 from tests.state import SESSION_CACHE, SESSION_STATE, SHORT_DIRS
 
+# the fixtures trio_gpuworker.testing gives its users (a supervisor with fake lanes, the simulation's clock)
+pytest_plugins = ["trio_gpuworker.testing.pytest_plugin"]
+
 # Workers and in-process model tests run tinygrad on the CPU here; set before anything imports it.
 os.environ.setdefault("DEV", "CPU")
 # Reference models (sentence-transformers, transformers) load from installed packages only; huggingface_hub

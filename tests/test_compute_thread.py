@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import trio
 
-from trio_gpuworker.worker._compute import ComputeThread
+from trio_gpuworker._compute import ComputeThread
 
 
 @pytest.fixture

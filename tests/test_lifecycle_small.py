@@ -16,7 +16,7 @@ from tests.supervision_helpers import SPEC, dataplane_config, fake_config
 from tests.test_dataplane_faults import wait_until
 from trio_gpuworker import BrokenWorkerError, DeadlineExceeded, Supervisor, Windows
 from trio_gpuworker._proto import Ping, RingWritable
-from trio_gpuworker.supervisor import silence_window
+from trio_gpuworker.supervisor._exchange import silence_window
 
 
 async def test_notify_to_a_generation_that_is_gone_is_typed(tmp_path):

@@ -1,6 +1,7 @@
-"""The deterministic simulation (tests/sim): 2,000 seeded schedules of the real Supervisor against simulated
-workers under a mock clock, with every invariant checked before each step and at the end; each known defect,
-put back, is caught by a pinned seed; a seed replays exactly. `make sim` runs 10^5 schedules."""
+"""The deterministic simulation (trio_gpuworker.testing; the mutations in tests/sim): 2,000 seeded schedules of the
+real Supervisor against simulated workers under a mock clock, with every invariant checked before each step and at
+the end; each known defect, put back, is caught by a pinned seed; a seed replays exactly. `make sim` runs 10^5
+schedules."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.sim.mutations import NAMES, mutated
-from tests.sim.run import run_schedule
-from tests.sim.schedule import Schedule, Step, make_schedule
-from tests.sim.search import shrink
+from trio_gpuworker.testing import Schedule, Step, make_schedule, run_schedule, shrink
 
 SCHEDULES = int(os.environ.get("SIM_SCHEDULES", "2000"))
 # a seed that catches each known defect when its fix is undone (found with `python -m tests.sim mutate NAME

@@ -1,4 +1,8 @@
-"""trio-gpuworker: supervise tinygrad worker processes from a trio node daemon."""
+"""trio-gpuworker: supervise inference worker processes from a trio node daemon.
+
+The public API is this module (the Supervisor, its configuration and its errors), `trio_gpuworker.engine` (engines
+of one's own, docs/engines.md) and `trio_gpuworker.testing` (fake engines, the simulated world and pytest fixtures,
+docs/testing.md). The other subpackages are the daemon's and the worker's own modules, not an API."""
 
 from ._config import (
     AdmissionPolicy,
@@ -34,6 +38,7 @@ from ._errors import (
     StepFailed,
     WorkerError,
 )
+from ._version import __version__ as __version__
 from .supervisor import LaneState, Supervisor
 
 __all__ = [

@@ -87,12 +87,18 @@ class Windows:
 
 @dataclass(frozen=True)
 class QuarantinePolicy:
+    """`strikes` consecutive faults (crash, hang, protocol) quarantine a lane for `cooldown_s` (docs/architecture.md,
+    'Strikes and quarantine')."""
+
     strikes: int = 2
     cooldown_s: float = 600.0
 
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    """The backoff before a faulted lane's next worker: `backoff_initial_s`, times `backoff_factor` per fault in a
+    row, at most `backoff_max_s` (docs/architecture.md, 'Restart')."""
+
     backoff_initial_s: float = 0.1
     backoff_max_s: float = 30.0
     backoff_factor: float = 2.0
@@ -100,6 +106,9 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class LaneConfig:
+    """One lane: the models its worker serves, its device, and the command that starts the worker (any engine that
+    speaks protocol v3; docs/engines.md)."""
+
     id: str
     models: tuple[str, ...]
     device: str = "CPU"
@@ -110,22 +119,31 @@ class LaneConfig:
 
 @dataclass(frozen=True)
 class AdmissionPolicy:
+    """How many token-id bytes a model may have queued and in flight before requests are refused over_capacity."""
+
     queue_bytes: int = 64 << 20  # per model: token-id bytes queued + in flight
     retry_after_s: float = 1.0  # Retry-After of an over_capacity answer
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
+    """How embedding requests of one model are batched into one EMBED_BATCH: rows per batch, and how long a batch
+    waits for company."""
+
     max_items: int = 256  # rows per EMBED_BATCH
     max_delay_s: float = 0.002  # how long a batch waits for company; 0 = batching off
 
     @property
     def enabled(self) -> bool:
+        """Batching is on (a batch may wait for company)."""
         return self.max_delay_s > 0
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
+    """Everything a Supervisor runs: its lanes and models, where it keeps state and sockets, and the supervision
+    rules (watchdog windows, quarantine, restarts, frame and log sizes)."""
+
     lanes: tuple[LaneConfig, ...]
     models: tuple[ModelConfig, ...]
     state_dir: Path
@@ -152,6 +170,7 @@ class SupervisorConfig:
                     f"x 4 bytes exceeds daemon.max_frame_mib ({self.max_frame} bytes): such a batch cannot be sent")
 
     def model(self, model_id: str) -> ModelConfig:
+        """The model `model_id`; ModelNotFound when there is none."""
         for m in self.models:
             if m.id == model_id:
                 return m

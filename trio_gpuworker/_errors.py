@@ -170,6 +170,7 @@ class EngineCrashed(GpuWorkerError):
         return retry_after(self.cooldown_remaining_s) if self.quarantined else {}
 
     def to_wire(self) -> dict[str, Any]:
+        """The error as the HTTP API answers it: code, message, and the crash's detail."""
         detail: dict[str, Any] = {"lane_id": self.lane_id, "generation": self.generation, "cause": self.cause}
         if self.exit_code is not None:
             detail["exit_code"] = self.exit_code
@@ -208,12 +209,15 @@ class OverCapacity(GpuWorkerError):
         return retry_after(self.retry_after_s)
 
     def to_wire(self) -> dict[str, Any]:
+        """The error as the HTTP API answers it: code, message, and the queue's detail."""
         return {"code": self.code, "message": str(self),
                 "detail": {"model": self.model, "queued_bytes": self.queued_bytes,
                            "budget_bytes": self.budget_bytes, "retry_after_s": self.retry_after_s}}
 
 
 class ModelNotFound(GpuWorkerError, LookupError):
+    """No model of that name is configured."""
+
     code = "model_not_found"
     http_status = 404
 
@@ -276,6 +280,7 @@ class ModelLoading(NoLaneAvailable):
         return retry_after(self.retry_after_s)
 
     def to_wire(self) -> dict[str, Any]:
+        """The error as the HTTP API answers it: code, message, and each lane's start progress."""
         return {"code": self.code, "message": str(self),
                 "detail": {"model": self.model, "lanes": self.lanes, "retry_after_s": self.retry_after_s}}
 
@@ -292,6 +297,7 @@ class ModelLoadFailed(NoLaneAvailable):
         self.lanes = lanes  # lane id -> its LOAD's error, "code: message"
 
     def to_wire(self) -> dict[str, Any]:
+        """The error as the HTTP API answers it: code, message, and each lane's LOAD error."""
         return {"code": self.code, "message": str(self), "detail": {"model": self.model, "lanes": self.lanes}}
 
 

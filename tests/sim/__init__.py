@@ -1,5 +1,4 @@
-"""The deterministic simulation of the whole supervisor (docs/architecture.md, 'The lane lifecycle'): the real
-Supervisor, lanes, router, batcher
-and data plane against simulated protocol-v3 workers in-process, under trio's MockClock, driven by schedules a
-seed reproduces. `python -m tests.sim --help` runs, replays and shrinks schedules; tests/test_sim.py runs a
-budget of them in `make test`."""
+"""The project's own side of the simulation (docs/testing.md, 'The simulated world'): the known defects put back
+(mutations.py) and the CLI that runs, replays, shrinks and mutates schedules (`python -m tests.sim --help`). The
+world, the schedules and the search are trio_gpuworker.testing's; tests/test_sim.py runs a budget of them in
+`make test` and pins the seeds that catch each defect."""

@@ -15,6 +15,7 @@ compared with PYTHONHASHSEED=0, as `make sim` sets it.
 from __future__ import annotations
 
 import argparse
+import functools
 import shutil
 import sys
 import tempfile
@@ -22,9 +23,7 @@ import time
 from pathlib import Path
 
 from tests.sim.mutations import NAMES, mutated
-from tests.sim.run import run_schedule
-from tests.sim.schedule import make_schedule
-from tests.sim.search import run_seeds, shrink
+from trio_gpuworker.testing import make_schedule, run_schedule, search_schedules, shrink
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if found else 0
     first, last = (int(x) for x in args.seeds.split(":"))
     t0 = time.monotonic()
-    failing = run_seeds(first, last, jobs=args.jobs, steps=args.steps,
-                        mutation=args.name if args.cmd == "mutate" else None)
+    setup = functools.partial(mutated, args.name) if args.cmd == "mutate" else None
+    failing = search_schedules(range(first, last), max_steps=args.steps, jobs=args.jobs, setup=setup)
     wall = time.monotonic() - t0
     what = f" with mutation {args.name}" if args.cmd == "mutate" else ""
     print(f"{last - first} schedules (seeds {first}..{last - 1}, up to {args.steps} steps each){what} in "

@@ -45,6 +45,7 @@ from ._lifecycle_parts import (
     Send,
     Settings,
     Spawn,
+    Stop,
 )
 from ._lifecycle_parts import Ticket as LaneTicket
 from ._lifecycle_table import (
@@ -244,6 +245,7 @@ __all__ = [
     "Spec",
     "StepCompleted",
     "StepFailed",
+    "Stop",
     "StrikePolicy",
     "Text",
     "TextDelta",

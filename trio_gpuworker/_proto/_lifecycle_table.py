@@ -20,6 +20,7 @@ class LifecycleError(LocalProtocolError):
 
 
 class LaneState(StrEnum):
+    """A lane's state as /v1/lanes reports it (docs/architecture.md, 'Lane states')."""
     STARTING = "starting"  # the active generation is spawning or in HELLO
     LOADING = "loading"  # past HELLO, loading the lane's models
     READY = "ready"  # serving, nothing open

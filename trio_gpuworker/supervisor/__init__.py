@@ -1,5 +1,6 @@
 """The trio shell around _proto: lanes, supervisor, spawn/kill, log ring, event bus, routing, admission,
-batching and the daemon-side data plane."""
+batching and the daemon-side data plane. What it exports here is what the daemon and `trio_gpuworker.testing`
+build on, not an API: a program of one's own uses `trio_gpuworker`."""
 
 from .._proto import SERVING_STATES, LaneState
 from ._admission import Router, Scheduler, Ticket
@@ -7,8 +8,8 @@ from ._arena import ArenaManager
 from ._batching import Batcher
 from ._dataplane import DataPlane, RingEnd
 from ._events import EventBus
-from ._exchange import silence_window
 from ._gate import ModelGate
+from ._genbatch import Packer, packer_for
 from ._jobs import Job, LaneSettings, LoadSpec
 from ._lane import Lane
 from ._launcher import Launched, Launcher, ProcessLauncher, WorkerSpec
@@ -35,6 +36,7 @@ __all__ = [
            "LoadSpec",
            "LogRing",
            "ModelGate",
+           "Packer",
            "ProcessLauncher",
            "RingEnd",
            "Router",
@@ -44,5 +46,5 @@ __all__ = [
            "WorkerSpec",
            "describe_progress",
            "load_spec",
-           "silence_window",
+           "packer_for",
 ]

@@ -53,6 +53,7 @@ class ServingApi:
     # --- tokenization --------------------------------------------------------------------------
 
     def tokenize(self, texts: list[str], *, model: str) -> list[np.ndarray]:
+        """`texts` as embedding model `model`'s token ids, one int32 array each (on the calling thread)."""
         mc = self.config.model(model)
         texts = rq.cap_texts(ck.check_texts(texts, "texts"), ck.char_cap(mc))
         ck.check_unicode(texts, "texts")

@@ -153,6 +153,7 @@ class Supervisor(ServingApi):
         self.batcher.policy = batching
 
     def model_config(self, model: str) -> ModelConfig:
+        """The configuration of model `model`; ModelNotFound when there is none."""
         return self.config.model(model)
 
     # --- admin -------------------------------------------------------------------------------
@@ -240,6 +241,7 @@ class Supervisor(ServingApi):
         return out
 
     def subscribe(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
+        """A channel of the supervisor's events from now on (WORKER_CRASHED, RING_FAULT, ...), as dicts."""
         return self.events.subscribe()
 
     async def wait_started(self) -> None:

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
     watched = watch_lifeline()  # first: from here on this worker cannot outlive its daemon
     lower_priority()
-    from ._compute import ComputeThread
+    from .._compute import ComputeThread
 
     compute = ComputeThread()  # tinygrad work stays on this one thread (see _compute), the prewarm included
     compute.submit(prewarm)

@@ -7,15 +7,11 @@ text that may turn out to begin a stop string. The deltas of a request, joined, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
-from .._proto import Generate, Text, TextDelta
+from ..engine import Context, GenerateRequest, Generation
 from ..models.sampling import SamplingParams
 
-Post = Callable[[str, dict[str, Any]], None]
 REPLACEMENT = "\ufffd"
 
 
@@ -70,23 +66,22 @@ class TextStream:
         return out
 
 
-def sampling_params(msg: Generate) -> SamplingParams:
+def sampling_params(request: GenerateRequest) -> SamplingParams:
     """The extension's fields; an absent one (None) is the greedy default."""
-    return SamplingParams(temperature=float(msg.temperature or 0.0),
-                          top_p=float(1.0 if msg.top_p is None else msg.top_p), top_k=int(msg.top_k or 0),
-                          seed=msg.seed, logprobs=msg.logprobs)
+    return SamplingParams(temperature=float(request.temperature or 0.0),
+                          top_p=float(1.0 if request.top_p is None else request.top_p),
+                          top_k=int(request.top_k or 0), seed=request.seed, logprobs=request.logprobs)
 
 
-def generate(m: Any, msg: Generate, progress: Callable[..., None], post: Post | None) -> Text:
-    """Run one GENERATE on served model `m`: its TEXT. ValueError for a bad request.
-    `progress(n, phase, post=...)` is the request's completed-work report and abort check: a token whose text
-    goes out in a TEXT_DELTA needs no PROGRESS of its own (the delta renews the window), halving the frames."""
-    ids = np.frombuffer(msg.raw, dtype="<i4").astype(np.int32)
-    params = sampling_params(msg)
-    stops = list(msg.stop or [])
+def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
+    """Run one GENERATE on served model `m`. ValueError for a bad request. A token whose text goes out in a
+    TEXT_DELTA needs no PROGRESS of its own (the delta renews the window), halving the frames."""
+    ids = request.prompt
+    params = sampling_params(request)
+    stops = list(request.stop or [])
     if any(not s for s in stops):
         raise ValueError("a stop string is empty")
-    stream = bool(msg.stream) and post is not None
+    stream = request.stream
     text = TextStream(m.detokenizer, stops) if stops or stream else None
     records: list[dict[str, Any]] = []
     shown = 0  # records already sent in a TEXT_DELTA
@@ -105,27 +100,23 @@ def generate(m: Any, msg: Generate, progress: Callable[..., None], post: Post | 
         hit = text.add(token)
         n = len(text.ids)
         if stream and (delta := text.release()):
-            assert post is not None
-            progress(n, "inference", post=False)  # an abort or a CANCEL stops it here, before the delta
             new, shown = records[shown:] or None, len(records)
-            update = TextDelta(req_id=msg.req_id, text=delta, n_gen=n, logprobs=new)
-            post(update.T, update.to_fields())  # the outbox queues maps: it is fed from the compute thread
+            ctx.delta(delta, n, new)  # an abort or a CANCEL stops it here, before the delta
         else:
-            progress(n, "inference")
+            ctx.progress(n)
         return hit
 
     def tokens(n: int) -> None:  # the decoder's per-token call: PROGRESS now unless on_token reports it
         if text is None:
-            progress(n, "inference")
+            ctx.progress(n)
 
-    out, finish = m.impl.generate(ids, msg.max_tokens, tokens, sampling=params, on_token=on_token)
+    out, finish = m.impl.generate(ids, request.max_tokens, tokens, sampling=params, on_token=on_token)
     if text is None:
         final = m.detokenizer.decode(out, skip_special=True)
     else:
         text.finish()  # streamed: what no delta carried is in TEXT, whose text is all of it
         final = text.text[: text.sent]
-    return Text(req_id=msg.req_id, text=final, n_prompt=len(ids), n_gen=len(out), finish_reason=finish,
-                logprobs=records if params.logprobs is not None else None, raw=np.asarray(out, dtype="<i4").tobytes())
+    return Generation(final, out, finish, records if params.logprobs is not None else None)
 
 
 __all__ = ["TextStream", "generate", "sampling_params"]

@@ -1,9 +1,10 @@
-"""A scripted protocol-v3 worker: a real process on a real socket, no tinygrad, no trio.
+"""The fake engine as a real process: protocol v3 on a real socket, no tinygrad, no trio (docs/testing.md,
+'Fake engines'). A lane runs it as `FaultPlan.command()`:
 
-    python tests/fakes/fake_worker.py [--behavior NAME] [--on-request N] [--once-file PATH]
-        [--delay S] [--progress-every S] [--load-delay S] [--first-load-delay S] --socket PATH --nonce HEX
+    python .../trio_gpuworker/testing/_fake_worker.py --plan JSON --socket PATH --nonce HEX
 
-Normal service (one request at a time; dims are always 4):
+or with the flags below instead of --plan (a test suite's shorthand may build those). Normal service (one request at
+a time; dims are always 4):
 
     LOAD         PROGRESS(setup) -> LOADED {model_ref: request's or basename(artifact_path), dims 4}
     EMBED_BATCH  PROGRESS(inference) -> VECTORS + f32 rows [sum(ids), n_tokens, item id, req_id]
@@ -12,10 +13,10 @@ Normal service (one request at a time; dims are always 4):
     UNLOAD       UNLOADED;  PING -> PONG;  SHUTDOWN -> WORKER_STOPPED {reason: graceful}, exit 0
     other        ERR {code: unsupported_request};  clean EOF from the daemon -> exit 0
 
-Behaviors. Handshake ones act at start; crash_during_load on the N-th LOAD; the rest on the N-th serving
-request (EMBED_BATCH, RERANK or GENERATE; N = --on-request, default 1, 0 = every one). With --once-file
-the worker misbehaves only if that file does not exist yet, and creates it, so a restarted generation
-behaves.
+The faults (_plan.py holds their names). Handshake ones act at start; crash_during_load on the N-th LOAD; the rest
+on the N-th serving request (EMBED_BATCH, RERANK or GENERATE; N = --on-request, default 1, 0 = every one). With
+--once-file the worker misbehaves only if that file does not exist yet, and creates it, so a restarted generation
+behaves; a plan's `generations` does the same by the generation the daemon numbered (GPUWORKER_WORKER_ID).
 
     crash_before_hello            exit 3 before connecting
     garbage_hello                 random bytes as the first frame's payload
@@ -29,7 +30,9 @@ behaves.
     crash_mid_request             os._exit(5) right after reading the request
     crash_between_header_and_raw  the reply's control frame, then os._exit(6) before its raw frame
     hang_silent                   sleep forever, no progress
+    hang_after_progress           one PROGRESS, then sleep forever
     hang_sigstop                  SIGSTOP itself; after SIGCONT it answers normally
+    stop_reading                  read nothing more and answer nothing (the socket fills; the daemon's writes stall)
     garbage                       random bytes as a frame payload instead of the reply
     oversize_length               a u32 length of 0xFFFFFFF0 instead of the reply
     regressing_progress           PROGRESS completed 2, then 1; then the reply
@@ -44,8 +47,8 @@ GENERATE with one TEXT_DELTA "t<k> " per token every S s, up to max_tokens, watc
 (then ERR request_cancelled, and "fake worker: cancelled after k tokens" on stderr); with crash_mid_request it
 exits 5 after the second delta instead.
 
---fault-rate P [--seed S]: besides any behavior, each serving request misbehaves with probability P, drawing
-from RANDOM_FAULTS (crash, crash between header and raw, silent hang, garbage, wrong req_id, regressing progress).
+--fault-rate P [--seed S]: besides any fault, each serving request misbehaves with probability P, drawing from
+RANDOM_FAULTS (crash, crash between header and raw, silent hang, garbage, wrong req_id, regressing progress).
 """
 
 from __future__ import annotations
@@ -67,26 +70,22 @@ from typing import Any
 import cbor2
 
 if __name__ == "__main__":
-    # Run as a worker: import the sans-I/O core without trio_gpuworker/__init__ (which pulls in trio, numpy
-    # and the supervisor), so the fake starts about as fast as plain Python.
-    _package = types.ModuleType("trio_gpuworker")
-    _package.__path__ = [str(Path(__file__).resolve().parents[2] / "trio_gpuworker")]
-    sys.modules.setdefault("trio_gpuworker", _package)
+    # Run as a worker: import the sans-I/O core and the plan without trio_gpuworker/__init__ (which pulls in trio,
+    # numpy and the supervisor), so the fake starts about as fast as plain Python.
+    for _name, _path in (("trio_gpuworker", Path(__file__).resolve().parents[1]),
+                         ("trio_gpuworker.testing", Path(__file__).resolve().parent)):
+        _package = types.ModuleType(_name)
+        _package.__path__ = [str(_path)]
+        sys.modules.setdefault(_name, _package)
 
 from trio_gpuworker._lifeline import watch_lifeline
 from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, EXTENSIONS, Connection, Message, hello_fields
+from trio_gpuworker._worker_env import WORKER_ID
+from trio_gpuworker.testing._plan import HANDSHAKE_FAULTS, REQUEST_FAULTS, FaultPlan
 
 DIMS = 4
 SERVING = ("EMBED_BATCH", "RERANK", "GENERATE")
-HANDSHAKE_BEHAVIORS = ("crash_before_hello", "garbage_hello", "wrong_nonce", "v2_hello", "frame_before_hello",
-                       "frame_behind_hello", "oversize_hello", "ignore_sigterm")
-REQUEST_BEHAVIORS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "hang_sigstop", "garbage",
-                     "oversize_length", "regressing_progress", "wrong_req_id", "flood_stderr", "slow",
-                     "exit_after_reply", "stop_after_reply")
-BEHAVIORS = (*HANDSHAKE_BEHAVIORS, "crash_during_load", *REQUEST_BEHAVIORS)
-# what --fault-rate draws from (the soak test): each ends the request with a typed error, never a hang of the caller
-RANDOM_FAULTS = ("crash_mid_request", "crash_between_header_and_raw", "hang_silent", "garbage", "wrong_req_id",
-                 "regressing_progress")
+BEHAVIORS = (*HANDSHAKE_FAULTS, "ignore_sigterm", "crash_during_load", *REQUEST_FAULTS)  # what --behavior names
 
 
 def frame(payload: bytes) -> bytes:
@@ -106,34 +105,24 @@ def f32(values: list[float]) -> bytes:
 
 
 class FakeWorker:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, plan: FaultPlan) -> None:
         self.args = args
+        self.plan = plan.for_generation(generation_of(os.environ.get(WORKER_ID, "")))
         self.conn = Connection("worker")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.loads = self.served = 0
         self.models: list[str] = []
         self.completed = 0  # PROGRESS counter of the current request
-        self.rng = random.Random(args.seed)
+        self.rng = random.Random(self.plan.seed)
 
     # --- when to misbehave -------------------------------------------------------------------
 
-    def once(self) -> bool:
-        if self.args.once_file is None:
-            return True
-        try:
-            os.close(os.open(self.args.once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return False
-        return True
-
     def at_start(self, name: str) -> bool:
-        return self.args.behavior == name and self.once()
+        return self.plan.handshake == name and self.plan.claim()
 
-    def at_request(self, count: int, *names: str) -> str | None:
-        n = self.args.on_request
-        if self.args.behavior in names and (n == 0 or n == count) and self.once():
-            return self.args.behavior
-        return None
+    def at_request(self, count: int) -> str | None:
+        fault = self.plan.request_fault(count, self.rng)
+        return fault if fault is not None and self.plan.claim() else None
 
     # --- I/O -----------------------------------------------------------------------------------
 
@@ -162,7 +151,7 @@ class FakeWorker:
 
     def run(self) -> int:
         a = self.args
-        if self.at_start("ignore_sigterm"):
+        if self.plan.ignore_sigterm and self.plan.claim():
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self.at_start("crash_before_hello"):
             return 3
@@ -210,10 +199,10 @@ class FakeWorker:
         if t == "LOAD":
             self.loads += 1
             self.progress(req_id, "setup")
-            if self.at_request(self.loads, "crash_during_load"):
+            if self.plan.crashes_in_load(self.loads) and self.plan.claim():
                 os._exit(4)
             started = time.monotonic()
-            delay = self.args.first_load_delay if self.loads == 1 else self.args.load_delay
+            delay = self.plan.load_delay(self.loads)
             if delay:
                 time.sleep(delay)
             model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
@@ -227,10 +216,7 @@ class FakeWorker:
             self.send("LOADED", {"req_id": req_id, "model_ref": model_ref, "dims": DIMS, "cold_load_ms": cold_load_ms})
         elif t in SERVING:
             self.served += 1
-            behavior = self.at_request(self.served, *REQUEST_BEHAVIORS)
-            if behavior is None and self.args.fault_rate and self.rng.random() < self.args.fault_rate:
-                behavior = self.rng.choice(RANDOM_FAULTS)
-            self.serve_inference(msg, behavior)
+            self.serve_inference(msg, self.at_request(self.served))
         elif t == "UNLOAD":
             if msg["model_ref"] in self.models:
                 self.models.remove(msg["model_ref"])
@@ -251,21 +237,19 @@ class FakeWorker:
             return self.stream(msg, behavior)
         if behavior == "crash_mid_request":
             os._exit(5)
-        if behavior in ("hang_silent", "hang_sigstop"):
-            if behavior == "hang_sigstop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            else:
-                while True:
-                    time.sleep(3600)
+        if behavior == "hang_sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif behavior in ("hang_silent", "stop_reading"):
+            hang()
         if behavior == "flood_stderr":
             line = "fake worker flood " * 7 + "\n"  # 127 bytes
             for stream in (sys.stderr, sys.stdout):
                 stream.write(line * 8257)  # ~1 MiB
                 stream.flush()
         if behavior == "slow":
-            deadline = time.monotonic() + self.args.delay
+            deadline = time.monotonic() + self.plan.slow_s
             while (left := deadline - time.monotonic()) > 0:
-                every = self.args.progress_every
+                every = self.plan.progress_every_s
                 time.sleep(min(left, every) if every else left)
                 if every and deadline - time.monotonic() > 0:
                     self.progress(req_id, "inference")
@@ -274,6 +258,8 @@ class FakeWorker:
             self.progress(req_id, "inference", 1)
         else:
             self.progress(req_id, "inference")
+        if behavior == "hang_after_progress":
+            hang()
         t, fields, raw = self.reply(msg)
         if behavior == "wrong_req_id":
             fields["req_id"] += 1
@@ -358,6 +344,7 @@ class FakeWorker:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plan", help="a FaultPlan as JSON (FaultPlan.to_json); the fault flags below build one else")
     p.add_argument("--behavior", choices=BEHAVIORS)
     p.add_argument("--on-request", type=int, default=1)
     p.add_argument("--once-file")
@@ -375,9 +362,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def plan_of(args: argparse.Namespace) -> FaultPlan:
+    """The plan --plan gives, or the one the fault flags say."""
+    if args.plan is not None:
+        return FaultPlan.from_json(args.plan)
+    b, n = args.behavior, args.on_request
+    return FaultPlan(faults={n: b} if b in REQUEST_FAULTS else {}, fault_rate=args.fault_rate, seed=args.seed,
+                     handshake=b if b in HANDSHAKE_FAULTS else None,
+                     crash_in_load=n if b == "crash_during_load" else None, load_s=args.load_delay,
+                     first_load_s=args.first_load_delay, slow_s=args.delay, progress_every_s=args.progress_every,
+                     ignore_sigterm=b == "ignore_sigterm",
+                     once_file=Path(args.once_file) if args.once_file else None)
+
+
+def generation_of(worker_id: str) -> int:
+    """The generation in the daemon's "<lane>.<generation>" worker id (0 when it set none)."""
+    tail = worker_id.rpartition(".")[2]
+    return int(tail) if tail.isdigit() else 0
+
+
+def hang() -> None:
+    while True:
+        time.sleep(3600)
+
+
 def main() -> int:
     watch_lifeline()  # as an engine should: it dies with the daemon, however the daemon ends
-    worker = FakeWorker(parse_args())
+    args = parse_args()
+    worker = FakeWorker(args, plan_of(args))
     try:
         return worker.run()
     except ConnectionError:  # the daemon hung up on us mid-write or mid-read: nothing left to say

@@ -1,10 +1,11 @@
-"""One dedicated thread for all tinygrad work.
+"""One dedicated thread for all of an engine's work (docs/engines.md, 'Threads').
 
-tinygrad keeps per-process state that is not thread-safe (its CACHEDB sqlite connection refuses
-other threads), and trio's thread pool may pick any thread, so every engine call goes through here.
-Two exceptions, on CPU and only while this thread is `idle`: an ingress drain (worker/_server.py) and
-the free of a host echo's consumed inputs (worker/_dataplane.py) run on the event loop, and tinygrad's
-allocator is still touched by one thread at a time.
+tinygrad keeps per-process state that is not thread-safe (its CACHEDB sqlite connection refuses other threads),
+and trio's thread pool may pick any thread, so every engine call goes through here; an engine of one's own gets the
+same one thread, so whatever it keeps per thread (a device context) stays put. In the tinygrad worker, two
+exceptions, on CPU and only while this thread is `idle`: an ingress drain (worker/_server.py) and the free of a host
+echo's consumed inputs (worker/_dataplane.py) run on the event loop, and tinygrad's allocator is still touched by
+one thread at a time.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""A simulated protocol-v3 worker: a trio task speaking the real wire format (the sans-I/O Connection) over an
-in-memory stream, with the data plane on the real arena and native rings, and scripted misbehaviour.
+"""The fake engine in-process (docs/testing.md, 'Fake engines'): a trio task speaking the real wire format (the
+sans-I/O Connection) over an in-memory stream, with the data plane on the real arena and native rings, doing what
+its FaultPlan says wrong (the same faults as the process fake, _fake_worker.py).
 
 Replies carry their request's content and the answering generation, so the driver can tell a result that reached
 the wrong caller or came from the wrong worker: VECTORS rows are [sum(ids), n_tokens, item id, generation],
@@ -10,45 +11,39 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+import cbor2
 import numpy as np
 import trio
 
-from tests.sim.rings import SimRings
-from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, Connection, Message, hello_fields, is_request
+from .._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, Connection, Message, hello_fields, is_request
+from ._plan import FaultPlan
+from ._sim_rings import SimRings
 
 SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "GENERATE_PACKED", "EXECUTE_STEP")
 BURST = 100  # replies in one burst: more than the 64 frames the reply buffer once counted
-# what a request may do instead of its normal answer; each must end in a typed error at the caller, never a hang
-MISBEHAVIOURS = ("crash", "crash_after_header", "hang_silent", "hang_after_progress", "garbage", "wrong_req_id",
-                 "regressing_progress", "exit_after_reply", "stop_reading", "slow")
-
-
-@dataclass
-class Fate:
-    """What one worker generation will do: its misbehaviour per serving request (by 1-based count), a slow LOAD,
-    and whether its SIGTERM is ignored (then only the SIGKILL after the grace period ends it)."""
-
-    misbehave: dict[int, str] = field(default_factory=dict)
-    load_s: float = 0.01
-    crash_in_load: bool = False
-    slow_s: float = 1.0
-    ignore_sigterm: bool = False
-    burst: bool = False  # a GENERATE's progress comes as one burst of BURST replies in one write
+OVERSIZE = struct.pack("<I", 0xFFFFFFF0)  # a frame length far past any max_frame
+FLOOD = b"fake worker flood " * 7 + b"\n"  # 127 bytes, written 8257 times: ~1 MiB
+PONG = {"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []}  # a frame out of place before HELLO_ACK
+Output = Callable[[str, bytes], None]  # (stream, bytes): what the worker writes to its stdout or stderr
 
 
 class SimWorker:
     def __init__(self, stream: trio.abc.HalfCloseableStream, *, nonce: str, pid: int, env: dict[str, str],
-                 fate: Fate, on_misbehave: Callable[[int, str], None]) -> None:
-        self.stream, self.nonce, self.pid, self.fate = stream, nonce, pid, fate
+                 plan: FaultPlan, on_misbehave: Callable[[int, str], None], generation: int = 0,
+                 output: Output | None = None) -> None:
+        self.stream, self.nonce, self.pid, self.plan = stream, nonce, pid, plan
         self.on_misbehave = on_misbehave  # (generation, what): the driver's ledger of faults it may be struck for
+        self.output: Output = output or (lambda stream, data: None)
+        self.rng = random.Random(plan.seed)
         self.conn = Connection("worker")
-        self.generation = 0
+        self.generation = generation  # the daemon's number for it; HELLO_ACK says it again
         self.served = 0
+        self.loads = 0
         self.models: list[str] = []
         self.exit_code: int | None = None
         self.hung = trio.Event()  # set: it stops reading, writing and answering (a hang, or a SIGSTOP)
@@ -80,8 +75,7 @@ class SimWorker:
         raise AssertionError("unreachable")
 
     async def _session(self) -> None:
-        engine = {"engine": "sim", "version": "1", "build_flags": [EXT_PACKED]}
-        await self.send("HELLO", hello_fields(self.nonce, self.pid, DEFAULT_MAX_FRAME, engine))
+        await self._hello()
         ack = await self.receive()
         if ack is None:
             return
@@ -96,6 +90,22 @@ class SimWorker:
                     if self.stopping is not None and msg.t == "SHUTDOWN":
                         await self.exit(0)
             await self.exit(0)  # the daemon closed the socket
+
+    async def _hello(self) -> None:
+        """HELLO, or the plan's handshake fault instead."""
+        engine = {"engine": "sim", "version": "1", "build_flags": [EXT_PACKED]}
+        hello = hello_fields(self.nonce, self.pid, DEFAULT_MAX_FRAME, engine)
+        fault = self.plan.handshake if self.plan.handshake is not None and self.plan.claim() else None
+        if fault is not None:
+            self.misbehave(fault)
+        if fault == "crash_before_hello":
+            await self.exit(3)
+        elif fault == "wrong_nonce":
+            hello["nonce"] = "00" * 16 if self.nonce != "00" * 16 else "11" * 16
+        elif fault is not None:
+            await self.write(_handshake_bytes(fault, self.conn, hello))
+            return
+        await self.send("HELLO", hello)
 
     async def _read_loop(self, send: trio.MemorySendChannel[Message], nursery: trio.Nursery) -> None:
         assert self.rings is not None
@@ -165,10 +175,12 @@ class SimWorker:
             await self.send("ERR", {"req_id": req_id, "code": "worker_shutting_down", "msg": "shutting down"})
             return
         if t == "LOAD":
+            self.loads += 1
             await self._load(msg)
         elif t in SERVING:
             self.served += 1
-            await self._serve_work(msg, self.fate.misbehave.get(self.served))
+            fault = self.plan.request_fault(self.served, self.rng)
+            await self._serve_work(msg, fault if fault is not None and self.plan.claim() else None)
         elif t == "UNLOAD":
             if msg["model_ref"] in self.models:
                 self.models.remove(msg["model_ref"])
@@ -190,10 +202,10 @@ class SimWorker:
     async def _load(self, msg: Message) -> None:
         req_id = msg["req_id"]
         await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "setup"})
-        if self.fate.crash_in_load:
-            self.misbehave("crash_in_load")
+        if self.plan.crashes_in_load(self.loads) and self.plan.claim():
+            self.misbehave("crash_during_load")
             await self.exit(4)
-        await trio.sleep(self.fate.load_s)
+        await trio.sleep(self.plan.load_delay(self.loads))
         model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
         if model_ref not in self.models:
             self.models.append(model_ref)
@@ -203,15 +215,15 @@ class SimWorker:
         req_id = msg["req_id"]
         if how is not None:
             self.misbehave(how)
-        if how == "crash":
+        if how == "crash_mid_request":
             await self.exit(5)
-        if how == "hang_silent" or how == "stop_reading":
+        if how in ("hang_silent", "stop_reading", "hang_sigstop"):
             self.hung.set()
             await trio.sleep_forever()
         if how == "regressing_progress":
             await self.send("PROGRESS", {"req_id": req_id, "completed": 2, "phase": "inference"})
             await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "inference"})
-        elif self.fate.burst and msg.t == "GENERATE":  # healthy, and all at once: one write, one read
+        elif self.plan.burst and msg.t == "GENERATE":  # healthy, and all at once: one write, one read
             await self.send_all([("PROGRESS", {"req_id": req_id, "completed": k, "phase": "inference"})
                                  for k in range(1, BURST + 1)])
         else:
@@ -220,8 +232,7 @@ class SimWorker:
             self.hung.set()
             await trio.sleep_forever()
         if how == "slow":  # longer than the window with no progress: a hang the watchdog must catch
-            with trio.move_on_after(self.fate.slow_s):
-                await self.abort.wait()
+            await self._slow(req_id)
         if self.abort.is_set():
             await self.send("ERR", {"req_id": req_id, "code": "worker_shutting_down", "msg": "aborted"})
             return
@@ -232,15 +243,33 @@ class SimWorker:
             t, fields, raw = self.answer(msg)
         if how == "wrong_req_id":
             fields = {**fields, "req_id": req_id + 1}
-        if how == "garbage":
-            await self.write(struct.pack("<I", 8) + b"\xff" * 8)
+        if how in ("garbage", "oversize_length"):
+            await self.write(struct.pack("<I", 8) + b"\xff" * 8 if how == "garbage" else OVERSIZE)
             await trio.sleep_forever()
-        if how == "crash_after_header" and raw is not None:
+        if how == "crash_between_header_and_raw" and raw is not None:
             await self.write(bytes(self.conn.send(t, fields, raw)[0]))
             await self.exit(6)
+        if how == "flood_stderr":
+            for stream in ("stderr", "stdout"):
+                self.output(stream, FLOOD * 8257)
         await self.send(t, fields, raw)
         if how == "exit_after_reply":
             await self.exit(0)
+        if how == "stop_after_reply":
+            self.hung.set()
+
+    async def _slow(self, req_id: int) -> None:
+        """The plan's slow_s before the reply, with PROGRESS every progress_every_s if it has one; an abort ends it."""
+        every = self.plan.progress_every_s
+        with trio.move_on_after(self.plan.slow_s):
+            if every is None:
+                await self.abort.wait()
+            completed = 1
+            while not self.abort.is_set():
+                with trio.move_on_after(every):
+                    await self.abort.wait()
+                completed += 1
+                await self.send("PROGRESS", {"req_id": req_id, "completed": completed, "phase": "inference"})
 
     def packed(self, msg: Message) -> tuple[str, dict[str, Any], None]:
         """One GENERATE_PACKED chunk: each live sequence's next tokens, written " <sum>:<n>" per token, then
@@ -288,9 +317,28 @@ class SimWorker:
                         "n_gen": len(gen), "finish_reason": "length"}, gen.tobytes()
 
 
+def _handshake_bytes(fault: str, conn: Connection, hello: dict[str, Any]) -> bytes:
+    """What a handshake fault writes instead of HELLO, as the process fake does."""
+    pong = _frame(cbor2.dumps(PONG))
+    if fault == "garbage_hello":
+        return _frame(b"\xff" + bytes(63))
+    if fault == "oversize_hello":
+        return OVERSIZE
+    if fault == "frame_before_hello":
+        return pong
+    if fault == "frame_behind_hello":
+        return b"".join(bytes(c) for c in conn.send("HELLO", hello)) + pong
+    assert fault == "v2_hello"
+    return _frame(cbor2.dumps({"t": "HELLO", **hello, "v": 2}))
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack("<I", len(payload)) + payload
+
+
 def _map_arena(env: dict[str, str]) -> mmap.mmap | None:
     fd, size = env.get("GPUWORKER_ARENA_FD"), int(env.get("GPUWORKER_ARENA_BYTES", "0") or 0)
     return mmap.mmap(int(fd), size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if fd and size else None
 
 
-__all__ = ["MISBEHAVIOURS", "Fate", "SimWorker"]
+__all__ = ["SimWorker"]

@@ -1,4 +1,4 @@
-"""The simulated worker's side of the data plane: rings on the real arena through the native cython_ring helper,
+"""The in-process fake engine's side of the data plane: rings on the real arena through the native cython_ring helper,
 device objects as numpy buffers, the echo role. An independent implementation of the worker interface (not the
 real worker's code), so the daemon's data plane is checked against the contract rather than against itself."""
 
@@ -11,7 +11,8 @@ import numpy as np
 import trio
 
 from cython_ring import EgressState, IngressState, ObjectSpec, Ring, drain_ingress, write_egress
-from trio_gpuworker._proto import Message
+
+from .._proto import Message
 
 
 class Worker(Protocol):

@@ -1,5 +1,6 @@
-"""What the steps of a schedule do to the supervisor, and the ledger of every request they made: each must end
-exactly once, typed, within the bound, with a result that is its own (the content it sent) or a GpuWorkerError."""
+"""The schedules' world (docs/testing.md, 'The simulated world'): what the steps of a schedule do to the supervisor,
+and the ledger of every request they made: each must end exactly once, typed, within the bound, with a result that
+is its own (the content it sent) or a GpuWorkerError."""
 
 from __future__ import annotations
 
@@ -17,21 +18,13 @@ from typing import Any
 import numpy as np
 import trio
 
-from tests.sim.launcher import SimLauncher
-from tests.sim.schedule import Schedule, Step
-from trio_gpuworker import GpuWorkerError, Supervisor, Windows
-from trio_gpuworker._proto import Generate, LaneState, Rerank
-from trio_gpuworker._proto._lifecycle_parts import Stop
-from trio_gpuworker.supervisor import Lane, LaneSettings, LoadSpec
-from trio_gpuworker.supervisor._genbatch import _PACKERS, packer_for
+from .._errors import GpuWorkerError
+from .._proto import Generate, Rerank, Stop
+from ..supervisor import Lane, LaneSettings, LoadSpec, Packer, packer_for
+from ._schedule import Schedule, Step
+from ._simulation import BOUND, HORIZON_S, MODEL, Simulation, WorldShape, run_world
 
-WINDOWS = Windows(inference_s=5.0, setup_s=10.0, control_s=10.0, load_s=10.0, kill_grace_s=1.0, shutdown_s=2.0,
-                  exit_status_s=0.1)
-# every request ends within this much simulated time of its start, whatever the workers do (it may wait for a
-# queue, a restart with backoff and a standby's load, each bounded by a window)
-BOUND = 12 * max(WINDOWS.inference_s, WINDOWS.load_s) + 2 * WINDOWS.kill_grace_s + 8.0
 ROLL_TIMEOUT_S = 60.0  # a roll-over's own deadline when the step gives none: within BOUND
-SETTLE_S = 3 * WINDOWS.control_s  # an orphan's uninstall and a hung worker's PING window, then its kill
 BIG_RING = 1 << 20  # a ring of this size is a quarter of the simulation's arena
 CANCEL_AFTER_S = (0.0, 0.001, 0.01, 0.05)  # how long a cancelled ring session runs before its cancel scope fires
 EPOCH = "SIM_SETTINGS_EPOCH"  # the env key a reload with new settings changes
@@ -43,6 +36,8 @@ SPEC = {"kind": "tensor", "max_extent": 1 << 20, "alignment": 4, "dtype": "float
 
 @dataclass
 class Entry:
+    """One step's request in the ledger: when it started, when it ended and how."""
+
     step: Step
     started: float
     done: float | None = None
@@ -54,22 +49,36 @@ _ENTRY: contextvars.ContextVar[Entry] = contextvars.ContextVar("sim_entry")  # t
 
 
 @dataclass
-class World:
-    schedule: Schedule
-    rng: random.Random
-    found: list[str]
-    sup: Supervisor | None = None
-    launcher: SimLauncher | None = None
-    injected: set[int] = field(default_factory=set)  # generations that misbehaved or that the schedule killed
+class World(Simulation):
+    """A Simulation driven by a schedule's steps (`play`)."""
+
+    schedule: Schedule | None = None
     ledger: list[Entry] = field(default_factory=list)
+    packers: dict[str, dict[str, Packer]] = field(default_factory=dict)  # lane -> model -> the batch its steps joined
     _changed: trio.Event = field(default_factory=trio.Event)
     _roles: set[tuple[str, int]] = field(default_factory=set)
     _handles: list[tuple[str, dict[str, int], np.ndarray]] = field(default_factory=list)  # (lane, handle, bytes)
     _epoch: int = 0  # the settings a reload brings, numbered
     _model_epoch: int = 0  # sim-a's settings, numbered: what a request admitted now is tokenized with
 
-    def misbehaved(self, generation: int, what: str) -> None:
-        self.injected.add(generation)
+    async def play(self) -> None:
+        """The schedule's steps, each a task of its own started at its time, invariants checked before each; then the
+        end, inside the steps' nursery (a parked pull ends only with the close)."""
+        assert self.schedule is not None
+        t0 = trio.current_time()
+        async with trio.open_nursery() as steps:
+            for step in self.schedule.steps:
+                await trio.sleep_until(t0 + step.at)
+                self.check()
+                steps.start_soon(self.perform, self.begin(step))
+            with trio.move_on_after(BOUND) as waited:
+                await self.idle()
+            if not waited.cancelled_caught:
+                await self.check_settled()
+            await self.finish()
+
+    def pending(self) -> list[str]:
+        return [str(e.step) for e in self.ledger if e.done is None]
 
     async def idle(self) -> None:
         while any(e.done is None for e in self.ledger):
@@ -85,6 +94,7 @@ class World:
         return entry
 
     async def perform(self, entry: Entry) -> None:
+        """Carry the step out and record how it ended: its outcome, or a finding."""
         step = entry.step
         _ENTRY.set(entry)
         try:
@@ -117,7 +127,7 @@ class World:
     async def _embed(self, step: Step) -> str | None:
         assert self.sup is not None
         rows = [self._ids(1 + (step.arg * (k + 3)) % 17) for k in range(1 + step.arg % 6)]
-        out = await self.sup.embed_ids(rows, model="sim-a", pooling="mean", normalize=False, timeout=step.timeout)
+        out = await self.sup.embed_ids(rows, model=MODEL, pooling="mean", normalize=False, timeout=step.timeout)
         want = np.array([[r.sum(), len(r)] for r in rows], dtype=np.float32)
         if out.shape != (len(rows), 4) or not np.array_equal(out[:, :2], want):
             self.found.append(f"{step}: vectors are not its own: {out[:, :2].tolist()} != {want.tolist()}")
@@ -127,8 +137,8 @@ class World:
         assert self.sup is not None
         q, docs = self._ids(3), [self._ids(1 + k % 5) for k in range(1 + step.arg % 5)]
         raw = np.concatenate([q, *docs]).astype("<i4").tobytes()
-        reply = await self.sup.pick_lane("sim-a").call(
-            Rerank(model_ref="sim-a", query_n_tokens=len(q), candidates=[{"n_tokens": len(d)} for d in docs],
+        reply = await self.sup.pick_lane(MODEL).call(
+            Rerank(model_ref=MODEL, query_n_tokens=len(q), candidates=[{"n_tokens": len(d)} for d in docs],
                    raw=raw), timeout=step.timeout)
         scores = np.frombuffer(reply.raw or b"", dtype="<f4")
         if not np.array_equal(scores, np.array([d.sum() for d in docs], dtype=np.float32)):
@@ -142,15 +152,15 @@ class World:
         assert self.sup is not None
         deadline = trio.current_time() + step.timeout if step.timeout is not None else math.inf
         waiting = trio.current_time()
-        async with self.sup.gate.serving("sim-a", deadline):
+        async with self.sup.gate.serving(MODEL, deadline):
             _ENTRY.get().gated = trio.current_time() - waiting
             epoch = self._model_epoch
             await trio.sleep(TOKENIZE_S)
-            lane = self.sup.pick_lane("sim-a")
+            lane = self.sup.pick_lane(MODEL)
             if step.arg % 2:
                 return await self._batched(step, lane, epoch)
             ids = self._ids(1 + step.arg % 9)
-            reply = await lane.call(Generate(model_ref="sim-a", max_tokens=step.arg, raw=ids.tobytes()),
+            reply = await lane.call(Generate(model_ref=MODEL, max_tokens=step.arg, raw=ids.tobytes()),
                                     timeout=step.timeout)
         text, gen = reply.text.rsplit(" g", 1)
         if text != f"sim {int(ids.sum())}":
@@ -171,9 +181,10 @@ class World:
 
     async def _batched(self, step: Step, lane: Lane, epoch: int) -> str | None:
         fields = {"max_tokens": step.arg}
-        packer = packer_for(lane, "sim-a", fields)
+        packer = packer_for(lane, MODEL, fields)
         if packer is None:
             return "alone"
+        self.packers.setdefault(lane.id, {})[MODEL] = packer  # the one packer_for keeps for the lane and model
 
         async def one(k: int) -> None:
             ids = self._ids(1 + (step.arg + k) % 9)
@@ -194,13 +205,18 @@ class World:
                 nursery.start_soon(one, k)
         return None
 
+    def watch(self, nursery: trio.Nursery) -> None:
+        """The batch watcher of every lane (`watch_batches`)."""
+        for lane in self.supervisor.lanes.values():
+            nursery.start_soon(self.watch_batches, lane)
+
     async def watch_batches(self, lane: Lane) -> None:
         """After every change of the lane: a worker that holds a batch's live sequences is never stopped for a
         reload or a roll-over (their next chunks are pinned to it; they would fail)."""
         seen: set[int] = set()
         while True:
             await lane.runner.changed.wait()
-            for packer in _PACKERS.get(lane, {}).values():
+            for packer in self.packers.get(lane.id, {}).values():
                 g = lane.machine.gens.get(packer.generation) if packer.live and packer.generation else None
                 if g is not None and g.stop in (Stop.RELOAD, Stop.RETIRE) and g.number not in seen:
                     seen.add(g.number)
@@ -253,10 +269,10 @@ class World:
         admitted after, and the reload of every lane serving it is queued inside the gate."""
         assert self.sup is not None
         entry, waiting = _ENTRY.get(), trio.current_time()
-        lanes = [ln for ln in self.sup.lanes.values() if "sim-a" in ln.loads]
+        lanes = [ln for ln in self.sup.lanes.values() if MODEL in ln.loads]
         reloading = []
         async with trio.open_nursery() as reloads:
-            async with self.sup.gate.changing({"sim-a"}):
+            async with self.sup.gate.changing({MODEL}):
                 entry.gated = trio.current_time() - waiting
                 self._model_epoch += 1
                 for lane in lanes:
@@ -282,23 +298,12 @@ class World:
         self.sup.router.resume(self._lane(step).id)
         return None
 
-    def _target(self, step: Step) -> Any:
-        m = self._lane(step).machine
-        g = m.standby if step.arg and m.standby is not None else m.active
-        lane_id = self._lane(step).id
-        proc = self.launcher.procs.get((lane_id, g.number)) if g is not None and self.launcher is not None else None
-        if proc is not None:
-            self.injected.add(g.number)
-        return proc
-
     async def _kill(self, step: Step) -> str | None:
-        if (proc := self._target(step)) is not None:
-            proc.crash()
+        self.kill(self._lane(step), standby=bool(step.arg))
         return None
 
     async def _hang(self, step: Step) -> str | None:
-        if (proc := self._target(step)) is not None:
-            proc.worker.hung.set()
+        self.hang(self._lane(step), standby=bool(step.arg))
         return None
 
     async def _abort(self, step: Step) -> str | None:
@@ -401,46 +406,19 @@ class World:
 
     # --- the end ---------------------------------------------------------------------------------
 
-    async def sigterm(self, drain_s: float) -> None:
-        """As the daemon's SIGTERM does: wait (bounded) for what is in flight, abort what still runs, then the
-        supervisor closes (stop admitting, shut every worker down in order)."""
-        with trio.move_on_after(drain_s):
-            await self.idle()
-        assert self.sup is not None
-        for lane in self.sup.lanes.values():
-            if lane.state in (LaneState.BUSY, LaneState.DRAINING):
-                lane.abort_in_flight()
-
-    async def check_settled(self) -> None:
-        """Once every step has ended and the lanes had time to settle (an orphaned ring's uninstall, a hung
-        worker's PING window and kill), no ring end and no arena lease is left: whatever a call did was undone,
-        however its caller left."""
-        await trio.sleep(SETTLE_S)
-        sup = self.sup
-        assert sup is not None
-        dp = sup.dataplane
-        if dp is not None and dp.ends:
-            self.found.append(f"ring ends left once every step had ended: {sorted(dp.ends)}")
-        if sup.arena is not None and sup.arena.live():
-            self.found.append(f"arena leases left once every step had ended: "
-                              f"{[le.ring_id for le in sup.arena.live()]}")
-
     def check_end(self) -> None:
-        sup = self.sup
-        assert sup is not None
         for e in self.ledger:
             if e.done is None:
                 self.found.append(f"{e.step}: never answered")
-        for lane in sup.lanes.values():
-            if lane.state is not LaneState.STOPPED:
-                self.found.append(f"{lane.id}: {lane.state.value} after the supervisor closed")
-        dp = sup.dataplane
-        if dp is not None and dp.ends:
-            self.found.append(f"ring ends left: {sorted(dp.ends)}")
-        if dp is not None and dp.steps.handles.count():
-            self.found.append(f"device handles left: {dp.steps.handles.count()}")
-        if sup.arena is not None and sup.arena.live():
-            self.found.append(f"arena leases left: {[le.ring_id for le in sup.arena.live()]}")
+        super().check_end()
+
+
+def run_schedule(schedule: Schedule, directory: Path) -> list[str]:
+    """Play `schedule` in the world it describes (state under `directory`); what it found wrong."""
+    world = World(schedule.seed, random.Random(schedule.seed ^ 0x5EED), [], schedule=schedule)
+    shape = WorldShape(schedule.lanes, schedule.standby, schedule.strikes, schedule.fault_rate)
+    last = schedule.steps[-1].at if schedule.steps else 0.0
+    return run_world(world, lambda w: world.play(), shape, directory, last + HORIZON_S)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -463,3 +441,5 @@ async def _pull(dp: Any, end: Any, got: list[Any]) -> None:
     except GpuWorkerError:
         pass
 
+
+__all__ = ["ROLL_TIMEOUT_S", "Entry", "World", "run_schedule"]
