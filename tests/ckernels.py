@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from trio_gpuworker.models import ckernel, csource
 
@@ -70,3 +71,16 @@ def ptr(a: np.ndarray) -> ctypes.c_void_p:
 def spec(**values: int | float) -> Any:
     """A frozen dataclass instance of ad-hoc defines for a test entry point (csource.defines reads it)."""
     return make_dataclass("Spec", list(values), frozen=True)(**values)
+
+
+def _host_has(*flags: str) -> bool:
+    with open("/proc/cpuinfo") as f:
+        have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return all(flag in have for flag in flags)
+
+
+# `cpu` parameters: the AVX2 path runs here too when this CPU has AVX-512 (and the AVX-512 path is this host's,
+# when it has it)
+ISAS = [pytest.param(None, id="native"),
+        pytest.param("x86-64-v3", id="avx2", marks=pytest.mark.skipif(not _host_has("avx2", "fma"),
+                                                                   reason="this CPU runs no AVX2"))]

@@ -11,7 +11,7 @@ import pytest
 
 from tests.ckernels import build, entry_first, imports, ptr, spec
 from tests.reference_bert import hidden
-from trio_gpuworker.models import bert_fused, ckernel
+from trio_gpuworker.models import bert_fused, ckernel, quant
 from trio_gpuworker.models.bert import BertConfig
 from trio_gpuworker.models.bert_fused import CAP, NR, BertDims, Capacity, pack_rows, pack_weights, panels
 
@@ -136,8 +136,8 @@ def test_the_kernels_build_for_avx2_and_avx512_and_link_nothing(cpu: str | None)
 
     dims = BertDims(h=384, nh=12, hd=32, ff=1536, nl=6, eps=1e-12, act=0)
     cap = Capacity(cap=CAP, maxlp=256, mb=48, threads=2, scratch=bert_fused.scratch_floats(dims, CAP, 256, 48, 2))
-    llama = LlamaDims(d=576, h=9, kv=3, hd=64, ff=1536, v=49152, s=2080, nl=30, eps=1e-5, g=4, type_embd=8,
-                      type_out=8, type_qkv=3, type_o=3, type_gu=3, type_down=3, biases=1, head_norms=1)
+    llama = LlamaDims(d=576, h=9, kv=3, hd=64, ff=1536, v=49152, s=2080, nl=30, eps=1e-5, g=4, type_embd=14,
+                      type_out=14, layouts=sum(1 << t for t in quant.LAYOUTS), biases=1, head_norms=1)
     sources = [("encode", csource.source("bert_encode.c", dims, cap))]
     sources += [("forward", csource.source("llama_forward.c", llama, step)) for step in STEPS.values()]
     for entry, src in sources:

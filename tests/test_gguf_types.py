@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from tests.ckernels import build, ptr, spec  # noqa: E402
+from tests.ckernels import ISAS, build, ptr, spec  # noqa: E402
 from tests.reference_llama import NumpyLlama  # noqa: E402
 from tests.tiny_gguf import encode, k_m_mix, write_llama  # noqa: E402
 from trio_gpuworker import WorkerError  # noqa: E402
@@ -79,58 +79,76 @@ def test_dequantize_gives_the_reference_bits(typ: T, source: str) -> None:
 
 
 @functools.cache
-def _probe(layout: int, nx: int = 1, nt: int = 1) -> ctypes.CDLL:
+def _probe(layout: int, nx: int = 1, nt: int = 1, cpu: str | None = None) -> ctypes.CDLL:
     return build("quant_probe.c", spec(rows=ROWS, cols=COLS, nx=nx, nt=nt, g=quant.G, type=layout,
-                                       batched_nt=BATCHED.nt, batched_split=BATCHED.split))
+                                       batched_nt=BATCHED.nt, batched_split=BATCHED.split), cpu=cpu)
 
 
 def _packed(typ: T, data: np.ndarray, layout: int) -> np.ndarray:
     return quant.group(layout, quant.pack(int(typ), data.reshape(-1), ROWS, layout))
 
 
+@pytest.mark.parametrize("cpu", ISAS)
 @pytest.mark.parametrize(("typ", "source"), [c for c in CASES if c.values[0] in QUANTISED or c.values[0] == T.F16])
-def test_the_kernels_read_each_type_as_the_reference_weights(typ: T, source: str) -> None:
-    """In the layout the fused decoder packs the type in, and in float32 (a matrix kind of mixed types)."""
+def test_the_kernels_read_each_type_as_the_reference_weights(typ: T, source: str, cpu: str | None) -> None:
+    """In the layout the fused decoder packs the type in, and in float32 (a matrix of mixed types)."""
     data = _tensor(typ, source, seed=1)
     want = _bits(_reference(typ, data))
     for layout in {quant.kernel_type(int(typ)), int(T.F32)}:
         got, w = np.empty((ROWS, COLS), np.float32), _packed(typ, data, layout)  # w lives through the call
-        _probe(layout).dequant(ptr(got), ptr(w))
+        _probe(layout, cpu=cpu).dequant(ptr(got), ptr(w))
         assert _bits(got) == want, f"{typ.name} packed as layout {layout}"
 
 
 def test_types_with_a_packed_layout_keep_it_and_a_mix_falls_back_to_float32() -> None:
-    assert [quant.kernel_type(int(t)) for t in (T.Q4_1, T.Q4_K, T.Q8_0, T.Q4_0, T.Q5_0)] == [3, 3, 8, 8, 8]
-    assert {quant.kernel_type(int(t)) for t in (T.F32, T.F16, T.BF16, T.Q5_1, T.Q5_K, T.Q6_K)} == {0}
-    assert quant.kernel_type(int(T.Q4_K), int(T.Q4_1)) == 3 and quant.kernel_type(int(T.Q4_0), int(T.Q5_0)) == 8
+    got = [quant.kernel_type(int(t)) for t in (T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0, T.Q5_0)]
+    assert got == [3, 12, 13, 14, 8, 8, 8]
+    assert {quant.kernel_type(int(t)) for t in (T.F32, T.F16, T.BF16, T.Q5_1)} == {0}
+    assert quant.kernel_type(int(T.Q4_K), int(T.Q4_K)) == 12 and quant.kernel_type(int(T.Q4_0), int(T.Q5_0)) == 8
     assert quant.kernel_type(int(T.Q4_K), int(T.Q6_K)) == 0 and quant.kernel_type(int(T.Q4_1), int(T.Q8_0)) == 0
     with pytest.raises(ValueError, match="Q6_K cannot be packed as Q4_1"):
         quant.pack(int(T.Q6_K), _tensor(T.Q6_K, "random").reshape(-1), ROWS, int(T.Q4_1))
 
 
-@pytest.mark.parametrize(("nx", "nt"), [(1, 1), (5, 4)])
-def test_float32_matrices_multiply_as_numpy_does(nx: int, nt: int) -> None:
-    data = _tensor(T.Q6_K, "random", seed=2)
+# the float32 layout, and the K-quants' own (256-weight blocks: a row of COLS holds two)
+MATMUL_LAYOUTS = [(T.Q6_K, T.F32), (T.Q4_K, T.Q4_K), (T.Q5_K, T.Q5_K), (T.Q6_K, T.Q6_K)]
+
+
+@pytest.mark.parametrize(("typ", "layout"), MATMUL_LAYOUTS, ids=[f"{t.name}-as-{la.name}" for t, la in MATMUL_LAYOUTS])
+@pytest.mark.parametrize(("nx", "nt"), [(1, 1), (5, 4), (3, 1)])
+@pytest.mark.parametrize("cpu", ISAS)
+def test_matrices_multiply_as_numpy_does(typ: T, layout: T, nx: int, nt: int, cpu: str | None) -> None:
+    """One row of x, the prefill's 4-row tiles with a shorter last tile, and the batched decode's split tiles, whose
+    every row is bit for bit the one-row call's."""
+    data = _tensor(typ, "random", seed=2)
     x = np.random.default_rng(nx).standard_normal((nx, COLS)).astype(np.float32)
-    got, w = np.empty((nx, ROWS), np.float32), _packed(T.Q6_K, data, int(T.F32))
-    _probe(int(T.F32), nx, nt).matvec(ptr(got), ptr(x), ptr(w))
-    want = x.astype(np.float64) @ _reference(T.Q6_K, data).reshape(ROWS, COLS).astype(np.float64).T
+    got, w = np.empty((nx, ROWS), np.float32), _packed(typ, data, int(layout))
+    probe = _probe(int(layout), nx, nt, cpu)
+    probe.matvec(ptr(got), ptr(x), ptr(w))
+    want = x.astype(np.float64) @ _reference(typ, data).reshape(ROWS, COLS).astype(np.float64).T
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    if nt == 1:
+        batched = np.empty_like(got)
+        probe.matvec_split(ptr(batched), ptr(x), ptr(w))
+        assert _bits(batched) == _bits(got)
 
 
-# Every readable type in some matrix kind of some file; the kernels then read each kind in its packed layout, or
-# (a kind mixing layouts, or a type without one) in float32.
+# Every readable type in some matrix of some file; the kernels then read each matrix in its type's packed layout,
+# or (gate and up of different layouts, or a type without one) in float32. Per part, its layout in each layer.
 FILES = {
     "q4_0-q5_0-q5_1-q8_0-bf16": dict(types={"attn_q": T.Q4_0, "attn_k": T.Q4_0, "attn_v": T.Q4_0,
                                             "attn_output": T.Q5_0, "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K,
                                             "ffn_down": T.Q5_1, "token_embd": T.BF16, "output": T.Q8_0},
-                                     tied=False, layouts={"q": 8, "o": 8, "gu": 3, "d": 0, "embd": 0, "out": 8}),
+                                     tied=False, layouts={"q": [8, 8], "k": [8, 8], "v": [8, 8], "o": [8, 8],
+                                                          "gu": [12, 12], "d": [0, 0], "embd": 0, "out": 8}),
     "q5_k-q6_k-f16-q4_1-f32": dict(types={"attn_q": T.Q5_K, "attn_k": T.Q5_K, "attn_v": T.Q5_K,
-                                          "attn_output": T.Q6_K, "ffn_gate": T.F16, "ffn_up": T.F16,
+                                          "attn_output": T.Q6_K, "ffn_gate": T.F16, "ffn_up": T.Q4_1,
                                           "ffn_down": T.Q4_1, "token_embd": T.Q4_K, "output": T.F32},
-                                   tied=False, layouts={"q": 0, "o": 0, "gu": 0, "d": 3, "embd": 3, "out": 0}),
-    # Q4_K, Q5_0 and Q6_K in q|k|v: float32; Q4_K gate|up: Q4_1; Q6_K and Q4_K ffn_down: float32
-    "k_m-mix": dict(types=k_m_mix, tied=True, layouts={"q": 0, "o": 3, "gu": 3, "d": 0, "embd": 0, "out": 0}),
+                                   tied=False, layouts={"q": [13, 13], "k": [13, 13], "v": [13, 13], "o": [14, 14],
+                                                        "gu": [0, 0], "d": [3, 3], "embd": 12, "out": 0}),
+    # as llama.cpp's Q4_K_M mixes them: Q4_K q, Q5_0 k, Q6_K v; Q6_K ffn_down in layer 0 only; a Q6_K head
+    "k_m-mix": dict(types=k_m_mix, tied=True, layouts={"q": [12, 12], "k": [8, 8], "v": [14, 14], "o": [12, 12],
+                                                       "gu": [12, 12], "d": [14, 12], "embd": 14, "out": 14}),
 }
 
 
@@ -153,8 +171,8 @@ def test_both_decoders_decode_every_type_as_the_reference(tiny: tuple[Path, Nump
     else:
         from trio_gpuworker.models.llama import LlamaLM as cls
     lm: GreedyDecoder = cls.load(path, max_context=64, warmup=False)
-    if decoder == "fused":  # each matrix kind in the layout its types call for
-        assert {**lm.types, "embd": lm.embd_type, "out": lm.out_type} == layouts
+    if decoder == "fused":  # each matrix in the layout its types call for
+        assert {**lm.layouts, "embd": lm.embd_type, "out": lm.out_type} == layouts
     want, gaps = ref.generate(PROMPT, N_NEW)
     got, reason = lm.generate(np.array(PROMPT, dtype=np.int32), N_NEW, ignore_eos=True)
     assert (got, reason) == (want, "length"), f"min top-2 logit gap {min(gaps):.5f}"

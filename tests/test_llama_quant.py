@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 gguf = pytest.importorskip("gguf")
 
-from tests.ckernels import build, ptr, spec  # noqa: E402
+from tests.ckernels import ISAS, build, ptr, spec  # noqa: E402
 from tests.reference_llama import gguf_path  # noqa: E402
 from trio_gpuworker.gguf_file import BLOCKS, F16, Q4_1, Q8_0, GGUFTensor, read_tensors  # noqa: E402
 from trio_gpuworker.models import quant  # noqa: E402
@@ -62,18 +62,6 @@ def test_packed_blocks_dequantise_to_the_reference_weights(raw: dict, reader: gg
     _probe(t.typ, rows, cols).dequant(ptr(got), ptr(w))
     want = _reference(reader, name)[:rows]
     assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()  # bit for bit, not approximately
-
-
-def _host_has(*flags: str) -> bool:
-    with open("/proc/cpuinfo") as f:
-        have = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    return all(flag in have for flag in flags)
-
-
-# the AVX2 path runs here too when this CPU has AVX-512 (and the AVX-512 path is this host's, when it has it)
-ISAS = [pytest.param(None, id="native"),
-        pytest.param("x86-64-v3", id="avx2", marks=pytest.mark.skipif(not _host_has("avx2", "fma"),
-                                                                   reason="this CPU runs no AVX2"))]
 
 
 @pytest.mark.parametrize("cpu", ISAS)

@@ -11,10 +11,11 @@ followed by its start position and the row whose next token is wanted, so one ca
 serves every position up to max_context with no symbolic shapes.
 
 Quantised matrices stay packed and are dequantised in registers (kernels/quant.h), so a decode step reads
-~110 MB instead of 540 MB of float32; a matrix kind whose GGUF types have no packed layout in common is
-dequantised to float32 at load (models/quant.py kernel_type). The whole forward pass is one C kernel
-(kernels/llama_forward.c): a tinygrad launch costs ~80 us of Python here, which was a third of a step even at one
-kernel per layer half.
+~110 MB instead of 540 MB of float32. Each layer's q, k, v, o, gate|up and down matrices take the layout of their
+own GGUF type (models/quant.py kernel_type), as llama.cpp's mixed files need: only gate and up, whose rows are
+interleaved, share one, and a type with none (F16, BF16, Q5_1) is dequantised to float32 at load. The whole
+forward pass is one C kernel (kernels/llama_forward.c): a tinygrad launch costs ~80 us of Python here, which was a
+third of a step even at one kernel per layer half.
 """
 
 from __future__ import annotations
@@ -49,12 +50,9 @@ class LlamaDims:
     g: int  # rows per packed group (quant.G)
     biases: int  # 1: q/k/v biases
     head_norms: int  # 1: q/k RMS norms per head, ahead of RoPE
+    layouts: int  # a bit per layout (quant.LAYOUTS) some layer matrix is packed in
     type_embd: int
     type_out: int
-    type_qkv: int
-    type_o: int
-    type_gu: int
-    type_down: int
 
 
 @dataclass(frozen=True)
@@ -75,6 +73,11 @@ PREFILL = Step(t=PREFILL_CHUNK, nt=4, split=0, heads=1)
 DECODE = Step(t=1, nt=1, split=1, heads=1)
 BATCHED = Step(t=BATCH, nt=BATCH, split=1, heads=BATCH)
 STEPS = {s.t: s for s in (PREFILL, DECODE, BATCHED)}
+
+# Each layer's matrices, in kernels/llama_forward.c's PART_ order: the part, its kind's buffer, its GGUF tensors
+# (gate and up rows interleaved).
+PARTS = (("q", "qkv", ("attn_q",)), ("k", "qkv", ("attn_k",)), ("v", "qkv", ("attn_v",)),
+         ("o", "o", ("attn_output",)), ("gu", "gu", ("ffn_gate", "ffn_up")), ("d", "d", ("ffn_down",)))
 
 
 class FusedLlamaLM(GreedyDecoder):
@@ -103,13 +106,21 @@ class FusedLlamaLM(GreedyDecoder):
                 return Tensor.zeros(1).contiguous()
             return Tensor(np.concatenate([vec(f"blk.{i}.{n}") for i in range(self.n_layers) for n in names]))
 
-        def stacked(kind: str, *names: str, interleave: bool = False) -> Tensor:
-            """One matrix kind of every layer back to back, in the one layout the kernel reads the kind in."""
-            layers = [[f"blk.{i}.{n}.weight" for n in names] for i in range(self.n_layers)]
-            typ = self.types[kind] = quant.kernel_type(*(raw[n].typ for lay in layers for n in lay))
-            return Tensor(np.concatenate([mat(typ, *lay, interleave=interleave) for lay in layers]))
+        def layers() -> tuple[dict[str, Tensor], np.ndarray]:
+            """Each kind's buffer (its layers' parts back to back, each in its own layout) and the layer table:
+            per layer and part, the layout and the byte offset in the kind's buffer."""
+            chunks: dict[str, list[np.ndarray]] = {"qkv": [], "o": [], "gu": [], "d": []}
+            table = np.zeros((self.n_layers, len(PARTS), 2), np.int64)
+            for i in range(self.n_layers):
+                for p, (part, kind, names) in enumerate(PARTS):
+                    tensors = [f"blk.{i}.{n}.weight" for n in names]
+                    typ = quant.kernel_type(*(raw[n].typ for n in tensors))
+                    self.layouts[part].append(typ)
+                    table[i, p] = typ, sum(c.nbytes for c in chunks[kind])
+                    chunks[kind].append(mat(typ, *tensors, interleave=len(tensors) > 1))
+            return {k: Tensor(np.concatenate(c)) for k, c in chunks.items()}, table.reshape(-1)
 
-        self.types: dict[str, int] = {}
+        self.layouts: dict[str, list[int]] = {part: [] for part, _, _ in PARTS}
         self.embd_type = quant.kernel_type(raw["token_embd.weight"].typ)
         embd = mat(self.embd_type, "token_embd.weight")
         self.vocab_size = int(raw["token_embd.weight"].shape[0])
@@ -123,10 +134,9 @@ class FusedLlamaLM(GreedyDecoder):
         self.out_norm = Tensor(vec("output_norm.weight"))
         self.attn_norm = Tensor(np.concatenate([vec(f"blk.{i}.attn_norm.weight") for i in range(self.n_layers)]))
         self.ffn_norm = Tensor(np.concatenate([vec(f"blk.{i}.ffn_norm.weight") for i in range(self.n_layers)]))
-        self.wqkv = stacked("q", "attn_q", "attn_k", "attn_v")
-        self.wo = stacked("o", "attn_output")
-        self.wgu = stacked("gu", "ffn_gate", "ffn_up", interleave=True)
-        self.wd = stacked("d", "ffn_down")
+        kinds, table = layers()
+        self.wqkv, self.wo, self.wgu, self.wd = kinds["qkv"], kinds["o"], kinds["gu"], kinds["d"]
+        self.layer_table = Tensor(table)
         self.bqkv = per_layer(BIASES, self.biases)
         self.head_norm = per_layer(HEAD_NORMS, self.head_norms)
         # Slots past max_context absorb the padding of a final prefill chunk.
@@ -139,7 +149,7 @@ class FusedLlamaLM(GreedyDecoder):
         # once a sequence reaches it: ~460 MB at the default context, most of it never touched.
         self.cache = Tensor.empty((BATCH + 1) * self.n_layers * 2 * self.n_kv * self.slots * self.head_dim)
         self.weights = [self.tok_embd, self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.wgu, self.wd,
-                        self.rope, self.out_norm, self.output, self.bqkv, self.head_norm]
+                        self.rope, self.out_norm, self.output, self.bqkv, self.head_norm, self.layer_table]
         # The kernel's host table (kernels/threads.h): this process's pthread functions and expf, written before
         # each step.
         self.threads = threads
@@ -206,11 +216,11 @@ class FusedLlamaLM(GreedyDecoder):
 
     def source(self, t: int) -> str:
         """The C source of the T = `t` step (kernels/llama_forward.c with this model's dimensions)."""
-        H, KV, HD, ty = self.n_heads, self.n_kv, self.head_dim, self.types
+        H, KV, HD = self.n_heads, self.n_kv, self.head_dim
+        used = {t for per_layer in self.layouts.values() for t in per_layer}
         dims = LlamaDims(d=self.dim, h=H, kv=KV, hd=HD, ff=self.ff, v=self.vocab_size, s=self.slots,
                          nl=self.n_layers, eps=self.eps, g=quant.G, type_embd=self.embd_type, type_out=self.out_type,
-                         type_qkv=ty["q"], type_o=ty["o"], type_gu=ty["gu"], type_down=ty["d"],
-                         biases=int(self.biases), head_norms=int(self.head_norms))
+                         layouts=sum(1 << t for t in used), biases=int(self.biases), head_norms=int(self.head_norms))
         return csource.source("llama_forward.c", dims, STEPS[t])
 
     def _forward(self, ids: Tensor) -> Tensor:

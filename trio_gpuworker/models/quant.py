@@ -3,11 +3,14 @@ dequantises those). Numpy only.
 
 Every quantised type is blocks of small integers q with a float32 scale (and for some an offset) per group of
 weights, w = scale * q (+ offset): `dequantize` computes exactly that, rounding as the `gguf` package's dequantiser
-does, so both give the same float32 bits (tests/test_gguf_types.py). The kernels read three packed layouts, each
-32 weights: Q4_1 {f32 d, f32 m, 16 nibble bytes}, Q8_0 {f32 d, 32 int8} and F32 {32 floats}. A type whose groups
-are 32 weights of such integers packs as one of the first two with the same scale and offset, so the kernels
-compute with its exact weights (q*d is exact in float32 and q*d + m rounds once, as the dequantiser's does);
-every other type is dequantised at load and packed as F32.
+does, so both give the same float32 bits (tests/test_gguf_types.py). The kernels read packed layouts of their own
+(LAYOUTS; kernels/quant.h decodes each): three of 32 weights, Q4_1 {f32 d, f32 m, 16 nibble bytes}, Q8_0 {f32 d,
+32 int8} and F32 {32 floats}, and the K-quants' 256-weight blocks with their f16 scales widened to f32, Q4_K {f32 d,
+f32 dmin, 8 sub-block scales, 8 mins, 128 nibble bytes}, Q5_K (the same, then the 32 fifth-bit bytes before the
+nibbles) and Q6_K {f32 d, 16 int8 scales, 128 low-nibble bytes, 64 high-bit bytes}. Q4_0 and Q5_0 pack as Q8_0
+with the same scale; every integer keeps its bits, so the kernels compute with the type's exact weights (q*d is
+exact in float32 and q*d + m rounds once, as the dequantiser's does). F16, BF16 and Q5_1 are dequantised at load
+and packed as F32.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import numpy as np
 
 from ..gguf_file import BF16, BLOCKS, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
 
-PACKED = {Q4_1: 24, Q8_0: 36, F32: 128}  # packed bytes per 32-weight block (kernels/quant.h BS_3, BS_8, BS_0)
+# the kernels' packed layouts, named by GGML type: (weights, bytes) per block (kernels/quant.h BW_t and BS_t)
+LAYOUTS = {F32: (32, 128), Q4_1: (32, 24), Q8_0: (32, 36), Q4_K: (256, 152), Q5_K: (256, 184), Q6_K: (256, 212)}
 G = 4  # rows per kernel tile, and per interleaved group of packed rows
 # the packed layout each GGML type takes in the kernels; a type not here is dequantised to F32
-KERNEL_TYPE = {Q4_1: Q4_1, Q4_K: Q4_1, Q8_0: Q8_0, Q4_0: Q8_0, Q5_0: Q8_0}
+KERNEL_TYPE = {Q4_1: Q4_1, Q4_K: Q4_K, Q5_K: Q5_K, Q6_K: Q6_K, Q8_0: Q8_0, Q4_0: Q8_0, Q5_0: Q8_0}
 
 
 class Groups(NamedTuple):
@@ -135,21 +139,38 @@ def dequantize(typ: int, raw: np.ndarray) -> np.ndarray:
 
 
 def kernel_type(*types: int) -> int:
-    """The packed layout the kernels read a matrix kind in whose tensors have these GGML types: theirs if they
-    share one, else F32 (the kernels take one layout per kind)."""
+    """The packed layout the kernels read a matrix in whose tensors (rows stacked or interleaved) have these GGML
+    types: theirs if they share one, else F32 (one matrix, one layout)."""
     packed = {KERNEL_TYPE.get(t, F32) for t in types}
     return packed.pop() if len(packed) == 1 else F32
 
 
+def _f32(b: np.ndarray) -> np.ndarray:
+    """(n, 2) f16 bytes -> (n, 4) bytes of the same value as float32."""
+    return _f16(b).view(np.uint8)
+
+
+def _native_k(typ: int, b: np.ndarray) -> np.ndarray:
+    """GGUF K-quant blocks (n, bytes) -> the kernels' layout of the same type (module docstring): the f16 scales
+    as f32, Q4_K / Q5_K's 6-bit scales and mins one byte each; the integers' bytes as they are."""
+    if typ == Q6_K:
+        return np.concatenate([_f32(b[:, 208:210]), b[:, 192:208], b[:, :192]], axis=1)
+    sc, mn = _k_scales(b[:, 4:16])
+    head = [_f32(b[:, 0:2]), _f32(b[:, 2:4]), sc.astype(np.uint8), mn.astype(np.uint8)]
+    return np.concatenate([*head, b[:, 16:]], axis=1)  # Q5_K: qh (32 bytes) then qs; Q4_K: qs
+
+
 def pack(typ: int, raw: np.ndarray, rows: int, to: int | None = None) -> np.ndarray:
-    """GGUF blocks of type `typ` -> (rows, row bytes) uint8 in layout `to` (default: kernel_type(typ)): Q4_1 as
-    {f32 d, f32 m, 16 nibble bytes}, Q8_0 as {f32 d, 32 int8}, F32 as the dequantised row."""
+    """GGUF blocks of type `typ` -> (rows, row bytes) uint8 in layout `to` (default: kernel_type(typ)), as the
+    module docstring lays each out; F32 is the dequantised row."""
     to = kernel_type(typ) if to is None else to
     if to == F32:
         return dequantize(typ, raw).view(np.uint8).reshape(rows, -1)
     if KERNEL_TYPE.get(typ) != to:
         raise ValueError(f"{type_name(typ)} cannot be packed as {type_name(to)} (it packs as "
                          f"{type_name(kernel_type(typ))})")
+    if to in (Q4_K, Q5_K, Q6_K):
+        return _native_k(typ, raw.reshape(-1, BLOCKS[typ][1])).reshape(rows, -1)
     g = groups(typ, raw)
     q = g.q.astype(np.int8).view(np.uint8)
     if to == Q4_1:
@@ -165,7 +186,8 @@ def group(typ: int, rows: np.ndarray) -> np.ndarray:
     slower)."""
     if rows.shape[0] % G:
         raise ValueError(f"matrix rows ({rows.shape[0]}) must be a multiple of {G}")
-    return np.ascontiguousarray(rows.reshape(rows.shape[0] // G, G, -1, PACKED[typ]).transpose(0, 2, 1, 3)).reshape(-1)
+    block = LAYOUTS[typ][1]
+    return np.ascontiguousarray(rows.reshape(rows.shape[0] // G, G, -1, block).transpose(0, 2, 1, 3)).reshape(-1)
 
 
 def f32(typ: int, raw: np.ndarray) -> np.ndarray:

@@ -7,9 +7,12 @@
    the table: the kernel links nothing).
    Where the model has them (BIASES, HEAD_NORMS: models/architectures.py), q/k/v biases are added to the
    projections and each q and k head is RMS-normed ahead of RoPE.
+   Each layer's q, k, v, o, gate|up (rows interleaved) and down matrices may each be packed in a layout of its own
+   (kernels/quant.h; a llama.cpp Q4_K_M file mixes Q4_K and Q6_K within q|k|v and across layers): the layer table
+   gives each one's layout and where it starts in its kind's buffer, and one matmul instance per layout the model
+   uses (LAYOUTS, a bit per layout) serves every matrix in it.
    Defines (models/llama_fused.py LlamaDims and Step): T, NT, SPLIT, HEADS, D, H, KV, HD, FF, V, S, NL, EPS, G,
-   BIASES, HEAD_NORMS and the GGML type of each matrix kind: TYPE_EMBD, TYPE_OUT, TYPE_QKV, TYPE_O, TYPE_GU,
-   TYPE_DOWN. */
+   BIASES, HEAD_NORMS, LAYOUTS and the layouts of the embedding and output matrices, TYPE_EMBD and TYPE_OUT. */
 #include "llama_math.h"
 #include "quant.h"
 #include "threads.h"
@@ -18,33 +21,87 @@
 #define QD (H * HD)  /* the attention output's width: D unless the heads have a size of their own */
 #define GQ (H / KV)
 #define SQRT_HD __builtin_sqrt((double)HD)
-/* packed bytes of one layer's matrix of each kind: rows x blocks per row x bytes per block */
-#define SZQKV ((long)NQKV * (D / 32) * BS(TYPE_QKV))
-#define SZO ((long)D * (QD / 32) * BS(TYPE_O))
-#define SZGU ((long)2 * FF * (D / 32) * BS(TYPE_GU))
-#define SZD ((long)D * (FF / 32) * BS(TYPE_DOWN))
 #define SLOT ((long)NL * 2 * KV * S * HD)  /* cache floats of one sequence */
+/* the layer table: for each layer and part, the part's layout and its byte offset in its kind's buffer */
+#define PART_Q 0
+#define PART_K 1
+#define PART_V 2
+#define PART_O 3
+#define PART_GU 4
+#define PART_D 5
+#define PARTS 6
 
-#define QMM_NAME mmq
+/* one matmul instance per layout in use, for the layers' matrices */
+#define HAS(t) ((LAYOUTS >> (t)) & 1)
+#if HAS(0)
+#define QMM_NAME mml0
+#define QMM_TYPE 0
 #define QMM_SPLIT SPLIT
-#define QMM_TYPE TYPE_QKV
 #define QMM_NT NT
 #include "qmatmul.h"
-#define QMM_NAME mmo
+#endif
+#if HAS(3)
+#define QMM_NAME mml3
+#define QMM_TYPE 3
 #define QMM_SPLIT SPLIT
-#define QMM_TYPE TYPE_O
 #define QMM_NT NT
 #include "qmatmul.h"
-#define QMM_NAME mmgu
+#endif
+#if HAS(8)
+#define QMM_NAME mml8
+#define QMM_TYPE 8
 #define QMM_SPLIT SPLIT
-#define QMM_TYPE TYPE_GU
 #define QMM_NT NT
 #include "qmatmul.h"
-#define QMM_NAME mmd
+#endif
+#if HAS(12)
+#define QMM_NAME mml12
+#define QMM_TYPE 12
 #define QMM_SPLIT SPLIT
-#define QMM_TYPE TYPE_DOWN
 #define QMM_NT NT
 #include "qmatmul.h"
+#endif
+#if HAS(13)
+#define QMM_NAME mml13
+#define QMM_TYPE 13
+#define QMM_SPLIT SPLIT
+#define QMM_NT NT
+#include "qmatmul.h"
+#endif
+#if HAS(14)
+#define QMM_NAME mml14
+#define QMM_TYPE 14
+#define QMM_SPLIT SPLIT
+#define QMM_NT NT
+#include "qmatmul.h"
+#endif
+
+/* rows [o0, o1) of a layer matrix of layout t (nb sub-blocks a row, packed from w) times the n rows of x: one
+   out-of-line copy, emitted after the kernel's entry point (tinygrad runs the first code of the image) */
+#define MM_CASE(t) case t: CAT(mml, t)(y + o0, ys, x, xs, w + (long)o0 * (nb / SUBS(t)) * BS(t), o1 - o0, nb, n); break;
+static __attribute__((noinline)) void mm_layer(int t, float *restrict y, int ys, const float *restrict x, int xs,
+                                               const unsigned char *restrict w, int o0, int o1, int nb, int n) {
+  switch (t) {
+#if HAS(0)
+    MM_CASE(0)
+#endif
+#if HAS(3)
+    MM_CASE(3)
+#endif
+#if HAS(8)
+    MM_CASE(8)
+#endif
+#if HAS(12)
+    MM_CASE(12)
+#endif
+#if HAS(13)
+    MM_CASE(13)
+#endif
+#if HAS(14)
+    MM_CASE(14)
+#endif
+  }
+}
 #define QMM_NAME mmh
 #define QMM_TYPE TYPE_OUT
 #define QMM_NT (HEADS == 1 ? 1 : NT)
@@ -55,12 +112,13 @@
    q|k|v + attention output, or gate/up pairs + their product; HEADS rows of logits last. ids: T tokens, each
    row's position, each row's cache slot, then n, the rows in use (the rest are padding, never read: a matmul's
    last tile takes fewer rows, kernels/qmatmul.h). bqkv: each layer's q|k|v biases (NQKV floats); hn: each
-   layer's q then k head norm weights (2 HD floats); each is one unread float in a model without them. */
+   layer's q then k head norm weights (2 HD floats); each is one unread float in a model without them. lay: the
+   layer table, NL x PARTS x {layout, byte offset}. */
 typedef struct {
   int *out; float *scr, *cache; const int *ids;
   const unsigned char *embd; const float *an; const unsigned char *wqkv, *wo; const float *fn;
   const unsigned char *wgu, *wd; const double *rope; const float *on; const unsigned char *wout;
-  const float *bqkv, *hn;
+  const float *bqkv, *hn; const long *lay;
 } job;
 
 /* one row's q|k|v: biases added, then each q and k head RMS-normed, where the model has them */
@@ -76,6 +134,15 @@ INL void qkv_extras(float *restrict q, const float *restrict b, const float *res
 /* this thread's share of a matmul's O output rows, in whole groups of G: [*o0, *o1) */
 INL void share(int O, int tid, int nt, int *o0, int *o1) { *o0 = O / G * tid / nt * G; *o1 = O / G * (tid + 1) / nt * G; }
 
+/* this thread's share of the O rows of part p of layer l (nb sub-blocks a row, in kind buffer w) times n rows of
+   x, into y (row stride ys); its rows are [*o0, *o1) */
+INL void part_mm(const long *lay, int l, int p, const unsigned char *w, float *y, int ys, const float *x, int xs,
+                 int O, int nb, int n, int tid, int nt, int *o0, int *o1) {
+  const long *e = lay + ((long)l * PARTS + p) * 2;
+  share(O, tid, nt, o0, o1);
+  mm_layer((int)e[0], y, ys, x, xs, w + e[1], *o0, *o1, nb, n);
+}
+
 /* Threads split each matmul by output rows (each row's sums unchanged, so the result is bit for bit one thread's),
    the attention by rows of the chunk; the row-wise rest runs on thread 0. Barriers between the phases. */
 INL void run(job *j, team_t *tm, int tid) {
@@ -83,7 +150,7 @@ INL void run(job *j, team_t *tm, int tid) {
   const unsigned char *restrict embd = j->embd, *restrict wqkv = j->wqkv, *restrict wo = j->wo, *restrict wgu = j->wgu;
   const unsigned char *restrict wd = j->wd, *restrict wout = j->wout;
   const float *restrict an = j->an, *restrict fn = j->fn, *restrict on = j->on; const double *restrict rope = j->rope;
-  const float *restrict bqkv = j->bqkv, *restrict hn = j->hn;
+  const float *restrict bqkv = j->bqkv, *restrict hn = j->hn; const long *restrict lay = j->lay;
   const int nt = tm->nt;
   const expf_fn ex = tm->tt->expf;
   int sense = 0, o0, o1;
@@ -96,7 +163,7 @@ INL void run(job *j, team_t *tm, int tid) {
   double sc[GQ][S + 8];
   if (tid == 0) for (int t = 0; t < n; t++) for (int b = 0; b < D / 32; b++) {
     v16 lo, hi;
-    DQ(TYPE_EMBD)(embd + (((long)(ids[t] / G) * (D / 32) + b) * G + ids[t] % G) * BS(TYPE_EMBD), &lo, &hi);
+    dq_at(TYPE_EMBD, embd, ids[t], D / 32, b, G, &lo, &hi);
     *(v16 *)(x + t * D + b * 32) = lo; *(v16 *)(x + t * D + b * 32 + 16) = hi;
   }
   for (int l = 0; l < NL; l++) {
@@ -104,8 +171,9 @@ INL void run(job *j, team_t *tm, int tid) {
     #define VC(t) (KC(t) + (long)KV * S * HD)
     if (tid == 0) for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, an + l * D, D, EPS);
     SYNC;
-    share(NQKV, tid, nt, &o0, &o1);
-    mmq(qkv + o0, NQKV, h, D, wqkv + l * SZQKV + (long)o0 * (D / 32) * BS(TYPE_QKV), o1 - o0, D / 32, n);
+    part_mm(lay, l, PART_Q, wqkv, qkv, NQKV, h, D, QD, D / 32, n, tid, nt, &o0, &o1);
+    part_mm(lay, l, PART_K, wqkv, qkv + QD, NQKV, h, D, KV * HD, D / 32, n, tid, nt, &o0, &o1);
+    part_mm(lay, l, PART_V, wqkv, qkv + QD + KV * HD, NQKV, h, D, KV * HD, D / 32, n, tid, nt, &o0, &o1);
     SYNC;
     for (int t = tid; t < n; t += nt) {
       int pos = ps[t]; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD, *kc = KC(t), *vc = VC(t);
@@ -152,23 +220,20 @@ INL void run(job *j, team_t *tm, int tid) {
       for (int r = 0; r < GQ; r++) for (int i = 0; i < HD; i++) ao[t * QD + (g * GQ + r) * HD + i] = (float)o[r][i];
     }
     SYNC;
-    share(D, tid, nt, &o0, &o1);
-    mmo(h + o0, D, ao, QD, wo + l * SZO + (long)o0 * (QD / 32) * BS(TYPE_O), o1 - o0, QD / 32, n);
+    part_mm(lay, l, PART_O, wo, h, D, ao, QD, D, QD / 32, n, tid, nt, &o0, &o1);
     SYNC;
     if (tid == 0) {
       for (int i = 0; i < n * D; i++) x[i] = x[i] + h[i];
       for (int t = 0; t < n; t++) rmsnorm(h + t * D, x + t * D, fn + l * D, D, EPS);
     }
     SYNC;
-    share(2 * FF, tid, nt, &o0, &o1);
-    mmgu(gu + o0, 2 * FF, h, D, wgu + l * SZGU + (long)o0 * (D / 32) * BS(TYPE_GU), o1 - o0, D / 32, n);
+    part_mm(lay, l, PART_GU, wgu, gu, 2 * FF, h, D, 2 * FF, D / 32, n, tid, nt, &o0, &o1);
     /* gate and up rows alternate, so this thread's rows are whole pairs: their products are its own */
     for (int t = 0; t < n; t++) for (int c = o0 / 2; c < o1 / 2; c++) {
       float g = gu[t * 2 * FF + 2 * c]; a[t * FF + c] = g / (1.0f + ex(-g)) * gu[t * 2 * FF + 2 * c + 1];
     }
     SYNC;
-    share(D, tid, nt, &o0, &o1);
-    mmd(h + o0, D, a, FF, wd + l * SZD + (long)o0 * (FF / 32) * BS(TYPE_DOWN), o1 - o0, FF / 32, n);
+    part_mm(lay, l, PART_D, wd, h, D, a, FF, D, FF / 32, n, tid, nt, &o0, &o1);
     for (int t = 0; t < n; t++) for (int i = o0; i < o1; i++) x[t * D + i] = x[t * D + i] + h[t * D + i];
     SYNC;
   }
@@ -177,7 +242,7 @@ INL void run(job *j, team_t *tm, int tid) {
   if (tid == 0) for (int t = 0; t < nh; t++) rmsnorm(h + t * D, x + (first + t) * D, on, D, EPS);
   SYNC;
   share(V, tid, nt, &o0, &o1);
-  mmh(lg + o0, V, h, D, wout + (long)o0 * (D / 32) * BS(TYPE_OUT), o1 - o0, D / 32, nh);
+  mmh(lg + o0, V, h, D, wout + (long)o0 * (D / 32 / SUBS(TYPE_OUT)) * BS(TYPE_OUT), o1 - o0, D / 32, nh);
   SYNC;
   if (tid == 0) for (int t = 0; t < (HEADS == 1 ? 1 : n); t++) {
     const float *l = lg + (long)t * V;
@@ -195,7 +260,7 @@ void forward(int *restrict out, float *restrict scr, float *restrict cache, cons
     const unsigned char *restrict wqkv, const unsigned char *restrict wo, const float *restrict fn,
     const unsigned char *restrict wgu, const unsigned char *restrict wd, const double *restrict rope,
     const float *restrict on, const unsigned char *restrict wout, const float *restrict bqkv,
-    const float *restrict hn) {
-  job j = {out, scr, cache, ids, embd, an, wqkv, wo, fn, wgu, wd, rope, on, wout, bqkv, hn};
+    const float *restrict hn, const long *restrict lay) {
+  job j = {out, scr, cache, ids, embd, an, wqkv, wo, fn, wgu, wd, rope, on, wout, bqkv, hn, lay};
   team_run(tt, MAXT, body, &j);
 }

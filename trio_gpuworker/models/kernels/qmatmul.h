@@ -1,6 +1,7 @@
 /* A template, included once per instance: defines QMM_NAME(y, ys, x, xs, w, O, nb, n), which computes
-   y[t*ys + o] = x[t] . W[o] for t < n and o < O (a multiple of G), W packed in GGML type QMM_TYPE with its rows
-   grouped G at a time (models/quant.py group()). Rows of x go QMM_NT at a time (fewer in a last tile), so each
+   y[t*ys + o] = x[t] . W[o] for t < n and o < O (a multiple of G), W packed in layout QMM_TYPE (kernels/quant.h)
+   with its rows grouped G at a time (models/quant.py group()), nb 32-weight sub-blocks a row: a block's shared
+   scales are unpacked once for all its sub-blocks. Rows of x go QMM_NT at a time (fewer in a last tile), so each
    dequantised block serves up to QMM_NT rows; a tile of W rows x rows of x accumulators hides the FMA latency.
    QMM_SPLIT (default: QMM_NT == 1) gives each row of x two accumulators, as a single row has: a multi-row tile
    with it computes every row bit for bit as a one-row call does (kernels/llama_forward.c's batched decode).
@@ -17,6 +18,7 @@
 /* rows of W per AVX-512 tile: a 4-row split tile over a whole group would need 32 accumulators (all the
    registers), so it takes half a group */
 #define QMM_GR (QMM_SPLIT && QMM_NT > 2 ? G / 2 : G)
+#define QMM_SUBS SUBS(QMM_TYPE)
 _Static_assert(QMM_NT >= 1 && QMM_NT <= 4, "qmatmul.h: a last tile takes at most 3 rows, so QMM_NT is 1 to 4");
 
 #ifdef __AVX512F__
@@ -26,17 +28,22 @@ INL void CAT(QMM_NAME, _tile)(float *restrict y, int ys, const float *restrict x
                               const unsigned char *restrict g, int r0, int nb, int k) {
   v16 acc[QMM_GR][QMM_NT], acc2[QMM_GR][QMM_NT];
   for (int r = 0; r < QMM_GR; r++) for (int j = 0; j < k; j++) acc[r][j] = acc2[r][j] = (v16)0;
-  for (int b = 0; b < nb; b++) {
-    v16 wl[QMM_GR], wh[QMM_GR];
+  for (int b = 0; b < nb / QMM_SUBS; b++) {
+    const unsigned char *gb = g + (long)(b * G + r0) * BS(QMM_TYPE);
     /* a prefetch 4 groups ahead pays in a multi-row tile (bench/decode_steps.py on a Zen 4: 4 rows 7% faster, the
        prefill 1.6%), not in a one-row pass (9% slower in one run) */
-    if (QMM_NT > 1) __builtin_prefetch(g + (long)(4 * G * nb + b * G + r0) * BS(QMM_TYPE));
-    for (int r = 0; r < QMM_GR; r++) DQ(QMM_TYPE)(g + (b * G + r0 + r) * BS(QMM_TYPE), &wl[r], &wh[r]);
-    for (int j = 0; j < k; j++) {
-      const float *xp = x + j * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
-      /* one row of x: lo and hi halves get their own accumulators, for twice the independent FMA chains */
-      for (int r = 0; r < QMM_GR; r++) if (QMM_SPLIT) { acc[r][j] += wl[r] * xl; acc2[r][j] += wh[r] * xh; }
-                                       else { acc[r][j] += wl[r] * xl; acc[r][j] += wh[r] * xh; }
+    if (QMM_NT > 1) __builtin_prefetch(gb + (long)4 * G * (nb / QMM_SUBS) * BS(QMM_TYPE));
+    dqs st[QMM_GR];
+    for (int r = 0; r < QMM_GR; r++) PREP(QMM_TYPE)(gb + r * BS(QMM_TYPE), &st[r]);
+    for (int s = 0; s < QMM_SUBS; s++) {
+      v16 wl[QMM_GR], wh[QMM_GR];
+      for (int r = 0; r < QMM_GR; r++) DQ(QMM_TYPE)(gb + r * BS(QMM_TYPE), &st[r], s, &wl[r], &wh[r]);
+      for (int j = 0; j < k; j++) {
+        const float *xp = x + j * xs + (b * QMM_SUBS + s) * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
+        /* one row of x: lo and hi halves get their own accumulators, for twice the independent FMA chains */
+        for (int r = 0; r < QMM_GR; r++) if (QMM_SPLIT) { acc[r][j] += wl[r] * xl; acc2[r][j] += wh[r] * xh; }
+                                         else { acc[r][j] += wl[r] * xl; acc[r][j] += wh[r] * xh; }
+      }
     }
   }
   for (int r = 0; r < QMM_GR; r++) for (int j = 0; j < k; j++) y[j * ys + r0 + r] = hsum(acc[r][j] + acc2[r][j]);
@@ -45,7 +52,7 @@ INL void CAT(QMM_NAME, _tile)(float *restrict y, int ys, const float *restrict x
 INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
                   const unsigned char *restrict w, int O, int nb, int n) {
   for (int o = 0; o < O; o += G) {
-    const unsigned char *g = w + (long)o * nb * BS(QMM_TYPE);
+    const unsigned char *g = w + (long)o * (nb / QMM_SUBS) * BS(QMM_TYPE);
     for (int r0 = 0; r0 < G; r0 += QMM_GR) {
       int t = 0;
       for (; t + QMM_NT <= n; t += QMM_NT) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, QMM_NT);
@@ -63,27 +70,21 @@ INL void CAT(QMM_NAME, _rows)(float *restrict y, int ys, const float *restrict x
                               const unsigned char *restrict wr, int nb, int k) {
   v16 acc[4], acc2[4];
   for (int j = 0; j < k; j++) acc[j] = acc2[j] = (v16)0;
-  if (QMM_SPLIT && k > 2) {
-    /* 4 rows x 2 accumulators would spill: the low halves of every block, then the high halves (the same sums) */
-    for (int b = 0; b < nb; b++) {
+  /* 4 rows x 2 accumulators would spill: with QMM_SPLIT and k > 2, the low halves of every block, then the high
+     halves (the same sums) */
+  const int passes = QMM_SPLIT && k > 2 ? 2 : 1;
+  for (int pass = 0; pass < passes; pass++) for (int b = 0; b < nb / QMM_SUBS; b++) {
+    const unsigned char *p = wr + (long)b * G * BS(QMM_TYPE);
+    if (pass == 0) __builtin_prefetch(p + (long)4 * G * (nb / QMM_SUBS) * BS(QMM_TYPE));
+    dqs st;
+    PREP(QMM_TYPE)(p, &st);
+    for (int s = 0; s < QMM_SUBS; s++) {
       v16 wl, wh;
-      __builtin_prefetch(wr + (long)(4 * G * nb + b * G) * BS(QMM_TYPE));
-      DQ(QMM_TYPE)(wr + (long)b * G * BS(QMM_TYPE), &wl, &wh);
-      for (int j = 0; j < k; j++) acc[j] += wl * *(const v16 *)(x + j * xs + b * 32);
-    }
-    for (int b = 0; b < nb; b++) {
-      v16 wl, wh;
-      DQ(QMM_TYPE)(wr + (long)b * G * BS(QMM_TYPE), &wl, &wh);
-      for (int j = 0; j < k; j++) acc2[j] += wh * *(const v16 *)(x + j * xs + b * 32 + 16);
-    }
-  } else {
-    for (int b = 0; b < nb; b++) {
-      v16 wl, wh;
-      __builtin_prefetch(wr + (long)(4 * G * nb + b * G) * BS(QMM_TYPE));
-      DQ(QMM_TYPE)(wr + (long)b * G * BS(QMM_TYPE), &wl, &wh);
+      DQ(QMM_TYPE)(p, &st, s, &wl, &wh);
       for (int j = 0; j < k; j++) {
-        const float *xp = x + j * xs + b * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
-        if (QMM_SPLIT) { acc[j] += wl * xl; acc2[j] += wh * xh; }
+        const float *xp = x + j * xs + (b * QMM_SUBS + s) * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
+        if (passes == 2) { if (pass == 0) acc[j] += wl * xl; else acc2[j] += wh * xh; }
+        else if (QMM_SPLIT) { acc[j] += wl * xl; acc2[j] += wh * xh; }
         else { acc[j] += wl * xl; acc[j] += wh * xh; }
       }
     }
@@ -94,7 +95,7 @@ INL void CAT(QMM_NAME, _rows)(float *restrict y, int ys, const float *restrict x
 INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
                   const unsigned char *restrict w, int O, int nb, int n) {
   for (int o = 0; o < O; o += G) for (int r = 0; r < G; r++) {
-    const unsigned char *wr = w + ((long)o * nb + r) * BS(QMM_TYPE);
+    const unsigned char *wr = w + ((long)o * (nb / QMM_SUBS) + r) * BS(QMM_TYPE);
     int t = 0;
     for (; t + 4 <= n; t += 4) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 4);
     /* the tail in one pass, so each W row is dequantised once for it */
@@ -110,3 +111,4 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
 #undef QMM_NT
 #undef QMM_SPLIT
 #undef QMM_GR
+#undef QMM_SUBS

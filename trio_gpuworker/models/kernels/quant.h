@@ -1,40 +1,137 @@
-/* Packed GGUF blocks (models/quant.py) dequantised in registers: DQ(t)(p, &lo, &hi) gives the 32 weights of
-   the block at p. Q4_1 (type 3): {f32 d, f32 m, 16 nibble bytes}; Q8_0 (type 8): {f32 d, 32 int8}; F32
-   (type 0): the 32 weights, dequantised at load from a type with no packed layout of its own. */
+/* Packed GGUF blocks (models/quant.py LAYOUTS) dequantised in registers. A block of layout t holds BW(t) weights in
+   BS(t) bytes, SUBS(t) sub-blocks of 32: PREP(t)(p, &st) unpacks what the block's sub-blocks share (the K-quants'
+   scales, widened once per block), then DQ(t)(p, &st, s, &lo, &hi) gives the 32 weights of sub-block s.
+   Q4_1 (type 3): {f32 d, f32 m, 16 nibble bytes}; Q8_0 (type 8): {f32 d, 32 int8}; F32 (type 0): the 32 weights,
+   dequantised at load from a type with no packed layout of its own. The K-quants, 256 weights a block:
+   Q4_K (type 12) {f32 d, f32 dmin, u8 sc[8], u8 mn[8], qs[128]}: sub-block s is d*sc[s] * q - dmin*mn[s], its
+   nibbles the low (s even) or high (s odd) halves of qs[32 (s/2) ..][0..32);
+   Q5_K (type 13) the same with qh[32] before qs: bit s of qh[i] is the fifth bit of weight i of sub-block s;
+   Q6_K (type 14) {f32 d, s8 sc[16], ql[128], qh[64]}: group g of 16 weights is d*sc[g] * (q - 32); sub-block s
+   (half s/4, quarter k = s%4) takes its low 4 bits from ql[64 half + 32 (k%2) ..] (low nibbles for k < 2) and
+   its high 2 from bits 2k, 2k+1 of qh[32 half ..].
+   Every weight comes out as the reference's float32 (models/quant.py dequantize): each product of integers and
+   f16-derived scales is exact in float32, so a fused multiply-add rounds where the reference's add does. */
 #ifndef TG_QUANT_H
 #define TG_QUANT_H
 #include "vec.h"
 
-#define BS_0 128  /* packed bytes per block, by GGML type */
+#define BS_0 128  /* packed bytes per block, by layout */
 #define BS_3 24
 #define BS_8 36
+#define BS_12 152
+#define BS_13 184
+#define BS_14 212
+#define BW_0 32  /* weights per block */
+#define BW_3 32
+#define BW_8 32
+#define BW_12 256
+#define BW_13 256
+#define BW_14 256
 #define BS(t) CAT(BS_, t)
+#define SUBS(t) (CAT(BW_, t) / 32)
 #define DQ(t) CAT(dq, t)
+#define PREP(t) CAT(prep, t)
 
-INL void dq3(const unsigned char *p, v16 *lo, v16 *hi) {
+/* what a block's sub-blocks share: per sub-block (or 16-weight group) scales a and offsets b */
+typedef struct { float a[16], b[16]; } dqs;
+
+INL i16 bytes16(const unsigned char *p) { return __builtin_convertvector(*(const u16 *)p, i16); }
+INL v16 fv(i16 q) { return __builtin_convertvector(q, v16); }
+
+INL void prep0(const unsigned char *p, dqs *st) { (void)p; (void)st; }
+INL void prep3(const unsigned char *p, dqs *st) { (void)p; (void)st; }
+INL void prep8(const unsigned char *p, dqs *st) { (void)p; (void)st; }
+
+INL void dq3(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
+  (void)st; (void)s;
   float d = ((const float *)p)[0], m = ((const float *)p)[1];
 #ifdef __AVX512F__
   /* the block's 16 possible weights, looked up by nibble (vpermps reads the low 4 bits of each index) */
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   v16 tab = iota * d + m;  /* q*d is exact in float32 (4-bit q, f16 d): with or without FMA, the reference's weights */
-  i16 q = __builtin_convertvector(*(const u16 *)(p + 8), i16);
+  i16 q = bytes16(p + 8);
   *lo = __builtin_ia32_permvarsf512(tab, q); *hi = __builtin_ia32_permvarsf512(tab, q >> 4);
 #else
   /* each nibble byte widened to its own 32-bit lane first: masks and shifts of bytes would cost shuffles */
   i16 q = __builtin_shufflevector(__builtin_convertvector(*(const u8 *)(p + 8), i8),
                                   __builtin_convertvector(*(const u8 *)(p + 16), i8),
                                   0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  *lo = __builtin_convertvector(q & 15, v16) * d + m; *hi = __builtin_convertvector(q >> 4, v16) * d + m;
+  *lo = fv(q & 15) * d + m; *hi = fv(q >> 4) * d + m;
 #endif
 }
 
-INL void dq0(const unsigned char *p, v16 *lo, v16 *hi) {
+INL void dq0(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
+  (void)st; (void)s;
   *lo = *(const v16 *)p; *hi = *(const v16 *)(p + 64);
 }
 
-INL void dq8(const unsigned char *p, v16 *lo, v16 *hi) {
+INL void dq8(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
+  (void)st; (void)s;
   float d = *(const float *)p;
   *lo = __builtin_convertvector(*(const s16 *)(p + 4), v16) * d;
   *hi = __builtin_convertvector(*(const s16 *)(p + 20), v16) * d;
+}
+
+/* Q4_K and Q5_K: the 8 sub-blocks' scales d*sc and offsets -(dmin*mn), as the reference computes them */
+INL void prep_k(const unsigned char *p, dqs *st) {
+  float d = ((const float *)p)[0], dmin = ((const float *)p)[1];
+  *(v8 *)st->a = __builtin_convertvector(*(const u8 *)(p + 8), v8) * d;
+  *(v8 *)st->b = -(__builtin_convertvector(*(const u8 *)(p + 16), v8) * dmin);
+}
+INL void prep12(const unsigned char *p, dqs *st) { prep_k(p, st); }
+INL void prep13(const unsigned char *p, dqs *st) { prep_k(p, st); }
+
+/* weights q*a + b of 16 nibbles (AVX-512: looked up in the sub-block's table, as dq3 does) */
+INL v16 nib16(i16 q, float a, float b) {
+#ifdef __AVX512F__
+  const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return __builtin_ia32_permvarsf512(iota * a + b, q);
+#else
+  return fv(q & 15) * a + b;
+#endif
+}
+
+INL void dq12(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
+  const unsigned char *q = p + 24 + (s >> 1) * 32;
+  int sh = (s & 1) * 4;
+  *lo = nib16(bytes16(q) >> sh, st->a[s], st->b[s]); *hi = nib16(bytes16(q + 16) >> sh, st->a[s], st->b[s]);
+}
+
+INL void dq13(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
+  const unsigned char *q = p + 56 + (s >> 1) * 32;
+  int sh = (s & 1) * 4;
+  float a = st->a[s], b = st->b[s];
+  i16 l0 = ((bytes16(q) >> sh) & 15) | (((bytes16(p + 24) >> s) & 1) << 4);
+  i16 l1 = ((bytes16(q + 16) >> sh) & 15) | (((bytes16(p + 40) >> s) & 1) << 4);
+  *lo = fv(l0) * a + b; *hi = fv(l1) * a + b;
+}
+
+/* Q6_K: the 16 groups' scales d*sc; the weights are scale * (q - 32), with q - 32 an integer first, so a zero
+   weight keeps the reference's sign */
+INL void prep14(const unsigned char *p, dqs *st) {
+  *(v16 *)st->a = __builtin_convertvector(*(const s16 *)(p + 4), v16) * *(const float *)p;
+}
+
+INL void dq14(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
+  int half = s >> 2, k = s & 3, sl = (k >> 1) * 4;
+  const unsigned char *ql = p + 20 + half * 64 + (k & 1) * 32, *qh = p + 148 + half * 32;
+  i16 q0 = ((bytes16(ql) >> sl) & 15) | (((bytes16(qh) >> (2 * k)) & 3) << 4);
+  i16 q1 = ((bytes16(ql + 16) >> sl) & 15) | (((bytes16(qh + 16) >> (2 * k)) & 3) << 4);
+  *lo = fv(q0 - 32) * st->a[2 * s]; *hi = fv(q1 - 32) * st->a[2 * s + 1];
+}
+
+/* Runtime-typed helpers, for code that reads few weights (an embedding row, a test): a constant t folds each
+   switch away. Sub-block b (32 weights) of row r of a matrix of layout t in G-row groups (models/quant.py
+   group()), nb sub-blocks a row. */
+#define LAYOUT_CASE(t, stmt) case t: { stmt; } break;
+INL void dq_at(int t, const unsigned char *w, long r, int nb, int b, int g, v16 *lo, v16 *hi) {
+  dqs st;
+  switch (t) {
+#define DQ_AT(T) const unsigned char *p = w + ((r / g * (nb / SUBS(T)) + b / SUBS(T)) * g + r % g) * BS(T); \
+                 PREP(T)(p, &st); DQ(T)(p, &st, b % SUBS(T), lo, hi)
+    LAYOUT_CASE(0, DQ_AT(0)) LAYOUT_CASE(3, DQ_AT(3)) LAYOUT_CASE(8, DQ_AT(8)) LAYOUT_CASE(12, DQ_AT(12))
+    LAYOUT_CASE(13, DQ_AT(13)) LAYOUT_CASE(14, DQ_AT(14))
+#undef DQ_AT
+  }
 }
 #endif
