@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests.tiny_gguf import write_llama
 from trio_gpuworker import ConfigError, InvalidRequest
 from trio_gpuworker._config import ModelConfig
 from trio_gpuworker._kinds import (
@@ -95,7 +96,7 @@ def test_every_kind_has_a_loader_a_runtime_config_and_requests() -> None:
         check_serves("m", RERANK, "embeddings")
 
 
-def test_max_context_reaches_the_decoder_and_its_cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_max_context_reaches_the_decoder_and_its_cache_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The worker builds its decoder with the configured context, the one the daemon caps prompts by, and its
     threads, and the JIT cache keys the entry by both."""
     from trio_gpuworker.models.llama_fused import FusedLlamaLM
@@ -119,7 +120,8 @@ def test_max_context_reaches_the_decoder_and_its_cache_key(monkeypatch: pytest.M
     monkeypatch.setattr(_loaders, "_key", lambda digest, kind, modules, extra: extra)
     rc = LoadConfig(GENERATE, DecoderRuntime(decoder="fused", max_context=512, threads=2)).to_map()
     with pytest.raises(Built):
-        _loaders.load_llama(Path("m.gguf"), rc, "00" * 32, lambda: None, lambda k: None)
+        # a real GGUF: its tokenizer is read before the decoder is built
+        _loaders.load_llama(write_llama(tmp_path / "m.gguf", {}), rc, "00" * 32, lambda: None, lambda k: None)
     assert seen == {"max_context": 512, "threads": 2,
                     "key": {"max_context": 512, "beam": 0, "decoder": "fused", "threads": 2,
                             "kernels_sha256": seen["key"]["kernels_sha256"]}}
