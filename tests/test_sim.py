@@ -89,3 +89,12 @@ def test_a_failing_schedule_shrinks_and_still_fails(tmp_path: Path) -> None:
         schedule = make_schedule(seed)
         small = shrink(schedule, tmp_path)
         assert len(small.steps) <= len(schedule.steps) and run_schedule(small, tmp_path)
+
+
+def test_a_run_wedged_past_its_horizon_ends_as_a_finding(tmp_path: Path) -> None:
+    """A request that is never answered, awaited under a shield (a batched chunk), outlives the horizon's cancel:
+    the run is ended and reported as wedged, in a fraction of a second, instead of polling forever."""
+    schedule = make_schedule(722).without([2, 4, 5])  # a hang, a batched generate, an abort
+    with mutated("ordered_stop_unanswered"):
+        found = run_schedule(schedule, tmp_path)
+    assert any("the run wedged" in f and "generate" in f for f in found), found

@@ -6,9 +6,11 @@ passed)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 import shutil
+import sys
 import tempfile
 import traceback
 from collections.abc import Awaitable, Callable
@@ -40,6 +42,7 @@ SETTLE_S = 3 * WINDOWS.control_s  # an orphan's uninstall and a hung worker's PI
 HORIZON_S = BOUND + SETTLE_S + DRAIN_S + 4 * WINDOWS.shutdown_s + 60.0
 SCENARIO_HORIZON_S = 3600.0  # a scenario of one's own ends within this much simulated time, its end included
 MAX_BATCHES = 500_000  # scheduler batches (one per I/O wait: cheaper to count than task steps)
+WEDGED_BATCHES = 10_000  # batches after the horizon's cancel with a task still shielded: the run is wedged
 
 
 @dataclass(frozen=True)
@@ -222,11 +225,38 @@ def simulate(scenario: Scenario, seed: int, shape: WorldShape | None = None, *, 
 class _Spin(trio.abc.Instrument):
     def __init__(self, scope: trio.CancelScope) -> None:
         self.scope, self.steps = scope, 0
+        self.cancelled_at: int | None = None  # the batch at which the horizon (or the batch bound) cancelled it
 
     def before_io_wait(self, timeout: float) -> None:
         self.steps += 1
         if self.steps == MAX_BATCHES:
             self.scope.cancel()
+        if self.cancelled_at is None and self.scope.cancel_called:
+            self.cancelled_at = self.steps
+
+    def wedged(self) -> bool:
+        return self.cancelled_at is not None and self.steps - self.cancelled_at > WEDGED_BATCHES
+
+
+class _Wedged(Exception):
+    """The run went on after its horizon cancelled it: a task waits, shielded, for what nothing will answer."""
+
+
+def _sim_clock(spin: _Spin) -> trio.testing.MockClock:
+    """The autojump clock, which ends a run wedged past its horizon: with nothing runnable and no deadline left,
+    the event loop would poll forever, in real time, for what never comes. The loop asks the clock how long to
+    sleep only when nothing is runnable, so that is where a wedged run is ended (MockClock is final: the
+    question is answered by the instance's own function)."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    sleep_time = clock.deadline_to_sleep_time
+
+    def deadline_to_sleep_time(deadline: float) -> float:
+        if spin.wedged():
+            raise _Wedged(f"the run wedged: {WEDGED_BATCHES} scheduler batches after its horizon it still waits")
+        return sleep_time(deadline)
+
+    clock.deadline_to_sleep_time = deadline_to_sleep_time  # type: ignore[method-assign]
+    return clock
 
 
 def run_world(world: Simulation, scenario: Scenario, shape: WorldShape, directory: Path, horizon_s: float) -> list[str]:
@@ -234,12 +264,31 @@ def run_world(world: Simulation, scenario: Scenario, shape: WorldShape, director
     logging.getLogger("trio_gpuworker").setLevel(logging.CRITICAL)  # faults are the point here, not news
     trio._core._run._r.seed(world.seed)  # the scheduler's own tie-breaks, so the seed fixes the whole run
     scope = trio.CancelScope()
+    spin, wedged = _Spin(scope), False
     try:
-        trio.run(_bounded, world, scenario, shape, directory, horizon_s, scope,
-                 clock=trio.testing.MockClock(autojump_threshold=0), instruments=[_Spin(scope)])
+        trio.run(_bounded, world, scenario, shape, directory, horizon_s, scope, clock=_sim_clock(spin),
+                 instruments=[spin])
+    except trio.TrioInternalError as exc:
+        if not isinstance(exc.__cause__, _Wedged):
+            raise
+        world.found.append(f"{exc.__cause__}; never answered: {world.pending()}")
+        wedged = True
     except BaseException as exc:
         world.found.append(f"escaped: {''.join(traceback.format_exception(exc))}")
+    if wedged:  # (once the exception, which holds their frames, is gone)
+        _abandon_quietly()
     return world.found
+
+
+def _abandon_quietly() -> None:
+    """A wedged run's tasks are abandoned mid-wait: their coroutines, collected now, fail to unwind outside trio.
+    That is the run's end, already reported, not news."""
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 async def _bounded(world: Simulation, scenario: Scenario, shape: WorldShape, directory: Path, horizon_s: float,
