@@ -167,6 +167,7 @@ class EngineCrashed(GpuWorkerError):
         self.cooldown_remaining_s = cooldown_remaining_s
 
     def http_headers(self) -> dict[str, str]:
+        """Retry-After while the lane is quarantined: when its cooldown ends."""
         return retry_after(self.cooldown_remaining_s) if self.quarantined else {}
 
     def to_wire(self) -> dict[str, Any]:
@@ -206,6 +207,7 @@ class OverCapacity(GpuWorkerError):
         self.retry_after_s = retry_after_s
 
     def http_headers(self) -> dict[str, str]:
+        """Retry-After: when a retry may find room."""
         return retry_after(self.retry_after_s)
 
     def to_wire(self) -> dict[str, Any]:
@@ -277,6 +279,7 @@ class ModelLoading(NoLaneAvailable):
         self.retry_after_s = retry_after_s
 
     def http_headers(self) -> dict[str, str]:
+        """Retry-After: when a retry may find room."""
         return retry_after(self.retry_after_s)
 
     def to_wire(self) -> dict[str, Any]:
