@@ -142,6 +142,14 @@ def _model_changes_at_once(original: Any) -> Any:
     return changing
 
 
+def _uninstall_dropped_with_its_caller(original: Any) -> Any:
+    """Cancel-safety of an uninstall: one whose caller left while it was queued (behind an abandoned step still
+    blocked on the session's other ring) was dropped with it, so the ring and its lease stayed on a healthy worker."""
+    async def uninstall_ring(self: Any, end: Any, reason: str = "edge_stopped", timeout: float | None = None) -> None:
+        await self._uninstall(end, reason, timeout, requeue=False)
+    return uninstall_ring
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -153,6 +161,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "reload_keeps_old_settings": [(_lifecycle.LaneLifecycle, "reload", _reload_drops_its_settings)],
     "handover_cuts_a_held_batch": [(_lifecycle.LaneLifecycle, "hold", _holds_ignored)],
     "model_change_outruns_its_requests": [(_gate.ModelGate, "changing", _model_changes_at_once)],
+    "uninstall_dropped_with_its_caller": [(_dataplane.DataPlane, "uninstall_ring", _uninstall_dropped_with_its_caller)],
 }
 
 

@@ -171,6 +171,9 @@ class DataPlane(RingIO):
 
     async def uninstall_ring(self, end: RingEnd, reason: str = "edge_stopped", timeout: float | None = None) -> None:
         """Stop our pump, then UNINSTALL_RING; the lease is released on RING_QUIESCED (or when the worker is reaped)."""
+        await self._uninstall(end, reason, timeout, requeue=True)
+
+    async def _uninstall(self, end: RingEnd, reason: str, timeout: float | None, *, requeue: bool) -> None:
         end.fail(RingFault("worker_shutting_down", "ring uninstalled"))
         if end.released:
             return
@@ -184,18 +187,30 @@ class DataPlane(RingIO):
             if not end.released:
                 raise DeadlineExceeded(f"ring {end.ring_id} was not quiesced within {timeout:g} s")
             return
-        waiting = [True]
+        sent = False
+
+        def started() -> None:
+            nonlocal sent
+            sent = True
 
         def answered(reply: WireMessage | None, error: BaseException | None) -> None:
             if isinstance(reply, RingQuiesced):  # released on its answer, whether or not its caller still waits
                 self._quiesced(end, end.fault or RingFault("worker_shutting_down", "ring uninstalled"))
-            elif not waiting[0] and reply is None and error is None and self._nursery is not None:
-                self._nursery.start_soon(self._uninstall_quietly, end)  # its caller left before it was sent
 
         try:
-            await end.lane.call(uninstall, timeout=timeout, generation=end.generation, on_result=answered)
-        finally:
-            waiting[0] = False
+            await end.lane.call(uninstall, timeout=timeout, generation=end.generation, on_result=answered,
+                                on_started=started)
+        except (trio.Cancelled, DeadlineExceeded):
+            if requeue and not sent and not end.released and self._nursery is not None:
+                # its caller left while it was queued (behind a step, say), and a queued request is dropped: it
+                # waits in the queue in the background instead, until it is sent or its worker ends
+                self._nursery.start_soon(self._uninstall_queued, end, reason)
+            raise
+
+    async def _uninstall_queued(self, end: RingEnd, reason: str) -> None:
+        with contextlib.suppress(GpuWorkerError):
+            if not end.released:
+                await self._uninstall(end, reason, None, requeue=False)
 
     def _quiesced(self, end: RingEnd, fault: RingFault) -> None:
         with contextlib.suppress(ArenaError):  # a refused proof keeps the lease until the worker is reaped
