@@ -218,7 +218,7 @@ def test_malformed_message(feed: Callable[[bytes], Iterator[bytes]], t: str, fie
                                      "items": [{"id": 1, "n_tokens": False}], "raw_len": 4}, id="record-bool"),
         pytest.param("EMBED_BATCH", {"req_id": 1, "model_ref": "m", "pooling": "mean", "normalize": True,
                                      "items": [{"id": 1}], "raw_len": 4}, id="record-missing-field"),
-        pytest.param("EMBED_BATCH", {"req_id": 1, "model_ref": "m", "pooling": "max", "normalize": True,
+        pytest.param("EMBED_BATCH", {"req_id": 1, "model_ref": "m", "pooling": "weightedmean", "normalize": True,
                                      "items": [], "raw_len": 0}, id="bad-pooling"),
         pytest.param("EMBED_BATCH", {"req_id": 1, "model_ref": "m", "pooling": "mean", "normalize": 1,
                                      "items": [], "raw_len": 0}, id="int-for-bool"),
