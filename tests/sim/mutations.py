@@ -150,6 +150,14 @@ def _uninstall_dropped_with_its_caller(original: Any) -> Any:
     return uninstall_ring
 
 
+def _unsent_install_counted_as_sent(original: Any) -> Any:
+    """Cancel-safety of an install: one never sent (refused by its quarantined lane, say) whose caller left kept
+    its lease until the worker was reaped, as if it might have been installed."""
+    def orphan_answered(self: Any, end: Any, reply: Any, error: Any, *, sent: bool) -> None:
+        original(self, end, reply, error, sent=True)
+    return orphan_answered
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -162,6 +170,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "handover_cuts_a_held_batch": [(_lifecycle.LaneLifecycle, "hold", _holds_ignored)],
     "model_change_outruns_its_requests": [(_gate.ModelGate, "changing", _model_changes_at_once)],
     "uninstall_dropped_with_its_caller": [(_dataplane.DataPlane, "uninstall_ring", _uninstall_dropped_with_its_caller)],
+    "unsent_install_keeps_its_lease": [(_dataplane.DataPlane, "_orphan_answered", _unsent_install_counted_as_sent)],
 }
 
 

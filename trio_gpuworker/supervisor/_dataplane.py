@@ -126,17 +126,18 @@ class DataPlane(RingIO):
         block = direction == "ingress" and gen is not None and EXT_LOADED_BLOCK in advertised(gen.wp.hello)
         request = InstallRing(ring_id=lease.ring_id, edge_id=edge_id, port_id=port_id, direction=direction,
                               layout=layout, object_spec=spec.to_wire(), loaded_block=True if block else None)
-        waiting, early = [True], []
+        waiting, early, sent = [True], [], [False]
 
         def answered(reply: WireMessage | None, error: BaseException | None) -> None:
             if waiting[0]:  # its caller may be leaving right now (see BaseException below)
                 return early.append((reply, error))
-            self._orphan_answered(end, reply, error)
+            self._orphan_answered(end, reply, error, sent=sent[0])
 
         remaining = None if math.isinf(deadline) else max(0.0, deadline - trio.current_time())
         try:
             # if the worker dies meanwhile, the reaped-worker hook releases the lease
-            reply = await lane.call(request, timeout=remaining, on_result=answered, generation=generation)
+            reply = await lane.call(request, timeout=remaining, on_result=answered, generation=generation,
+                                    on_started=lambda: sent.__setitem__(0, True))
         except BrokenWorkerError as exc:  # its worker ended first: the reaped-worker hook released the lease
             raise RingFault("worker_process_exited", str(exc)) from exc
         except WorkerError as exc:  # ERR: the worker refused it, nothing was installed
@@ -145,7 +146,7 @@ class DataPlane(RingIO):
         except BaseException:  # its deadline, a cancellation, any error: undone once (or as) its answer is in
             waiting[0] = False
             for answer in early:  # settled as its caller left (dropped from the queue): undo it now
-                self._orphan_answered(end, *answer)
+                self._orphan_answered(end, *answer, sent=sent[0])
             raise
         if isinstance(reply, wire.RingFault):
             fault = RingFault(reply.reason, reply.msg or "the worker refused the ring")
@@ -153,15 +154,17 @@ class DataPlane(RingIO):
             raise fault
         return end
 
-    def _orphan_answered(self, end: RingEnd, reply: WireMessage | None, error: BaseException | None) -> None:
-        """Its installer gave up waiting: an installed ring is uninstalled, a refused one released at once (if its
-        worker died instead, the reaped-worker hook releases it)."""
+    def _orphan_answered(self, end: RingEnd, reply: WireMessage | None, error: BaseException | None, *,
+                         sent: bool) -> None:
+        """Its installer gave up waiting: an installed ring is uninstalled, a refused one, or one never sent (dropped
+        from the queue, refused by a quarantined lane), released at once (if its worker died after it was sent, the
+        reaped-worker hook releases it)."""
         if end.released:
             return
         if isinstance(reply, RingInstalled):
             if self._nursery is not None:
                 self._nursery.start_soon(self._uninstall_quietly, end)
-        elif reply is not None or error is None or isinstance(error, WorkerError):  # refused, or never sent
+        elif reply is not None or not sent or error is None or isinstance(error, WorkerError):
             self._release(end, Quiesced(end.ring_id, pump_stopped=True),
                           RingFault("worker_internal", "the ring was refused or never sent: its installer left"))
 
