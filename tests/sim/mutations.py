@@ -158,6 +158,20 @@ def _unsent_install_counted_as_sent(original: Any) -> Any:
     return orphan_answered
 
 
+def _faulted_ring_waits_on_us(original: Any) -> Any:
+    """Hang detection behind a faulted ring: a step blocked on a ring we had faulted or were uninstalling (its
+    session abandoned) counted as waiting on us, so its window was extended and a worker hung behind it was never
+    struck: the ring's other requests waited past every bound."""
+    def waits_on_us(self: Any, lane: Any) -> bool:
+        stalled = False
+        for e in self.ends.values():
+            if e.lane is lane and e.steps and not e.released and e.ring.writable < _dataplane.STALL_BYTES:
+                e.hint.set()
+                stalled = True
+        return stalled
+    return waits_on_us
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -171,6 +185,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "model_change_outruns_its_requests": [(_gate.ModelGate, "changing", _model_changes_at_once)],
     "uninstall_dropped_with_its_caller": [(_dataplane.DataPlane, "uninstall_ring", _uninstall_dropped_with_its_caller)],
     "unsent_install_keeps_its_lease": [(_dataplane.DataPlane, "_orphan_answered", _unsent_install_counted_as_sent)],
+    "faulted_ring_waits_on_us": [(_dataplane.DataPlane, "_step_waits_on_us", _faulted_ring_waits_on_us)],
 }
 
 

@@ -77,10 +77,12 @@ class DataPlane(RingIO):
 
     def _step_waits_on_us(self, lane: Lane) -> bool:
         """A step of `lane` is blocked on a full egress ring nobody pulls: no hang of its own. Its puller is woken
-        (a worker that hung before its RING_READABLE left it parked): drained, the next window sees the hang."""
+        (a worker that hung before its RING_READABLE left it parked): drained, the next window sees the hang. A
+        ring we have faulted or are uninstalling waits on nobody: its step must fail and the ring quiesce, and a
+        worker that does neither within the window is hung."""
         stalled = False
         for e in self.ends.values():
-            if e.lane is lane and e.steps and not e.released and e.ring.writable < STALL_BYTES:
+            if e.lane is lane and e.steps and not e.released and e.fault is None and e.ring.writable < STALL_BYTES:
                 e.hint.set()
                 stalled = True
         return stalled

@@ -277,7 +277,9 @@ class World(Simulation):
                 self._model_epoch += 1
                 for lane in lanes:
                     reloading.append((lane, self._new_env(lane)))
-                    await reloads.start(functools.partial(self.sup.reload_lane, lane.id, timeout=step.timeout,
+                    # no deadline, as the daemon's reload has none: a reload given up while queued is dropped
+                    # with its settings, and the model's change must not be
+                    await reloads.start(functools.partial(self.sup.reload_lane, lane.id,
                                                           settings=reloading[-1][1]))
         for lane, settings in reloading:
             self._check_reloaded(step, lane, settings)
