@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.lifecycle_world import World
+from trio_gpuworker._proto import PlainSettings
 from trio_gpuworker._proto._lifecycle_parts import Outcome, Send, Ticket
 from trio_gpuworker._proto._lifecycle_table import (
     GENERATION_TRANSITIONS,
@@ -217,6 +218,26 @@ def test_two_strikes_quarantine_and_a_reload_lifts_it() -> None:
     w.do("end", (2,))
     w.do("reload", ())
     assert w.machine.policy.strikes == 0 and w.machine.state is L.STARTING
+
+
+def test_a_quarantine_fails_a_queued_reload_but_keeps_its_settings() -> None:
+    """The settings a reload brings are the operator's: a quarantine that fails it before it reaches the head of
+    the queue must not drop them, or the generation after the quarantine starts with the old ones."""
+    w = World(standby=False)
+    ready(w)
+    w.do("submit", ("EMBED_BATCH",))  # open on generation 1: the reload queues behind the next one
+    w.do("submit", ("EMBED_BATCH",))
+    new = PlainSettings(("m", "n"), False)
+    t, eff = w.machine.reload(w.now, new)
+    w.tickets[t.id] = t
+    w.apply(eff)
+    w.do("fault", (1, "crash"))
+    w.do("end", (1,))
+    w.do("tick", (0.5,))
+    w.do("fault", (2, "hang"))
+    assert w.machine.state is L.QUARANTINED
+    assert w.answers[t.id] == [(Outcome.QUARANTINED, None)]
+    assert w.machine.settings == new
 
 
 def test_reload_outside_a_quarantine_forgives_no_strike() -> None:

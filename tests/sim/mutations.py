@@ -172,6 +172,21 @@ def _faulted_ring_waits_on_us(original: Any) -> Any:
     return waits_on_us
 
 
+def _quarantine_drops_reload_settings(original: Any) -> Any:
+    """A quarantine that failed a queued reload dropped the settings it brought: once the quarantine was lifted the
+    lane's workers started with the old settings while admission already used the models' new ones."""
+    def quarantine(m: Any) -> None:
+        m.tickets.fail_queued(_lifecycle_rules.Outcome.QUARANTINED)
+        m.rolling = False
+        _lifecycle_rules.retire_standby(m)
+        if m.active is not None:
+            m.quarantine_pending = True
+        elif m.state is _lifecycle_rules.L.RESTARTING:
+            m.quarantine_pending = False
+            m.step_lane(_lifecycle_rules.E.QUARANTINE)
+    return quarantine
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -185,6 +200,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "model_change_outruns_its_requests": [(_gate.ModelGate, "changing", _model_changes_at_once)],
     "uninstall_dropped_with_its_caller": [(_dataplane.DataPlane, "uninstall_ring", _uninstall_dropped_with_its_caller)],
     "unsent_install_keeps_its_lease": [(_dataplane.DataPlane, "_orphan_answered", _unsent_install_counted_as_sent)],
+    "quarantine_drops_reload_settings": [(_lifecycle_rules, "quarantine", _quarantine_drops_reload_settings)],
     "faulted_ring_waits_on_us": [(_dataplane.DataPlane, "_step_waits_on_us", _faulted_ring_waits_on_us)],
 }
 

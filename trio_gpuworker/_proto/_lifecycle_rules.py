@@ -91,7 +91,12 @@ def retire_standby(m: LaneLifecycle) -> None:
 
 def quarantine(m: LaneLifecycle) -> None:
     """Quarantine wins over everything: queued requests fail fast, the standby stops, and the active generation
-    stops at its next request boundary."""
+    stops at its next request boundary. A queued reload fails with the rest, but the settings it brings are the
+    lane's from now on (no generation serves between): the generation after the quarantine starts with them, as
+    the models' new settings, already in force for admission, require."""
+    for t in m.tickets.queue:
+        if t.kind == RELOAD and t.settings is not None:
+            m.settings = t.settings
     m.tickets.fail_queued(Outcome.QUARANTINED)
     m.rolling = False  # its successor stops with the standby; the generation after the quarantine loads anew
     retire_standby(m)
