@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from trio_gpuworker import WorkerError
+from trio_gpuworker._kinds import AUTO_THREADS
 from trio_gpuworker.worker._loaders import decoder_for
 
 
 def test_defaults_follow_the_device() -> None:
-    assert decoder_for({}, "CPU") == ("fused", 1)
-    assert decoder_for({}, "CUDA") == ("graph", 1) and decoder_for({}, "NV:1") == ("graph", 1)
-    assert decoder_for({"decoder": "graph"}, "CPU") == ("graph", 1)
+    assert decoder_for({}, "CPU") == ("fused", AUTO_THREADS)  # the node's share of its cores, each step
+    assert decoder_for({}, "CUDA")[0] == "graph" and decoder_for({}, "NV:1")[0] == "graph"
+    assert decoder_for({"decoder": "graph"}, "CPU")[0] == "graph"
     assert decoder_for({"threads": 2}, "CPU") == ("fused", 2)
 
 

@@ -7,10 +7,15 @@ SmolLM2 weights run both ways in one process.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from tests.reference_llama import gguf_path
+from trio_gpuworker import _cores
+from trio_gpuworker._cores import CoreLedger
+from trio_gpuworker._kinds import AUTO_THREADS
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 from trio_gpuworker.models.batched import Batch, generate_together
 from trio_gpuworker.models.greedy import BATCH, PREFILL_CHUNK
@@ -71,6 +76,31 @@ def test_two_threads_compute_what_one_does(lm: FusedLlamaLM, prompts: list[np.nd
         assert lm._logits().view(np.uint32).tolist() == want.view(np.uint32).tolist()
     finally:
         lm.threads = 1
+
+
+def test_auto_threads_follow_the_node_step_by_step_and_compute_what_one_does(
+        lm: FusedLlamaLM, prompts: list[np.ndarray], alone: list[tuple[list[int], str]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default (AUTO_THREADS): each step asks the node's core ledger. Another worker going busy and idle every
+    step moves this one between two threads and one, and the ids are still one thread's."""
+    mine, other = CoreLedger(tmp_path / "cores", 2), CoreLedger(tmp_path / "cores", 2)
+    monkeypatch.setattr(_cores, "_LEDGER", [mine])
+    asked: list[int] = []
+
+    def on_token(token: int, lp: object) -> bool:
+        asked.append(int(np.frombuffer(lm._host.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[4]))
+        other.busy(not other._flags[other.slot])
+        return False
+
+    lm.threads = AUTO_THREADS
+    mine.busy(True)
+    try:
+        assert [lm.generate(p, N_NEW, on_token=on_token) for p in prompts] == alone
+        assert set(asked) == {1, 2}
+    finally:
+        lm.threads = 1
+        mine.close()
+        other.close()
 
 
 def test_a_sequence_that_leaves_frees_its_slot(lm: FusedLlamaLM, prompts: list[np.ndarray],

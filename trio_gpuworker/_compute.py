@@ -20,13 +20,15 @@ import trio
 
 
 class ComputeThread:
-    def __init__(self, name: str = "tinygrad") -> None:
+    def __init__(self, name: str = "tinygrad", on_busy: Callable[[bool], None] | None = None) -> None:
+        """`on_busy(True)` before each job, `on_busy(False)` after (the worker's core ledger, _cores.py)."""
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[outcome.Outcome], None]] | None] = (
             queue.SimpleQueue())
         # jobs queued by the event loop (its thread alone submits) and jobs finished (this thread alone counts): each
         # counter has one writer, so `idle` needs no lock
         self._submitted = 0
         self._finished = 0
+        self._on_busy = on_busy
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -43,7 +45,11 @@ class ComputeThread:
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             fn, done = job
+            if self._on_busy is not None:
+                self._on_busy(True)
             result = outcome.capture(fn)
+            if self._on_busy is not None:
+                self._on_busy(False)
             # counted before its caller hears of it: once `run` returns, the job no longer keeps this thread busy
             # (what follows here, `done`, only hands the result over)
             self._finished += 1

@@ -22,6 +22,7 @@ DEFAULT_CONTEXT = 2048  # a decoder's context in tokens unless runtime_config.ma
 MAX_CONTEXT = 1 << 20
 BACKENDS = ("fused", "graph")  # one C kernel per call (CPU only), or tinygrad-generated kernels (any device)
 MAX_THREADS = 8  # the fused encoder's and decoder's cores per kernel: models/kernels/threads.h MAXT
+AUTO_THREADS = 0  # `threads` left out: each step takes the node's work-conserving share of its cores (_cores.py)
 CLS_ID, SEP_ID = 101, 102  # BERT's [CLS]/[SEP], unless the daemon's tokenizer says otherwise
 
 

@@ -12,5 +12,7 @@ ARENA_FD = "GPUWORKER_ARENA_FD"  # the shared memfd the rings live in, inherited
 ARENA_BYTES = "GPUWORKER_ARENA_BYTES"
 NICE = "GPUWORKER_NICE"  # added to the worker's niceness at start (the background tuner's: 19)
 CPUS = "GPUWORKER_CPUS"  # the cores it may run on, "0,1" (the background tuner's: one core)
+CORES = "GPUWORKER_CORES"  # the node's core ledger, shared by the daemon's workers (_cores.py)
 
-__all__ = ["ARENA_BYTES", "ARENA_FD", "CPUS", "DEVICE", "JIT_CACHE", "KERNEL_CACHE", "LANE_ID", "NICE", "WORKER_ID"]
+__all__ = ["ARENA_BYTES", "ARENA_FD", "CORES", "CPUS", "DEVICE", "JIT_CACHE", "KERNEL_CACHE", "LANE_ID", "NICE",
+           "WORKER_ID"]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import trio
 
 from .._compute import ComputeThread
+from .._cores import ledger
 from .._engine_server import EngineServer, serve_socket
 from .._lifeline import watch_lifeline
 from ._base import Engine
@@ -24,7 +25,8 @@ def serve(engine: Engine, argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nonce", required=True, help="spawn nonce to present in HELLO (hex)")
     args = parser.parse_args(argv)
     watched = watch_lifeline()  # first: from here on this worker cannot outlive its daemon
-    compute = ComputeThread(f"engine-{engine.name}")
+    cores = ledger()  # its jobs count in the node's core ledger, as the built-in worker's do (_cores.py)
+    compute = ComputeThread(f"engine-{engine.name}", on_busy=cores.busy if cores is not None else None)
     return trio.run(serve_socket, lambda stream: EngineServer(engine, stream, args.nonce, compute, watched),
                     args.socket)
 

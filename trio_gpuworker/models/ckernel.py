@@ -16,6 +16,8 @@ from tinygrad import Device, Tensor, UOp
 from tinygrad.renderer import Estimates
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 
+from .._cores import step_threads
+
 
 def kernel(name: str, src: str, outs: list[Tensor], ins: list[Tensor], inout: tuple[int, ...] = (),
            ops: int = 0, mem: int = 0) -> list[Tensor]:
@@ -58,9 +60,10 @@ def _host_functions() -> tuple[int, ...]:
 
 def host_table(threads: int) -> np.ndarray:
     """kernels/threads.h's host_table: the addresses of pthread_create, pthread_join, sched_yield and expf,
-    then the threads wanted. A kernel calls these through the table and links nothing: tinygrad's loader
-    resolves a libc or libm call as a 32-bit displacement, wrong once the kernel lands over 2 GiB from the
-    library. The addresses hold for this process only, so the table is written where it runs, never stored."""
-    table = np.array([*_host_functions(), threads], dtype=np.uint64)
+    then the threads wanted (`threads`, or AUTO_THREADS: the worker's share of the node's cores now, _cores.py).
+    A kernel calls these through the table and links nothing: tinygrad's loader resolves a libc or libm call as
+    a 32-bit displacement, wrong once the kernel lands over 2 GiB from the library. The addresses hold for this
+    process only, so the table is written where it runs, never stored."""
+    table = np.array([*_host_functions(), step_threads(threads)], dtype=np.uint64)
     assert table.shape == (HOST_TABLE_WORDS,)
     return table

@@ -171,7 +171,8 @@ class FusedLlamaLM(GreedyDecoder):
     def load(cls, gguf_path: pathlib.Path, max_context: int = DEFAULT_CONTEXT, warmup: bool = True,
              threads: int = 1) -> FusedLlamaLM:
         """Pack the GGUF's weights. `warmup` traces and captures both JIT graphs now (seconds), so the first
-        real request runs at steady speed. `threads`: the cores one step uses."""
+        real request runs at steady speed. `threads`: the cores one step uses (AUTO_THREADS: its share of the node's,
+        asked each step: _cores.py)."""
         kv, raw = read_tensors(pathlib.Path(gguf_path))
         lm = cls(kv, raw, max_context, threads)
         if warmup:

@@ -81,12 +81,13 @@ def worker_argv(cfg: LaneConfig) -> list[str]:
 
 def worker_env(cfg: LaneConfig, state_dir: Path, generation: int, arena_env: dict[str, str]) -> dict[str, str]:
     """tinygrad's device, its kernel cache and the workers' captured-JIT cache (both under the state directory,
-    and keyed inside: worker/_jitcache.py), worker identity, the arena fd."""
+    and keyed inside: worker/_jitcache.py), worker identity, the arena fd, the node's core ledger (_cores.py)."""
     cache = state_dir / "cache"
     cache.mkdir(parents=True, exist_ok=True)
     return {**os.environ, wenv.DEVICE: cfg.device, wenv.KERNEL_CACHE: str(cache / "tinygrad.db"),
             "PYTHONUNBUFFERED": "1", wenv.JIT_CACHE: str(cache / "jit"),
-            wenv.WORKER_ID: f"{cfg.id}.{generation}", wenv.LANE_ID: cfg.id, **arena_env, **cfg.env}
+            wenv.WORKER_ID: f"{cfg.id}.{generation}", wenv.LANE_ID: cfg.id, wenv.CORES: str(cache / "cores"),
+            **arena_env, **cfg.env}
 
 
 def _signal_group(pid: int, sig: int) -> None:

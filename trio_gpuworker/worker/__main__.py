@@ -47,8 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     watched = watch_lifeline()  # first: from here on this worker cannot outlive its daemon
     lower_priority()
     from .._compute import ComputeThread
+    from .._cores import ledger
 
-    compute = ComputeThread()  # tinygrad work stays on this one thread (see _compute), the prewarm included
+    # tinygrad work stays on this one thread (see _compute), the prewarm included; its jobs count in the node's
+    # core ledger, which fused kernels ask for their threads each step (_cores.py)
+    cores = ledger()
+    compute = ComputeThread(on_busy=cores.busy if cores is not None else None)
     compute.submit(prewarm)
     import trio
 

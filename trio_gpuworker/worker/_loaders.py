@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import encoder_folder
 from .._errors import WorkerError
-from .._kinds import EMBEDDING, GENERATE, DecoderRuntime, EncoderRuntime, LoadConfig
+from .._kinds import AUTO_THREADS, EMBEDDING, GENERATE, DecoderRuntime, EncoderRuntime, LoadConfig
 from . import _jitcache, _jitfile, _warmcache
 from ._beam import BeamStats, beam_shape, check_beam
 
@@ -58,8 +58,9 @@ def _beam(cfg: LoadConfig) -> int:
         raise WorkerError("config_invalid", str(exc)) from exc
 
 
-# runtime_config `threads` default, encoders and decoders: replicas use the cores (bench/embed.py measures both), and
-# with the other core busy a two-thread decoder step ran at about half the speed of one (README, Batched generation)
+# runtime_config `threads` default of the fused encoder: replicas use the cores (bench/embed.py measures both). The
+# fused decoder's is AUTO_THREADS: each step takes its share of the node's idle cores (_cores.py), since with the other
+# core busy a two-thread step ran at about half the speed of one (docs/performance.md, 'Batched generation')
 FUSED_THREADS = 1
 
 
@@ -190,7 +191,8 @@ def load_bert(kind: str, path: Path, config: dict[str, Any], rc: LoadConfig | Ma
 
 def decoder_for(rc: DecoderRuntime | Mapping[str, Any], device: str) -> tuple[str, int]:
     """runtime_config `decoder`: "fused" (one C kernel per step, CPU only) or "graph" (tinygrad-generated
-    kernels, any device), and `threads`, the cores one fused step uses. Default: fused on CPU, graph elsewhere."""
+    kernels, any device), and `threads`, the cores one fused step uses. Default: fused on CPU, graph elsewhere;
+    AUTO_THREADS, the step's share of the node's cores (_cores.py)."""
     rt = rc if isinstance(rc, DecoderRuntime) else load_config(GENERATE, rc).runtime
     assert isinstance(rt, DecoderRuntime)
     choice = rt.backend(device)
@@ -198,7 +200,7 @@ def decoder_for(rc: DecoderRuntime | Mapping[str, Any], device: str) -> tuple[st
         raise WorkerError("config_invalid", f"decoder 'fused' runs on CPU only, not on {device}: use 'graph'")
     if rt.threads is not None and choice != "fused":
         raise WorkerError("config_invalid", "threads applies to the fused decoder only")
-    return choice, FUSED_THREADS if rt.threads is None else rt.threads
+    return choice, AUTO_THREADS if rt.threads is None else rt.threads
 
 
 def load_decoder(cfg: LoadConfig, path: Path, digest: str, verify: Callable[[], None],

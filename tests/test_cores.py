@@ -1,0 +1,165 @@
+"""The node's core ledger (_cores.py): a fused decoder step takes the cores of its CPU set divided among the workers
+busy now, itself included; a worker's claim and busy flag end with its process, however it ends."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from tests.supervision_helpers import FAST
+from trio_gpuworker import LaneConfig, LaneState, ModelConfig, Supervisor, SupervisorConfig
+from trio_gpuworker._cores import _FLOCK, SLOTS, CoreLedger, step_threads
+from trio_gpuworker._kinds import AUTO_THREADS, MAX_THREADS
+
+ENGINES_DOC = Path(__file__).resolve().parent.parent / "docs" / "engines.md"
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "cores"
+
+
+def test_a_lone_busy_worker_takes_every_core_and_busy_ones_share_them(path: Path) -> None:
+    a, b, c = (CoreLedger(path, 4) for _ in range(3))
+    try:
+        assert len({a.slot, b.slot, c.slot}) == 3
+        a.busy(True)
+        assert a.share() == 4  # the others are idle
+        b.busy(True)
+        assert a.share() == b.share() == 2
+        c.busy(True)
+        assert a.share() == 1  # 4 // 3: never more threads than cores between them
+        b.busy(False)
+        c.busy(False)
+        assert a.share() == 4  # within one step of the others going idle
+    finally:
+        for cl in (a, b, c):
+            cl.close()
+
+
+def test_the_share_is_at_least_one_and_at_most_a_kernel_team(path: Path) -> None:
+    many = CoreLedger(path, 64)
+    one = CoreLedger(path, 1)
+    try:
+        many.busy(True)
+        assert many.share() == MAX_THREADS
+        one.busy(True)
+        assert one.share() == 1 and many.share() == MAX_THREADS  # 64 // 2, as many as a kernel's team takes
+    finally:
+        many.close()
+        one.close()
+
+
+def test_a_slot_given_back_is_claimed_again_and_cleared(path: Path) -> None:
+    a = CoreLedger(path, 2)
+    a.busy(True)
+    slot = a.slot
+    del a._flags  # its process "ends" without lowering its flag: only the kernel drops the lock
+    a._map.close()
+    a._fd, fd = -1, a._fd
+    os.close(fd)
+    b = CoreLedger(path, 2)
+    try:
+        assert b.slot == slot and not b._flags[slot]
+    finally:
+        b.close()
+
+
+def test_a_worker_killed_mid_job_leaves_no_phantom_load(path: Path) -> None:
+    """Its busy flag stays raised in the file, but its claim lock died with it: nobody counts it."""
+    code = ("import sys, time; from pathlib import Path; from trio_gpuworker._cores import CoreLedger; "
+            "cl = CoreLedger(Path(sys.argv[1]), 2); cl.busy(True); print(cl.slot, flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        theirs = int(child.stdout.readline())
+        me = CoreLedger(path, 2)
+        try:
+            me.busy(True)
+            assert me.slot != theirs and me.share() == 1  # it is alive and busy
+            child.send_signal(signal.SIGKILL)
+            child.wait(10)
+            assert me._flags[theirs] == 1  # still raised in the file
+            assert me.share() == 2
+        finally:
+            me.close()
+    finally:
+        child.kill()
+        child.wait(10)
+        if child.stdout is not None:
+            child.stdout.close()
+
+
+def test_the_ledger_has_room_for_every_slot_and_refuses_the_next(path: Path) -> None:
+    claims = [CoreLedger(path, 2) for _ in range(SLOTS)]
+    try:
+        assert sorted(c.slot for c in claims) == list(range(SLOTS))
+        with pytest.raises(OSError, match="no free slot"):
+            CoreLedger(path, 2)
+    finally:
+        for c in claims:
+            c.close()
+
+
+def test_a_configured_thread_count_is_kept_and_auto_outside_a_worker_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trio_gpuworker import _cores
+
+    monkeypatch.setattr(_cores, "_LEDGER", [None])  # this process: no daemon's ledger
+    assert step_threads(3) == 3
+    assert step_threads(AUTO_THREADS) == 1
+
+
+def claimed(path: Path) -> list[int]:
+    """The slots whose claim lock a live process holds, seen from outside."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        out = []
+        for slot in range(SLOTS):
+            arg = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, slot, 1, 0)
+            if struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg))[0] != fcntl.F_UNLCK:
+                out.append(slot)
+        return out
+    finally:
+        os.close(fd)
+
+
+async def test_every_worker_a_daemon_starts_claims_a_slot_and_its_end_gives_it_back(tmp_path: Path) -> None:
+    """Two lanes of docs/engines.md's example engine (built on trio_gpuworker.engine, as the tinygrad worker is):
+    each worker holds a slot of the state directory's ledger while it lives; a killed one's slot is free again and
+    its successor claims one; between requests none is busy."""
+    section = ENGINES_DOC.read_text().split("## A complete example", 1)[1]
+    found = re.search(r"```python\n(.*?)```", section, re.S)
+    assert found is not None
+    engine, artifact = tmp_path / "bow_engine.py", tmp_path / "bow.json"
+    engine.write_text(found.group(1))
+    artifact.write_text(json.dumps({"dims": 8}))
+    cfg = SupervisorConfig(lanes=tuple(LaneConfig(f"bow-{i}", ("bow",), worker_command=(sys.executable, str(engine)))
+                                       for i in range(2)),
+                           models=(ModelConfig("bow", artifact),), state_dir=tmp_path / "state",
+                           runtime_dir=tmp_path / "run", windows=FAST)
+    ledger = tmp_path / "state" / "cache" / "cores"
+    async with Supervisor(cfg) as sup:
+        await sup.embed_ids([np.array([1, 2, 3], np.int32)], model="bow", pooling="mean", normalize=True)
+        assert len(claimed(ledger)) == 2
+        lane = sup.lanes["bow-0"]
+        assert lane.pid is not None
+        os.kill(lane.pid, signal.SIGKILL)
+        with trio.fail_after(20):
+            while lane.generation == 1:  # noqa: ASYNC110 (the crash has no event a test can wait on here)
+                await trio.sleep(0.02)
+            await lane.wait_state(LaneState.READY)
+        assert len(claimed(ledger)) == 2
+        flags = np.frombuffer(ledger.read_bytes(), np.uint8)[SLOTS::64]
+        assert not flags.any()
+    assert claimed(ledger) == []
