@@ -14,6 +14,7 @@ import trio
 from tests.fakes import fake_command
 from tests.helpers import client_for, daemon_config
 from tests.supervision_helpers import MODEL
+from trio_gpuworker._api_requests import CompletionRequest
 from trio_gpuworker.daemon import http_fields
 from trio_gpuworker.daemon.config import DEFAULT_LM
 
@@ -28,6 +29,9 @@ VALID: dict[str, dict[str, Any]] = {
     "/detokenize": {"model": MODEL, "tokens": [101, 102]},
     "/v1/completions": COMPLETION,
     "/v1/chat/completions": CHAT,
+    "/embed": {"inputs": "hi"},
+    "/": {"inputs": "hi"},  # TEI's embed
+    "/generate": {"inputs": "hi", "parameters": {"max_new_tokens": 3}},
 }
 # the neutral value of each no-op field, and one that would change the answer
 NOOPS: dict[str, list[tuple[str, Any, Any]]] = {
@@ -108,7 +112,9 @@ async def test_message_fields(http: httpx.AsyncClient) -> None:
 def test_spec_checks_answer_any_value() -> None:
     """A spec's checks run on values the handler never sees: each must answer for any JSON value."""
     samples: list[Any] = [None, 0, 1, -1, 0.5, True, False, "", "x", [], [1], {}, {"a": 1}]
-    for spec in (http_fields.COMPLETIONS, http_fields.CHAT, http_fields.RERANK, http_fields.RERANK_TEI):
+    tgi_parameters = CompletionRequest.nested_fields("tgi", ("inputs", "stream"))[1]
+    for spec in (http_fields.COMPLETIONS, http_fields.CHAT, http_fields.RERANK, http_fields.RERANK_TEI,
+                 http_fields.TEI_EMBED, http_fields.TGI, tgi_parameters):
         for check in spec.values():
             for v in samples:
                 if check is not None:

@@ -63,6 +63,7 @@ VALID: dict[str, st.SearchStrategy[dict[str, Any]]] = {  # valid but for their t
     "/tokenize": st.fixed_dictionaries({"model": st.just(MODEL), "prompt": TEXT},
                                        optional={"add_special_tokens": st.booleans()}),
     "/detokenize": st.fixed_dictionaries({"model": st.just(MODEL), "tokens": VALID_IDS}),
+    "/embed": st.fixed_dictionaries({"inputs": TEXT | TEXTS}, optional={"normalize": st.booleans()}),
 }
 VALID["/v1/embeddings"] = VALID["/v1/embeddings"] | st.fixed_dictionaries(
     {"model": st.just(MODEL), "input": VALID_IDS | st.lists(VALID_IDS, min_size=1, max_size=4)},
@@ -92,6 +93,17 @@ BODIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
         st.fixed_dictionaries({"role": TEXT, "content": TEXT}), max_size=2), "add_special_tokens": st.booleans(),
                          "add_generation_prompt": st.booleans()}),
     "/detokenize": shaped({"model": MODELS, "tokens": IDS}),
+    # TEI's and TGI's bodies; `/` takes each of them (TGI's is /generate's; the fuzzed daemon serves no generate
+    # model, so TGI's bodies are checked, then refused)
+    "/embed": shaped({"model": MODELS, "inputs": TEXT | TEXTS | IDS | st.lists(IDS, max_size=4),
+                      "normalize": st.booleans(), "truncate": st.booleans(), "dimensions": st.none() | st.integers(),
+                      "truncation_direction": st.sampled_from(["right", "Right", "left"]), "prompt_name": TEXT}),
+    "/": shaped({"inputs": TEXT | TEXTS | shaped({"source_sentence": TEXT, "sentences": TEXTS}),
+                 "parameters": shaped({"max_new_tokens": st.integers(-2, 100), "do_sample": st.booleans(),
+                                       "return_full_text": st.booleans(), "details": st.booleans(),
+                                       "repetition_penalty": NUMBER, "truncate": st.booleans(), "prompt_name": TEXT,
+                                       **SAMPLING}),
+                 "query": TEXT, "texts": TEXTS, "stream": st.booleans()}),
     # admin routes on a lane that does not exist: bodies are parsed, nothing is reloaded or unloaded
     "/v1/lanes/nolane/reload": shaped({"wait": st.booleans(), "stream": st.booleans()}),
     "/v1/lanes/nolane/drain": shaped({"wait": st.booleans(), "timeout_s": st.floats()}),

@@ -41,6 +41,8 @@ async def test_readyz_follows_the_lanes_and_livez_does_not(tmp_path: Path) -> No
             assert r.json() == {"status": "ready", "models": {MODEL: {"ready": True, "lanes": ["lane0"]},
                                                               OTHER: {"ready": True, "lanes": ["lane1"]}}}
             assert (await http.get("/livez")).json() == {"status": "ok"}
+            r = await http.get("/health")  # TEI's and vLLM's: /readyz's verdict, in their shape
+            assert r.status_code == 200 and r.content == b""
             # two crashes quarantine lane0: MODEL is not ready, OTHER still is, the daemon is alive
             for _ in range(2):
                 assert (await http.post("/v1/embeddings", json={"model": MODEL, "input": "x"})).status_code == 503
@@ -49,6 +51,8 @@ async def test_readyz_follows_the_lanes_and_livez_does_not(tmp_path: Path) -> No
             assert r.status_code == 503 and r.json()["status"] == "not_ready"
             assert r.json()["models"][MODEL] == {"ready": False, "lanes": []}
             assert (await http.get("/readyz", params={"model": MODEL})).status_code == 503
+            r = await http.get("/health")
+            assert r.status_code == 503 and r.json() == {"error": "unhealthy", "error_type": "unhealthy"}
             r = await http.get("/readyz", params={"model": OTHER})
             assert r.status_code == 200 and r.json()["models"] == {OTHER: {"ready": True, "lanes": ["lane1"]}}
             assert (await http.get("/livez")).status_code == 200  # workers down never fail liveness
@@ -103,6 +107,7 @@ async def test_sigterm_fails_readiness_first_then_closes_the_listener(tmp_path: 
         async with httpx.AsyncClient(base_url=url, timeout=5) as fresh:  # a new connection: the listener is open
             r = await fresh.get("/readyz")
             assert r.status_code == 503 and r.json()["status"] == "draining"
+            assert (await fresh.get("/health")).status_code == 503  # TEI's and vLLM's health fails with it
             assert (await fresh.get("/livez")).status_code == 200  # stopping is not dying
             if delay_s:  # during the delay requests are still admitted, so a lagging load balancer loses none
                 r = await fresh.post("/v1/embeddings", json={"model": MODEL, "input": "late"})

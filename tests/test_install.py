@@ -1,14 +1,18 @@
-"""`pip install .` into a fresh virtual environment, then a script outside the checkout uses the installed package:
-trio_gpuworker.testing's fake engine process with a crash plan and docs/engines.md's example engine, each a lane of
-a Supervisor.
+"""The package as `make run` installs it, in a fresh virtual environment: the pinned dependencies of requirements.txt
+alone (no test requirements, nothing of this environment's site-packages), then `pip install .`. In it, the installed
+commands run (`gpuworkerd --help`, `gpuworkerctl --help`, and a `gpuworkerctl` call against a daemon), and a
+script outside the checkout uses the installed package: trio_gpuworker.testing's fake engine process with a crash
+plan and docs/engines.md's example engine, each a lane of a Supervisor.
 
-No network: the venv sees this environment's site-packages (the dependencies, pip, setuptools, Cython) through a
-.pth path entry, and pip builds without isolation and without dependencies. The native helper's binaries are the
-checkout's own, the ones every other test runs, placed where setuptools' build finds them up to date; compiling
-them afresh is `make`'s part, not this test's."""
+The dependencies come from the machine's package sources (its mirror and wheel cache) as `make run`'s own `pip
+install -r requirements.txt` gets them; this environment's pip installs them into the venv (`pip --python`), so the
+venv needs no pip of its own. pip builds the package without isolation and without dependencies. The native
+helper's binaries are the checkout's own, the ones every other test runs, placed where setuptools' build finds them
+up to date; compiling them afresh is `make`'s part, not this test's."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,9 +20,18 @@ import sys
 import sysconfig
 import tempfile
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+import trio
+from tokenizers import Tokenizer
+
+from tests.fakes import fake_command
+from tests.helpers import TOKENIZER, daemon_config
+from tests.supervision_helpers import MODEL
 from tests.test_engine_example import example
+from trio_gpuworker.daemon.main import run_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 LEFT_OUT = (".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
@@ -72,7 +85,11 @@ SCRIPT = textwrap.dedent('''
 
 
 def copy_checkout(dst: Path) -> None:
+    """The checkout, with the native helper's generated C and binaries up to date for setuptools' build: newer
+    than their sources and than the Cython a fresh venv just installed (whose includes they depend on)."""
     shutil.copytree(ROOT, dst, ignore=shutil.ignore_patterns(*LEFT_OUT))
+    for generated in (dst / "cython_ring").glob("*.c"):
+        generated.touch()
     plat = f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
     built = dst / "build" / plat / "cython_ring"
     built.mkdir(parents=True)
@@ -88,19 +105,42 @@ def run(argv: list[str], cwd: Path, timeout: float) -> str:
     return done.stdout
 
 
-def test_an_installed_package_serves_a_fake_and_an_engine_from_outside_the_checkout() -> None:
-    with tempfile.TemporaryDirectory(prefix="gw-install-") as d:  # short: the lanes' sockets live under it
+@pytest.fixture(scope="module")
+def installed() -> Iterator[Path]:
+    """A venv with requirements.txt's pins and the package installed (short path: the lanes' sockets live under
+    it). Yields its directory's parent."""
+    with tempfile.TemporaryDirectory(prefix="gw-install-") as d:
         base = Path(d)
-        copy_checkout(base / "src")
         run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")], base, 60)
-        python = str(base / "venv" / "bin" / "python")
-        purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], base, 30)
-        (Path(purelib.strip()) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--ignore-installed", "-q",
-             "--disable-pip-version-check", str(base / "src")], base, 300)
-        outside = base / "outside"
-        outside.mkdir()
-        (outside / "bow_engine.py").write_text(example())
-        (outside / "use.py").write_text(SCRIPT)
-        out = run([python, "use.py"], outside, 120)
-        assert f"from {base / 'venv'}" in out, out
+        pip = [sys.executable, "-m", "pip", "--python", str(base / "venv" / "bin" / "python"), "install", "-q",
+               "--disable-pip-version-check"]
+        run([*pip, "-r", str(ROOT / "requirements.txt")], base, 600)
+        copy_checkout(base / "src")  # after the dependencies: see copy_checkout
+        run([*pip, "--no-deps", "--no-build-isolation", str(base / "src")], base, 300)
+        yield base
+
+
+def test_an_installed_package_serves_a_fake_and_an_engine_from_outside_the_checkout(installed: Path) -> None:
+    python = str(installed / "venv" / "bin" / "python")
+    outside = installed / "outside"
+    outside.mkdir()
+    (outside / "bow_engine.py").write_text(example())
+    (outside / "use.py").write_text(SCRIPT)
+    out = run([python, "use.py"], outside, 120)
+    assert f"from {installed / 'venv'}" in out, out
+
+
+async def test_the_installed_commands_run_on_the_runtime_requirements(installed: Path, tmp_path: Path) -> None:
+    """`gpuworkerctl` imports httpx: a runtime requirement, which only the test requirements once brought."""
+    bin_dir = installed / "venv" / "bin"
+    for command in ("gpuworkerd", "gpuworkerctl"):
+        assert run([str(bin_dir / command), "--help"], installed, 60).startswith(f"usage: {command}")
+    ctl = [str(bin_dir / "gpuworkerctl"), "--socket", str(tmp_path / "api.sock"), "--json"]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_daemon, daemon_config(tmp_path, fake_command(), unix=True))
+        out = await trio.to_thread.run_sync(lambda: run([*ctl, "embed", "-m", MODEL, "hello world"], installed, 60))
+        nursery.cancel_scope.cancel()
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    tok.no_padding()
+    want = tok.encode("hello world").ids  # the fake's vector: [sum(ids), n_tokens, ...] of what the daemon sent
+    assert [v[:2] for v in (d["embedding"] for d in json.loads(out)["data"])] == [[sum(want), len(want)]]

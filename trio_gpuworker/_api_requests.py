@@ -24,7 +24,7 @@ import numpy as np
 from . import _api_checks as ck
 from ._config import ModelConfig, SupervisorConfig
 from ._errors import InvalidRequest, RequestTooLarge, UnsupportedField
-from ._kinds import EMBEDDING, RERANK, check_serves
+from ._kinds import EMBEDDING, GENERATE, RERANK, check_serves
 from ._proto import MAX_TOP_LOGPROBS, EmbedBatch, Generate, Rerank
 
 _BODY = "body"
@@ -36,6 +36,12 @@ ENCODING_FORMATS = ("float", "base64")
 STREAM_OPTIONS = ("include_usage",)
 MESSAGE: ck.Spec = {"role": None, "content": None}  # a chat message's fields, and a content part's
 CONTENT_PART: ck.Spec = {"type": None, "text": None}
+PARAMETERS = "parameters"  # where TGI's body and TEI's similarity body nest their options
+
+
+def _right_only(v: Any) -> str | None:
+    """TEI's `truncation_direction`: inputs are cut on the right only."""
+    return None if v in ("right", "Right") else f"= {ck.short(v)} is not supported: inputs are truncated on the right"
 
 
 def arg(default: Any = dataclasses.MISSING, *, body: bool | Mapping[str, tuple[str, ...]] = True) -> Any:
@@ -132,6 +138,27 @@ class ApiRequest(abc.ABC):
             out[name] = first
         return out
 
+    @classmethod
+    def nested_fields(cls, shape: str, top: tuple[str, ...]) -> tuple[dict[str, ck.Neutral | None], ck.Spec]:
+        """A body that nests its options under `parameters` (TGI's, TEI's similarity): the fields of its top level
+        (`top` and `parameters`) and those of its `parameters` (the shape's others but the model: the route picks
+        the one model)."""
+        fields = cls.body_fields(shape)
+        return ({k: fields[k] for k in top} | {PARAMETERS: None},
+                {k: v for k, v in fields.items() if k not in top and k != "model"})
+
+    @classmethod
+    def _unnested(cls, body: Mapping[str, Any], shape: str, top: tuple[str, ...]) -> dict[str, Any]:
+        """Such a body's fields in one mapping: its `parameters` (each checked, named `parameters.<key>`) and its
+        top-level fields."""
+        params = body.get(PARAMETERS)
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"'{PARAMETERS}' must be an object")
+        ck.check_fields(params, cls.nested_fields(shape, top)[1], f"{PARAMETERS}.")
+        return {**params, **{k: body[k] for k in top if k in body}}
+
 
 @functools.cache
 def _body_names(cls: type[ApiRequest], shape: str) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -149,17 +176,22 @@ def _body_names(cls: type[ApiRequest], shape: str) -> tuple[tuple[str, tuple[str
 @api_request
 class EmbeddingsRequest(ApiRequest):
     """Embeddings of `input`: texts, or token-id lists embedded as given. Longer than the model's max_tokens: cut,
-    or refused (RequestTooLarge) with `truncate` false. `dimensions`: one of the model's matryoshka_dims."""
+    or refused (RequestTooLarge) with `truncate` false. `dimensions`: one of the model's matryoshka_dims. Bodies:
+    OpenAI's (shape ""), text-embeddings-inference's `/embed` ("tei") and its sentence similarity ("similarity":
+    `inputs: {source_sentence, sentences}`, options under `parameters`)."""
 
     WHAT = "embeddings"
+    NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {
+        shape: {"truncation_direction": _right_only,
+                "prompt_name": ck.never("the daemon's models declare no prompts")} for shape in ("tei", "similarity")}
 
-    input: list[Any] = arg()
-    pooling: str | None = arg(None)  # None: the model's
-    normalize: bool | None = arg(None)  # None: the model's
+    input: list[Any] = arg(body={"": ("input",), "tei": ("inputs",), "similarity": ("inputs",)})
+    pooling: str | None = arg(None, body={"": ("pooling",)})  # None: the model's
+    normalize: bool | None = arg(None, body={"": ("normalize",), "tei": ("normalize",)})  # None: the model's
     truncate: bool = arg(True)
-    dimensions: int | None = arg(None)
-    encoding_format: str = arg("float")  # of the HTTP answer's vectors
-    user: str | None = arg(None)  # an end-user id for the caller's records
+    dimensions: int | None = arg(None, body={"": ("dimensions",), "tei": ("dimensions",)})
+    encoding_format: str = arg("float", body={"": ("encoding_format",)})  # of the HTTP answer's vectors
+    user: str | None = arg(None, body={"": ("user",)})  # an end-user id for the caller's records
     is_ids: bool = derived()
 
     def _check(self, mc: ModelConfig) -> None:
@@ -172,14 +204,29 @@ class EmbeddingsRequest(ApiRequest):
                   user=ck.check_text(self.user, "user"))
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, max_inputs: int) -> EmbeddingsRequest:
-        """OpenAI's body: `input` one string, one list of token ids, or a list of either."""
-        model = cls.json_model(body, models)
-        inputs = body.get("input")
+    def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, max_inputs: int,
+                  shape: str = "") -> EmbeddingsRequest:
+        """OpenAI's body: `input` one string, one list of token ids, or a list of either; TEI's the same as
+        `inputs`, which name no model (the one embedding model serves them) and normalize unless told not to (TEI's
+        default). The similarity body embeds its source sentence first, then its sentences, unnormalized."""
+        if shape == "similarity":
+            body = cls._unnested(body, shape, ("inputs",))
+            pair = body.get("inputs")
+            if not isinstance(pair, dict) or set(pair) != {"source_sentence", "sentences"}:
+                raise InvalidRequest("'inputs' must be {\"source_sentence\": string, \"sentences\": [string, ...]}")
+            sentences = json_list(pair["sentences"], "inputs.sentences", max_inputs - 1)
+            return cls(models=models, model=only_model(models, EMBEDDING), normalize=False,
+                       input=[pair["source_sentence"], *sentences], **cls._json_args(body, shape, "input"))
+        key = "inputs" if shape == "tei" else "input"
+        model = only_model(models, EMBEDDING) if shape == "tei" and body.get("model") is None else \
+            cls.json_model(body, models)
+        inputs = body.get(key)
         if isinstance(inputs, str) or (isinstance(inputs, list) and inputs and all(_is_id(x) for x in inputs)):
             inputs = [inputs]
-        return cls(models=models, model=model, input=json_list(inputs, "input", max_inputs, ids=True),
-                   **cls._json_args(body, "", "input"))
+        args = cls._json_args(body, shape, "input")
+        if shape == "tei":
+            args.setdefault("normalize", True)
+        return cls(models=models, model=model, input=json_list(inputs, key, max_inputs, ids=True), **args)
 
     def to_wire(self, rows: list[np.ndarray]) -> EmbedBatch:
         """The EMBED_BATCH of these token-id rows of this request."""
@@ -207,8 +254,7 @@ class RerankRequest(ApiRequest):
     WHAT = "rerank"
     NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {
         "": {"priority": ck.only(0, "requests are served in arrival order")},
-        "tei": {"truncation_direction": lambda v: None if v in ("right", "Right") else
-                f"= {ck.short(v)} is not supported: inputs are truncated on the right"},
+        "tei": {"truncation_direction": _right_only},
     }
 
     query: str = arg()
@@ -231,11 +277,13 @@ class RerankRequest(ApiRequest):
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, max_inputs: int,
-                  shape: str = "") -> RerankRequest:
-        """Cohere's and Jina's documents may be `{"text": ...}`; TEI's body may name no model (`tei_model`). The
-        HTTP API wants a non-empty query and list of documents."""
+                  shape: str = "", one_model: bool = False) -> RerankRequest:
+        """Cohere's and Jina's documents may be `{"text": ...}`; TEI's body may name no model (`tei_model`), and so
+        may Cohere's on a route that serves one model (`one_model`: /rerank, as vLLM and infinity serve it there).
+        The HTTP API wants a non-empty query and list of documents."""
         tei = shape == "tei"
-        model = tei_model(models) if tei and body.get("model") is None else cls.json_model(body, models)
+        model = tei_model(models) if (tei or one_model) and body.get("model") is None else \
+            cls.json_model(body, models)
         docs = body.get("texts" if tei else "documents")
         if not tei and isinstance(docs, list) and docs and all(isinstance(d, dict) for d in docs):
             for i, d in enumerate(docs):  # [{"text": ...}] as Jina and Cohere's v1 send
@@ -267,7 +315,29 @@ def tei_model(models: SupervisorConfig) -> str:
     raise InvalidRequest("'model' is required: more than one model (or none) can rerank here")
 
 
+def only_model(models: SupervisorConfig, kind: str) -> str:
+    """The one model of `kind`, for a route whose clients name none (TEI's /embed, TGI's /generate)."""
+    of_kind = [m.id for m in models.models if m.kind == kind]
+    if len(of_kind) != 1:
+        raise InvalidRequest(f"'model' is required: {len(of_kind)} {kind} models are served here, not one")
+    return of_kind[0]
+
+
 _BOTH = ("completions", "chat")
+_TGI_TOP = ("inputs", "stream")  # TGI's body: these at its top level, the rest under `parameters`
+_TGI_NEUTRAL: ck.Spec = {  # text-generation-inference's parameters that only their neutral value leaves unchanged
+    "stream": ck.only(False, "TGI's token stream is not implemented (stream with /v1/completions)"),
+    "best_of": ck.only(1, "one candidate per request"),
+    "details": ck.only(False, "token details are not implemented (logprobs with /v1/completions)"),
+    "decoder_input_details": ck.only(False, "token details are not implemented"),
+    "top_n_tokens": ck.never("token details are not implemented (logprobs with /v1/completions)"),
+    "repetition_penalty": ck.only(1, "repetition penalties are not implemented"),
+    "frequency_penalty": ck.only(0, "repetition penalties are not implemented"),
+    "typical_p": ck.only(1, "typical sampling is not implemented"),
+    "watermark": ck.only(False, "watermarking is not implemented"),
+    "truncate": ck.never("prompts are never cut"),
+    "adapter_id": ck.never("adapters are not implemented"),
+}
 _ONE_CHOICE: ck.Spec = {  # both completion bodies' fields that only their neutral value leaves unchanged
     "n": ck.only(1, "one choice per request"),
     "frequency_penalty": ck.only(0, "repetition penalties are not implemented"),
@@ -291,12 +361,14 @@ class CompletionRequest(ApiRequest):
         "chat": {**_ONE_CHOICE, "tools": ck.only([], "tool calls are not implemented"),
                  "tool_choice": ck.only("none", "tool calls are not implemented"),
                  "response_format": ck.only({"type": "text"}, "structured output is not implemented (see 'grammar')")},
+        "tgi": _TGI_NEUTRAL,
     }
 
-    prompt: str | None = arg(None, body={"completions": ("prompt",)})
+    prompt: str | None = arg(None, body={"completions": ("prompt",), "tgi": ("inputs",)})
     messages: list[dict[str, str]] | None = arg(None, body={"chat": ("messages",)})
     max_tokens: int = arg(DEFAULT_GEN_TOKENS, body={"completions": ("max_tokens",),
-                                                    "chat": ("max_tokens", "max_completion_tokens")})
+                                                    "chat": ("max_tokens", "max_completion_tokens"),
+                                                    "tgi": ("max_new_tokens",)})
     grammar: str | None = arg(None)
     temperature: float | None = arg(None)
     top_p: float | None = arg(None)
@@ -306,7 +378,10 @@ class CompletionRequest(ApiRequest):
     logprobs: int | None = arg(None, body={"completions": ("logprobs",), "chat": ("logprobs", "top_logprobs")})
     stream: bool = arg(False)  # the HTTP answer as server-sent events
     include_usage: bool = arg(False, body={s: ("stream_options",) for s in _BOTH})  # a streamed answer's usage
-    user: str | None = arg(None)
+    user: str | None = arg(None, body={s: ("user",) for s in _BOTH})
+    # TGI's: sample (at temperature 1 unless one is given), and the answer's text led by the prompt
+    do_sample: bool = arg(False, body={"tgi": ("do_sample",)})
+    return_full_text: bool = arg(False, body={"tgi": ("return_full_text",)})
     sampling: dict[str, Any] = derived()  # GENERATE's sampling fields: only those that change the answer
     texts: list[str] = derived()  # what the prompt is made of, for the admission bound
 
@@ -316,6 +391,8 @@ class CompletionRequest(ApiRequest):
                   grammar=ck.check_text(self.grammar, "grammar") or None)
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
+        self._set(do_sample=ck.check_flag(self.do_sample, "do_sample", False),
+                  return_full_text=ck.check_flag(self.return_full_text, "return_full_text", False))
         self._set(sampling=self._sampling())
         if self.messages is not None:
             messages = ck.check_messages(self.messages)
@@ -337,6 +414,8 @@ class CompletionRequest(ApiRequest):
         top_p 1 and top_k 0 cut nothing), so a greedy request is the reference's GENERATE."""
         out: dict[str, Any] = {}
         t = ck.check_number(self.temperature, "temperature", 0.0, 2.0)
+        if t is None and self.do_sample:
+            t = 1.0
         p = ck.check_number(self.top_p, "top_p", 0.0, 1.0)
         if p == 0.0:
             raise InvalidRequest("top_p must be in (0, 1], got 0")
@@ -362,7 +441,18 @@ class CompletionRequest(ApiRequest):
         return CHAT_TEMPLATE_BYTES * len(self.messages or ())
 
     @classmethod
-    def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, shape: str) -> CompletionRequest:
+    def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, shape: str,
+                  full_text: bool = False) -> CompletionRequest:
+        """OpenAI's bodies ("completions", "chat"), and text-generation-inference's ("tgi": `inputs`, `stream` and
+        `parameters`; the one generate model serves it; `full_text`: return_full_text's default, true on TGI's
+        `POST /` for a text-generation model)."""
+        if shape == "tgi":
+            body = cls._unnested(body, shape, _TGI_TOP)
+            args = cls._json_args(body, shape, "prompt")
+            args.setdefault("return_full_text", full_text)
+            prompt = body.get("inputs")
+            return cls(models=models, model=only_model(models, GENERATE),
+                       **({"prompt": prompt} if prompt is not None else {}), **args)
         model = cls.json_model(body, models)
         stream, include_usage = _stream_flags(body)
         if shape == "chat":
@@ -439,6 +529,7 @@ __all__ = [
     "RerankRequest",
     "configured_model",
     "embed_batch",
+    "only_model",
     "serving_model",
     "tei_model",
 ]

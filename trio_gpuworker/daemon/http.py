@@ -46,9 +46,10 @@ from .http_common import (
 )
 from .http_completions import CompletionRoutes
 from .http_fields import UnsupportedField, check_fields
-from .http_rerank import RerankRoutes
+from .http_rerank import RerankRoutes, rerank_fields
 from .http_serving import EmbeddingRoutes
 from .http_state import StateRoutes
+from .http_tei import TeiRoutes, root_fields
 from .http_tokens import TokenRoutes
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ log = logging.getLogger("trio_gpuworker.http")
 
 JSON_INLINE_BYTES = 64 * 1024  # bodies up to this size decode on the loop (well under a millisecond)
 JSON_THREADS = 2  # large bodies decoding at once
+Fields = spec.Spec | Callable[[dict[str, Any]], spec.Spec]  # a route's body fields, or them by the body's shape
 
 
 class Api:
@@ -85,9 +87,10 @@ class Api:
         sup, intake = self.sup, self.intake
         embeddings, rerank = EmbeddingRoutes(sup, intake, self._json), RerankRoutes(sup, intake)
         tokens, generation = TokenRoutes(sup, self._json), CompletionRoutes(sup, intake)
+        tei = TeiRoutes(sup, intake, rerank)
         lane = r"(?P<lane>[A-Za-z0-9_-]+)"
         # method, path, handler, admin, tracked, body fields (None: no body), query parameters
-        table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool, spec.Spec | None, tuple[str, ...]]] = [
+        table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool, Fields | None, tuple[str, ...]]] = [
             ("GET", "/livez", state.livez, False, False, None, ()),
             ("GET", "/readyz", state.readyz, False, False, None, ("model",)),
             ("GET", "/healthz", state.healthz, False, False, None, ()),
@@ -98,7 +101,14 @@ class Api:
             ("POST", "/v1/embeddings", embeddings.embeddings, False, True, spec.EMBEDDINGS, ()),
             ("POST", "/v1/rerank", rerank.rerank, False, True, spec.RERANK, ()),
             ("POST", "/v2/rerank", rerank.rerank, False, True, spec.RERANK, ()),
-            ("POST", "/rerank", rerank.rerank_tei, False, True, spec.RERANK_TEI, ()),
+            ("POST", "/rerank", rerank.rerank_any, False, True, rerank_fields, ()),
+            # text-embeddings-inference's and text-generation-inference's routes (the one model of each kind)
+            ("POST", "/embed", tei.embed, False, True, spec.TEI_EMBED, ()),
+            ("POST", "/", tei.root, False, True, root_fields(tei.kinds), ()),
+            ("POST", "/generate", tei.generate, False, True, spec.TGI, ()),
+            ("GET", "/info", tei.info, False, False, None, ()),
+            ("GET", "/health", state.health, False, False, None, ()),
+            ("GET", "/", state.health, False, False, None, ()),
             ("POST", "/tokenize", tokens.tokenize, False, True, spec.TOKENIZE, ()),
             ("POST", "/detokenize", tokens.detokenize, False, True, spec.DETOKENIZE, ()),
             ("POST", "/v1/completions", generation.completions, False, True, spec.COMPLETIONS, ()),
@@ -257,7 +267,7 @@ class Api:
             body = await self._json_body(scope, receive) if method == "POST" else None
             model = self._model_label(body)
             if route.fields is not None and body is not None:
-                check_fields(body, route.fields)
+                check_fields(body, route.fields(body) if callable(route.fields) else route.fields)
             status = await self._run(route, params, body, receive, send)
             outcome = "ok" if status < 400 else str(status)
         except ClientGone:

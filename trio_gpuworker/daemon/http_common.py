@@ -91,7 +91,9 @@ class Route:
     handler: Callable[[dict[str, str], Any], Awaitable[Any]]
     admin: bool = False
     tracked: bool = False  # counted in flight and refused while draining
-    fields: Mapping[str, Any] | None = None  # the body's fields (http_fields.Spec); None: no body is read
+    # the body's fields (http_fields.Spec), or a function of the body that gives them (a route that takes several
+    # bodies: /rerank, TEI's and TGI's `/`); None: no body is read
+    fields: Mapping[str, Any] | Callable[[dict[str, Any]], Mapping[str, Any]] | None = None
     query: tuple[str, ...] = ()  # the query parameters it takes
 
 

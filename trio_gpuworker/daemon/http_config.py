@@ -15,7 +15,7 @@ from .http_auth import KEYS_ENV, load_api_keys
 DEFAULT_LISTEN = "127.0.0.1:8421"
 UNIX_PATH_MAX = 107
 # The routes an orchestrator and a scraper call without a key, unless http.open_routes says otherwise
-PROBE_ROUTES = ("/livez", "/readyz", "/healthz", "/metrics")
+PROBE_ROUTES = ("/livez", "/readyz", "/healthz", "/health", "/metrics")  # /health: TEI's and vLLM's
 
 
 @dataclass(frozen=True)

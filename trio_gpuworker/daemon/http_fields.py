@@ -21,11 +21,16 @@ RERANK: Spec = RerankRequest.body_fields()  # /v1/rerank and /v2/rerank (Cohere 
 RERANK_TEI: Spec = RerankRequest.body_fields("tei")  # /rerank (text-embeddings-inference)
 COMPLETIONS: Spec = CompletionRequest.body_fields("completions")
 CHAT: Spec = CompletionRequest.body_fields("chat")
+# text-embeddings-inference's /embed and sentence similarity, text-generation-inference's generation (the top level;
+# their `parameters` are checked by the request)
+TEI_EMBED: Spec = EmbeddingsRequest.body_fields("tei")
+SIMILARITY: Spec = EmbeddingsRequest.nested_fields("similarity", ("inputs",))[0]
+TGI: Spec = CompletionRequest.nested_fields("tgi", ("inputs", "stream"))[0]
 TOKENIZE: Spec = {"model": None, "prompt": None, "messages": None, "add_special_tokens": None,
                   "add_generation_prompt": None}
 DETOKENIZE: Spec = {"model": None, "tokens": None}
 ADMIN: Mapping[str, Spec] = {"reload": {"stream": None}, "load": {"model": None, "stream": None},
                              "unload": {"model": None}, "drain": {"wait": None}, "resume": {}, "config": {}}
 
-__all__ = ["ADMIN", "CHAT", "COMPLETIONS", "DETOKENIZE", "EMBEDDINGS", "RERANK", "RERANK_TEI", "TOKENIZE", "Spec",
-           "UnsupportedField", "check_fields"]
+__all__ = ["ADMIN", "CHAT", "COMPLETIONS", "DETOKENIZE", "EMBEDDINGS", "RERANK", "RERANK_TEI", "SIMILARITY",
+           "TEI_EMBED", "TGI", "TOKENIZE", "Spec", "UnsupportedField", "check_fields"]

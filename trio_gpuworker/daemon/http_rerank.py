@@ -1,5 +1,6 @@
 """Rerank in the shapes clients send: Cohere and Jina (`/v1/rerank`, `/v2/rerank`) and text-embeddings-inference
-(`/rerank`). The Supervisor scores; these only parse and shape the answers."""
+(`/rerank`, which also takes Cohere's and Jina's body, as vLLM and infinity do there, and answers each in its own
+shape). The Supervisor scores; these only parse and shape the answers."""
 
 from __future__ import annotations
 
@@ -11,9 +12,20 @@ import numpy as np
 
 from .._api_requests import RerankRequest
 from .http_common import Intake
+from .http_fields import RERANK, RERANK_TEI, Spec
 
 if TYPE_CHECKING:
     from ..supervisor import Supervisor
+
+
+def rerank_shape(body: dict[str, Any]) -> str:
+    """/rerank's body: Cohere's and Jina's ("") when it has `documents`, else TEI's ("tei")."""
+    return "" if "documents" in body else "tei"
+
+
+def rerank_fields(body: dict[str, Any]) -> Spec:
+    """/rerank's body fields, by its shape."""
+    return RERANK if rerank_shape(body) == "" else RERANK_TEI
 
 
 def _sigmoid(x: float) -> float:
@@ -24,17 +36,27 @@ class RerankRoutes:
     def __init__(self, sup: Supervisor, intake: Intake) -> None:
         self.sup, self.intake = sup, intake
 
-    async def _scores(self, body: dict[str, Any], shape: str) -> tuple[RerankRequest, np.ndarray, str, int, list[int]]:
+    async def _scores(self, body: dict[str, Any], shape: str, *,
+                      one_model: bool = False) -> tuple[RerankRequest, np.ndarray, str, int, list[int]]:
         """The request, its scores, method, tokens, and the document indices best first (ties by index)."""
         http = self.intake.http
-        request = RerankRequest.from_json(body, self.sup.config, max_inputs=http.max_inputs, shape=shape)
+        request = RerankRequest.from_json(body, self.sup.config, max_inputs=http.max_inputs, shape=shape,
+                                          one_model=one_model)
         scores, method, n_tokens = await self.sup.reranking(request, timeout=http.request_timeout_s)
         order = sorted(range(len(request.documents)), key=lambda i: (-float(scores[i]), i))
         return request, scores, method, n_tokens, order
 
-    async def rerank(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any]:
+    async def rerank_any(self, params: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | tuple[
+            int, Any, dict[str, str]]:
+        """/rerank: TEI's body (`texts`) answered in TEI's shape, Cohere's and Jina's (`documents`, as vLLM and
+        infinity take there) in theirs; either may name no model when one can rerank."""
+        if rerank_shape(body) == "tei":
+            return await self.rerank_tei(params, body)
+        return await self.rerank(params, body, one_model=True)
+
+    async def rerank(self, _: dict[str, str], body: dict[str, Any], *, one_model: bool = False) -> tuple[int, Any]:
         """Cohere's and Jina's shape; scores as the model gives them (a cross-encoder's logit, or a cosine)."""
-        request, scores, method, n_tokens, order = await self._scores(body, "")
+        request, scores, method, n_tokens, order = await self._scores(body, "", one_model=one_model)
         docs = request.documents
         results = [{"index": i, "relevance_score": float(scores[i]),
                     **({"document": {"text": docs[i]}} if request.return_documents else {})}

@@ -4,6 +4,8 @@
   restarting or quarantined never fail it: restarting the daemon would not bring them back sooner.
 - `/readyz`: every model a lane is configured for has a lane that can serve it now (`?model=ID`: that one).
   It fails first on SIGTERM, before the daemon stops admitting and before the listener closes.
+- `/health` (and `GET /`): text-embeddings-inference's and vLLM's health check, in their shape: 200 with an empty
+  body while `/readyz` would pass, else 503 with TEI's `{"error": "unhealthy", "error_type": "unhealthy"}`.
 - `/healthz`: the lanes' states, 200 while any lane serves (as before /livez and /readyz existed); during a lane's
   first start its entry's `starting` says how far it is (phase spawn or load, the model, PROGRESS steps, seconds),
   and the status is `starting` until some lane serves. A lane whose LOAD of a model failed serves its other models,
@@ -46,6 +48,15 @@ class StateRoutes:
             return 503, {"status": "draining", "lanes": lanes}
         status = "ok" if healthy else "degraded" if serving else "starting" if starting else "unavailable"
         return (200 if serving else 503), {"status": status, "lanes": lanes}
+
+    def _ready(self, models: list[str]) -> bool:
+        router = self.sup.router
+        return not self.intake.draining and bool(models) and all(router.ready_lanes(m) for m in models)
+
+    async def health(self, _: dict[str, str], __: Any) -> tuple[int, Any] | Raw:
+        if self._ready(self.sup.router.served_models()):
+            return Raw(200, b"", "text/plain")
+        return 503, {"error": "unhealthy", "error_type": "unhealthy"}
 
     async def livez(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
         ok, why = self.liveness()
