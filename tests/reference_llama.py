@@ -19,6 +19,18 @@ def gguf_path() -> pathlib.Path:
     return pathlib.Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log probabilities of logits along their last axis, in float64."""
+    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def scored_prompt(ref: NumpyLlama, ids: list[int]) -> list[float]:
+    """The reference's log probability of each prompt token after the ones before it."""
+    lp = log_softmax(ref.row_logits(ids))
+    return [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
 class NumpyLlama:
     """Greedy llama decoding in float32 numpy, straight from the GGUF tensors."""
 

@@ -19,7 +19,7 @@ import trio
 
 pytest.importorskip("gguf")
 
-from tests.reference_llama import NumpyLlama
+from tests.reference_llama import NumpyLlama, scored_prompt
 from tests.state import SESSION_STATE, short_dir
 from tests.tiny_gguf import EOS, Dims, write_llama
 from trio_gpuworker import LaneConfig, ModelConfig, SupervisorConfig
@@ -31,11 +31,6 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny"
 CONTEXT = Dims().context  # the GGUF's context_length; the model's max_context is left at its default (2048)
 LOGPROB_TOLERANCE = 2e-3  # the worker's float32 kernels against numpy's float32, in nats
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 @asynccontextmanager
@@ -52,12 +47,6 @@ async def serving(tmp_path: Path, *models: ModelConfig) -> AsyncIterator[str]:
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_llama(tmp_path_factory.mktemp("tiny") / "tiny.gguf", {})  # every tensor F32
-
-
-def scored_prompt(ref: NumpyLlama, ids: list[int]) -> list[float]:
-    """The reference's log probability of each prompt token after the ones before it."""
-    lp = log_softmax(ref.row_logits(ids))
-    return [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
 
 
 async def test_vllm_shapes_echo_logprobs_and_defaults(tmp_path: Path, gguf: Path) -> None:

@@ -17,8 +17,8 @@ import trio
 pytest.importorskip("lm_eval")
 pytest.importorskip("gguf")
 
-from tests.reference_llama import NumpyLlama
-from tests.test_http_vllm import MODEL, log_softmax, serving
+from tests.reference_llama import NumpyLlama, log_softmax
+from tests.test_http_vllm import MODEL, serving
 from tests.tiny_gguf import write_llama
 from trio_gpuworker import ModelConfig
 from trio_gpuworker.llm_tokenizer import ChatTokenizer

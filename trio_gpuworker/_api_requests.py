@@ -376,11 +376,6 @@ class CompletionRequest(ApiRequest):
         """Token-id bytes a chat template may add around the messages (admission's bound)."""
         return CHAT_TEMPLATE_BYTES * len(self.messages or ())
 
-    @property
-    def given_ids_bytes(self) -> int:
-        """Token-id bytes of a prompt given as ids (admission's bound)."""
-        return 4 * len(self.prompt_ids or ())
-
     @classmethod
     def from_json(cls, body: Mapping[str, Any], models: SupervisorConfig, *, shape: str) -> CompletionRequest:
         model = cls.json_model(body, models)
@@ -398,6 +393,7 @@ class CompletionRequest(ApiRequest):
                           max_inputs: int) -> list[CompletionRequest]:
         """A completions body's requests, one per prompt, as vLLM takes `prompt`: a string, a list of token ids,
         or a list of either (each its own choice, `index` in order). A stream takes one prompt."""
+        cls.json_model(body, models)  # an unknown model is 404 before any other check
         prompt = body.get("prompt")
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(_is_id, prompt))):
             prompts: list[Any] = [prompt]

@@ -30,7 +30,8 @@ async def complete(flight: Flight[Generate, Text], request: CompletionRequest, t
     {text, n_prompt, n_gen, finish_reason[, logprobs][, echo, prompt_logprobs]}; `on_delta` gets the text as it
     is generated. With `echo`, `echo` is the prompt's text and, with logprobs, `prompt_logprobs` one record per
     prompt token (the first with logprob None: nothing came before it)."""
-    nbytes = rq.id_bytes_bound(request.texts) + rq.ID_BYTES * request.template_bytes + request.given_ids_bytes
+    given = len(request.prompt_ids or ())  # a prompt given as token ids
+    nbytes = rq.id_bytes_bound(request.texts) + rq.ID_BYTES * (request.template_bytes + given)
     async with flight.admit(nbytes) as ticket:
         ids, max_tokens = await _prompt_ids(request, tokenizers)
         wire = request.to_wire(ids, _worker_cap(flight, request, max_tokens), stream=on_delta is not None)
@@ -38,11 +39,16 @@ async def complete(flight: Flight[Generate, Text], request: CompletionRequest, t
         if ticket is not None:
             ticket.count_tokens(out["n_prompt"], out["n_gen"])
     if request.echo:
-        tok = tokenizers.chat(request.model)
-        out["echo"] = request.prompt if isinstance(request.prompt, str) else tok.decode(ids.tolist())
-        if "prompt_logprobs" in out:
-            first = {"token": tok.decode(ids[:1].tolist()), "id": int(ids[0]), "logprob": None, "top": None}
-            out["prompt_logprobs"] = [first, *out["prompt_logprobs"]]
+        tok = await tokenizers.chat_loaded(request.model)
+
+        def echoed() -> dict[str, Any]:
+            echo = {"echo": request.prompt if isinstance(request.prompt, str) else tok.decode(ids.tolist())}
+            if "prompt_logprobs" in out:
+                first = {"token": tok.decode(ids[:1].tolist()), "id": int(ids[0]), "logprob": None, "top": None}
+                echo["prompt_logprobs"] = [first, *out["prompt_logprobs"]]
+            return echo
+
+        out.update(await tokenizers.off_loop(echoed))
     return out
 
 
