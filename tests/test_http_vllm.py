@@ -173,5 +173,11 @@ async def test_default_max_tokens_caps_a_request_that_names_none(tmp_path: Path,
         # two generate models: the tokenizer routes need a model
         r = await http.post("/tokenize", json={"prompt": "x"})
         assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"]
+        r = await http.get("/tokenizer_info")
+        assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"]
+        r = await http.get("/tokenizer_info", params={"model": "tiny"})
+        assert r.status_code == 200 and r.json()["model_max_length"] == 64
+        r = await http.get("/tokenizer_info", params={"model": "nope"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = await http.post("/tokenize", json={"prompt": "x", "model": "capped"})
         assert r.status_code == 200 and r.json()["max_model_len"] == CONTEXT
