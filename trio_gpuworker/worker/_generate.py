@@ -100,7 +100,7 @@ def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
     if request.prompt_logprobs is not None:  # the PROMPT_LOGPROBS extension: before the generation's prefill
         if not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.prompt_logprobs}")
-        scores = m.impl.score_prompt(ids, request.prompt_logprobs)
+        scores = m.impl.score_prompt(ids, request.prompt_logprobs, ctx.check)  # a CANCEL stops it between tokens
         prompt_records = [scored(int(t), lp) for t, lp in zip(ids[1:], scores, strict=True)]
 
     def on_token(token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> bool:
