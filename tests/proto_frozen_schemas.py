@@ -10,7 +10,7 @@ SCHEMAS = {
     'LOAD': ('daemon', 'req_id artifact_path artifact_digest format runtime_config', 'model_ref', False, False),
     'EMBED_BATCH': ('daemon', 'req_id model_ref pooling normalize items', '', True, False),
     'RERANK': ('daemon', 'req_id model_ref query_n_tokens candidates', '', True, False),
-    'GENERATE': ('daemon', 'req_id model_ref max_tokens', 'grammar stream temperature top_p top_k seed stop logprobs', True, False),  # noqa: E501
+    'GENERATE': ('daemon', 'req_id model_ref max_tokens', 'grammar stream temperature top_p top_k seed stop logprobs prompt_logprobs', True, False),  # noqa: E501
     'UNLOAD': ('daemon', 'req_id model_ref', '', False, False),
     'PING': ('daemon', 'req_id', '', False, False),
     'SHUTDOWN': ('daemon', '', 'req_id mode', False, False),
@@ -18,7 +18,7 @@ SCHEMAS = {
     'LOADED': ('worker', 'req_id model_ref dims cold_load_ms', '', False, False),
     'VECTORS': ('worker', 'req_id dims n', '', True, False),
     'SCORES': ('worker', 'req_id n', 'method', True, False),
-    'TEXT': ('worker', 'req_id text n_prompt n_gen finish_reason', 'logprobs', True, False),
+    'TEXT': ('worker', 'req_id text n_prompt n_gen finish_reason', 'logprobs prompt_logprobs', True, False),
     'TEXT_DELTA': ('worker', 'req_id text n_gen', 'logprobs', False, False),
     'UNLOADED': ('worker', 'req_id', '', False, False),
     'PONG': ('worker', 'req_id rss_mb models_loaded', 'placement_share', False, False),

@@ -19,6 +19,18 @@ def gguf_path() -> pathlib.Path:
     return pathlib.Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log probabilities of logits along their last axis, in float64."""
+    z = x.astype(np.float64) - x.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def scored_prompt(ref: NumpyLlama, ids: list[int]) -> list[float]:
+    """The reference's log probability of each prompt token after the ones before it."""
+    lp = log_softmax(ref.row_logits(ids))
+    return [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+
+
 class NumpyLlama:
     """Greedy llama decoding in float32 numpy, straight from the GGUF tensors."""
 
@@ -42,6 +54,11 @@ class NumpyLlama:
         z = z * np.exp(1j * pos[:, None, None] * self.inv_freq)
         return np.stack([z.real, z.imag], axis=-1).reshape(x.shape).astype(np.float32)
 
+    def row_logits(self, ids: list[int]) -> np.ndarray:
+        """Every row's logits (len(ids), vocab): row i is what the model predicts after ids[: i + 1]."""
+        x = self._forward(np.array(ids), 0, [[] for _ in range(self.n_layers)], [[] for _ in range(self.n_layers)])
+        return self._norm(x, self.w["output_norm.weight"]) @ self.out.T
+
     def generate(self, ids: list[int], n_new: int) -> tuple[list[int], list[float]]:
         """Greedy ids and, per step, the gap between the best and second-best logit."""
         ks: list[list[np.ndarray]] = [[] for _ in range(self.n_layers)]
@@ -49,27 +66,7 @@ class NumpyLlama:
         out, gaps, toks, p0 = [], [], list(ids), 0
         self.logits: list[np.ndarray] = []  # each step's, for the logprobs checks
         for _ in range(n_new):
-            new = np.array(toks[p0:])
-            pos = np.arange(p0, p0 + len(new))
-            x = self.w["token_embd.weight"][new]
-            for i in range(self.n_layers):
-                b = lambda n, i=i: self.w[f"blk.{i}.{n}.weight"]  # noqa: E731
-                h = self._norm(x, b("attn_norm"))
-                q = self._rope((h @ b("attn_q").T).reshape(len(new), self.n_head, self.hd), pos)
-                ks[i].append(self._rope((h @ b("attn_k").T).reshape(len(new), self.n_kv, self.hd), pos))
-                vs[i].append((h @ b("attn_v").T).reshape(len(new), self.n_kv, self.hd))
-                k, v = np.concatenate(ks[i]), np.concatenate(vs[i])
-                o = np.empty_like(q)
-                for hh in range(self.n_head):
-                    kv = hh // (self.n_head // self.n_kv)
-                    s = (q[:, hh] @ k[:, kv].T) / np.sqrt(self.hd)
-                    s = np.where(np.arange(len(k))[None, :] > pos[:, None], -np.inf, s)
-                    pr = np.exp(s - s.max(-1, keepdims=True))
-                    o[:, hh] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kv]
-                x = x + o.reshape(len(new), -1) @ b("attn_output").T
-                h = self._norm(x, b("ffn_norm"))
-                g = h @ b("ffn_gate").T
-                x = x + ((g / (1 + np.exp(-g))) * (h @ b("ffn_up").T)) @ b("ffn_down").T
+            x = self._forward(np.array(toks[p0:]), p0, ks, vs)
             logits = self._norm(x[-1], self.w["output_norm.weight"]) @ self.out.T
             self.logits.append(logits)
             top2 = np.sort(logits)[-2:]
@@ -78,5 +75,29 @@ class NumpyLlama:
             p0 = len(toks)
             toks.append(out[-1])
         return out, gaps
+
+    def _forward(self, new: np.ndarray, p0: int, ks: list[list[np.ndarray]], vs: list[list[np.ndarray]]) -> np.ndarray:
+        """The last hidden states of tokens `new` at positions p0.., appending their keys and values to ks, vs."""
+        pos = np.arange(p0, p0 + len(new))
+        x = self.w["token_embd.weight"][new]
+        for i in range(self.n_layers):
+            b = lambda n, i=i: self.w[f"blk.{i}.{n}.weight"]  # noqa: E731
+            h = self._norm(x, b("attn_norm"))
+            q = self._rope((h @ b("attn_q").T).reshape(len(new), self.n_head, self.hd), pos)
+            ks[i].append(self._rope((h @ b("attn_k").T).reshape(len(new), self.n_kv, self.hd), pos))
+            vs[i].append((h @ b("attn_v").T).reshape(len(new), self.n_kv, self.hd))
+            k, v = np.concatenate(ks[i]), np.concatenate(vs[i])
+            o = np.empty_like(q)
+            for hh in range(self.n_head):
+                kv = hh // (self.n_head // self.n_kv)
+                s = (q[:, hh] @ k[:, kv].T) / np.sqrt(self.hd)
+                s = np.where(np.arange(len(k))[None, :] > pos[:, None], -np.inf, s)
+                pr = np.exp(s - s.max(-1, keepdims=True))
+                o[:, hh] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kv]
+            x = x + o.reshape(len(new), -1) @ b("attn_output").T
+            h = self._norm(x, b("ffn_norm"))
+            g = h @ b("ffn_gate").T
+            x = x + ((g / (1 + np.exp(-g))) * (h @ b("ffn_up").T)) @ b("ffn_down").T
+        return x
 
 

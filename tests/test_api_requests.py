@@ -35,7 +35,7 @@ TABLES = {
                           "response_format"},
 }
 NEUTRAL = {"RERANK": {"priority"}, "RERANK_TEI": {"truncation_direction"},
-           "COMPLETIONS": {"n", "frequency_penalty", "presence_penalty", "logit_bias", "best_of", "echo", "suffix"},
+           "COMPLETIONS": {"n", "frequency_penalty", "presence_penalty", "logit_bias", "best_of", "suffix"},
            "CHAT": {"n", "frequency_penalty", "presence_penalty", "logit_bias", "tools", "tool_choice",
                     "response_format"}}
 
@@ -130,12 +130,20 @@ def test_rerank_shapes_are_one_request(models: SupervisorConfig) -> None:
 def test_completion_wire_is_the_reference_generate(models: SupervisorConfig) -> None:
     greedy = CompletionRequest(models=models, model=LM, prompt="hi", temperature=0, top_p=0.5, seed=3)
     assert greedy.sampling == {}  # greedy: nothing else changes the answer, nothing else is sent
-    assert wire(greedy.to_wire(IDS, stream=False)) == wire(Generate(model_ref=LM, max_tokens=16, raw=IDS.tobytes()))
+    assert greedy.max_tokens is None  # none named: resolved against the prompt when it is tokenized
+    assert wire(greedy.to_wire(IDS, 16, stream=False)) == wire(Generate(model_ref=LM, max_tokens=16,
+                                                                        raw=IDS.tobytes()))
     sampled = CompletionRequest(models=models, model=LM, prompt="hi", max_tokens=5, temperature=0.7, top_p=1,
                                 top_k=40, seed=3, stop="x", logprobs=2, grammar="")
     old = Generate(model_ref=LM, max_tokens=5, stream=True, temperature=0.7, top_k=40, seed=3, stop=["x"],
                    logprobs=2, raw=IDS.tobytes())
-    assert wire(sampled.to_wire(IDS, stream=True)) == wire(old)
+    assert wire(sampled.to_wire(IDS, 5, stream=True)) == wire(old)
+    # echo with logprobs asks the worker for the prompt's logprobs too (the PROMPT_LOGPROBS extension)
+    echo = CompletionRequest(models=models, model=LM, prompt=[5, 6], max_tokens=1, logprobs=1, echo=True)
+    assert echo.prompt_ids == [5, 6] and echo.texts == []
+    assert echo.to_wire(IDS, 1, stream=False).to_fields()["prompt_logprobs"] == 1
+    plain_echo = CompletionRequest(models=models, model=LM, prompt="hi", echo=True)
+    assert "prompt_logprobs" not in plain_echo.sampling
 
 
 def test_chat_and_completion_bodies(models: SupervisorConfig) -> None:
@@ -147,16 +155,36 @@ def test_chat_and_completion_bodies(models: SupervisorConfig) -> None:
     assert chat == CompletionRequest(models=models, model=LM, messages=[{"role": "user", "content": "hi"}],
                                      max_tokens=4, logprobs=2, stream=True, include_usage=True)
     assert chat.template_bytes == 64
-    cmpl = CompletionRequest.from_json({"model": LM, "prompt": ["hi"], "max_tokens": 3, "logprobs": 1}, models,
-                                       shape="completions")
+    [cmpl] = CompletionRequest.from_json_prompts({"model": LM, "prompt": ["hi"], "max_tokens": 3, "logprobs": 1},
+                                                 models, max_inputs=4)
     assert (cmpl.prompt, cmpl.max_tokens, cmpl.logprobs, cmpl.stream) == ("hi", 3, 1, False)
+    # vLLM's prompts: a string, token ids, or a list of either; one request each, in order
+    for prompt, want in (("a", ["a"]), ([1, 2], [[1, 2]]), (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]]),
+                         (["a", [4]], ["a", [4]])):
+        got = CompletionRequest.from_json_prompts({"model": LM, "prompt": prompt}, models, max_inputs=4)
+        assert [r.prompt for r in got] == want, prompt
+        assert [r.prompt_ids for r in got] == [p if isinstance(p, list) else None for p in want]
+    for prompt, match in (([], "non-empty list"), (["a"] * 5, "at most 4"), ([1.5], r"prompt\[0\] must be"),
+                          ([[1, "x"]], "non-empty string or a non-empty list of token ids"),
+                          ([[]], "non-empty string or a non-empty list of token ids"),
+                          ([1] * 2048, "context is 2048")):
+        with pytest.raises((InvalidRequest, RequestTooLarge), match=match):
+            CompletionRequest.from_json_prompts({"model": LM, "prompt": prompt}, models, max_inputs=4)
+    with pytest.raises(InvalidRequest, match="a stream takes one prompt"):
+        CompletionRequest.from_json_prompts({"model": LM, "prompt": ["a", "b"], "stream": True}, models, max_inputs=4)
+    # a participant's name reaches the chat template
+    named = CompletionRequest.from_json({"model": LM, "messages": [{"role": "user", "content": "x", "name": "bob"}]},
+                                        models, shape="chat")
+    assert named.messages == [{"role": "user", "content": "x", "name": "bob"}]
     refusals: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"max_tokens": 3, "max_completion_tokens": 4}, InvalidRequest, "differ"),
         ({"logprobs": 2}, InvalidRequest, "'logprobs' must be a boolean"),
         ({"top_logprobs": 2}, InvalidRequest, "needs 'logprobs'"),
         ({"stream_options": {"include_usage": True}}, InvalidRequest, "only allowed with 'stream'"),
         ({"stream": True, "stream_options": {"x": 1}}, UnsupportedField, "stream_options.x"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, UnsupportedField, r"messages\[0\].name"),
+        ({"messages": [{"role": "user", "content": "x", "name": 3}]}, InvalidRequest, r"messages\[0\].name must be"),
+        ({"messages": [{"role": "user", "content": "x", "x_unknown": "a"}]}, UnsupportedField,
+         r"messages\[0\].x_unknown"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, InvalidRequest, "only text parts"),
         ({"messages": [{"role": "user"}]}, InvalidRequest, r"messages\[0\] must be"),
     ]
@@ -181,6 +209,10 @@ def test_chat_and_completion_bodies(models: SupervisorConfig) -> None:
     ({"stop": ["a"] * 5}, InvalidRequest, "at most 4"),
     ({"stop": "x\ud800"}, InvalidRequest, "lone surrogate"),
     ({"logprobs": 6}, InvalidRequest, "logprobs"),
+    ({"echo": 1}, InvalidRequest, "echo"),
+    ({"echo": True, "stream": True}, UnsupportedField, "echo"),
+    ({"prompt": None, "messages": [{"role": "user", "content": "x"}], "echo": True}, InvalidRequest,
+     "echo takes a prompt"),
     ({"prompt": "x" * (2048 * 128 + 1)}, RequestTooLarge, "characters"),
     ({"prompt": "x\udfff"}, InvalidRequest, r"prompt\[0\] is not valid Unicode"),
 ])

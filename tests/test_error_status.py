@@ -93,5 +93,7 @@ def test_http_layer_errors_carry_their_own_status() -> None:
     assert (like.http_status, like.code, like.http_headers()) == (413, "request_too_large", {"connection": "close"})
     field = UnsupportedField("n", "= 2 is not supported")
     assert field.http_status == 400 and error_body(field)["error"]["param"] == "n"
-    assert error_body(WorkerError("oom", "out of memory")) == {"error": {"code": "oom",
-                                                                         "message": "oom: out of memory"}}
+    # OpenAI's four fields, always present: the openai client reads `e.type`, `e.param`, `e.code`
+    assert error_body(WorkerError("oom", "out of memory")) == {"error": {
+        "code": "oom", "message": "oom: out of memory", "type": "server_error", "param": None}}
+    assert error_body(InvalidRequest("bad"))["error"]["type"] == "invalid_request_error"

@@ -21,7 +21,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from tests.ckernels import ISAS, build, ptr, spec  # noqa: E402
-from tests.reference_llama import NumpyLlama  # noqa: E402
+from tests.reference_llama import NumpyLlama, scored_prompt  # noqa: E402
 from tests.tiny_gguf import encode, k_m_mix, write_llama  # noqa: E402
 from trio_gpuworker import WorkerError  # noqa: E402
 from trio_gpuworker.gguf_file import GGUFFormatError, read_tensors  # noqa: E402
@@ -180,6 +180,13 @@ def test_both_decoders_decode_every_type_as_the_reference(tiny: tuple[Path, Nump
     lm._prefill_step(np.array(PROMPT, dtype=np.int32), 0, len(PROMPT) - 1)
     logits = lm._logits()
     np.testing.assert_allclose(logits, ref.logits[0], rtol=1e-4, atol=1e-4 * float(np.abs(ref.logits[0]).max()))
+    # the prompt scored token by token (a completion's echo with logprobs): each token's logprob after the ones
+    # before it, as the reference's rows give it, and the most likely alternative first
+    scores = lm.score_prompt(np.array(PROMPT, dtype=np.int32), 2)
+    span = float(np.ptp(ref.logits[0]))
+    np.testing.assert_allclose([s[0] for s in scores], scored_prompt(ref, PROMPT), atol=1e-3 + 2e-4 * span)
+    rows = ref.row_logits(PROMPT)[:-1]
+    assert all(s[1][0][0] == int(np.argmax(r)) for s, r in zip(scores, rows, strict=True))
 
 
 @pytest.mark.parametrize("typ", [T.Q2_K, T.Q3_K, T.IQ2_XXS, T.IQ4_XS, T.TQ1_0])

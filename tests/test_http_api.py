@@ -15,6 +15,7 @@ from tests.fakes import fake_command
 from tests.helpers import daemon_config, wait_until
 from tests.supervision_helpers import MODEL
 from trio_gpuworker import BatchPolicy
+from trio_gpuworker._kinds import DEFAULT_MAX_TOKENS
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor import LaneState
 
@@ -42,6 +43,7 @@ async def test_lanes_and_models_shape(tmp_path: Path) -> None:
             assert models["object"] == "list"
             assert models["data"][0] | {"lanes": None} == {"id": MODEL, "object": "model", "created": 0,
                                                           "owned_by": "trio-gpuworker", "kind": "embedding",
+                                                          "max_model_len": DEFAULT_MAX_TOKENS,  # its max_tokens
                                                           "lanes": None, "ready_lanes": ["lane0", "lane1"]}
         nursery.cancel_scope.cancel()
 

@@ -35,6 +35,8 @@ async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatToke
             out["emb_float"] = client.embeddings.create(model=MODEL, input="a", encoding_format="float")
             out["cmpl"] = client.completions.create(model=DEFAULT_LM, prompt="The capital of France is",
                                                     max_tokens=2)
+            # no max_tokens: a plain v3 worker (no long generation) makes what it can, it is not refused
+            out["no_max"] = client.completions.create(model=DEFAULT_LM, prompt="The capital of France is")
             out["chat"] = client.chat.completions.create(
                 model=DEFAULT_LM, max_tokens=8, messages=[{"role": "user", "content": "Say hi"}])
             out["models"] = client.models.list()
@@ -84,6 +86,7 @@ async def test_openai_client_end_to_end(tmp_path: Path, chat_tokenizer: ChatToke
     assert cmpl.choices[0].text == f"fake {sum(ids)}"  # the fake's TEXT is the sum of the ids it was sent
     assert cmpl.choices[0].finish_reason == "length" and cmpl.object == "text_completion"
     assert cmpl.usage.prompt_tokens == len(ids) and cmpl.usage.completion_tokens == 2
+    assert out["no_max"].choices[0].finish_reason == "stop" and out["no_max"].usage.completion_tokens == 3
 
     chat = out["chat"]
     prompt = chat_tokenizer.apply_chat_template([{"role": "user", "content": "Say hi"}], add_generation_prompt=True)

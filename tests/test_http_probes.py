@@ -69,7 +69,7 @@ async def test_readyz_follows_the_lanes_and_livez_does_not(tmp_path: Path) -> No
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             r = await http.get("/readyz?verbose=1")
             assert r.status_code == 400 and r.json()["error"] == {
-                "code": "unsupported_field", "param": "verbose",
+                "code": "unsupported_field", "param": "verbose", "type": "invalid_request_error",
                 "message": "'verbose' is not a query parameter of /readyz"}
             assert (await http.get("/livez?x=1")).status_code == 400
             assert (await http.head("/readyz")).status_code == 200

@@ -56,7 +56,7 @@ async def test_chat_stream_chunks(daemon: tuple[httpx.AsyncClient, Daemon]) -> N
     chunks = got[:-1]
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == DEFAULT_LM for c in chunks)
     assert len({c["id"] for c in chunks}) == 1
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # the role first
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "", "refusal": None}  # the role first
     deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1]]
     assert "".join(deltas) == "t1 t2 t3 " and deltas[:3] == ["t1 ", "t2 ", "t3 "]
     finishes = [c["choices"][0]["finish_reason"] for c in chunks[:-1]]

@@ -177,12 +177,16 @@ def check_max_tokens(max_tokens: Any, cap: int) -> int:
 
 
 def check_messages(messages: Any) -> list[dict[str, str]]:
+    """{role, content} strings, and a participant's `name` (a string) where given: the chat template sees it."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} strings")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise InvalidRequest(f"messages[{i}] must be {{role, content}} with string values")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise InvalidRequest(f"messages[{i}].name must be a string")
+    return [{"role": m["role"], "content": m["content"], **({"name": m["name"]} if m.get("name") is not None else {})}
+            for m in messages]
 
 
 def check_stops(stop: Any) -> list[str]:

@@ -30,11 +30,10 @@ from ._proto import MAX_TOP_LOGPROBS, EmbedBatch, Generate, Rerank
 _BODY = "body"
 A = TypeVar("A", bound="ApiRequest")
 OnDelta = Callable[[dict[str, Any]], None]  # a completion's text as it is generated: {text, n_gen, logprobs?}
-DEFAULT_GEN_TOKENS = 16  # new tokens of a completion that names no max_tokens
 CHAT_TEMPLATE_BYTES = 64  # per message: what a chat template adds around its content, at most
 ENCODING_FORMATS = ("float", "base64")
 STREAM_OPTIONS = ("include_usage",)
-MESSAGE: ck.Spec = {"role": None, "content": None}  # a chat message's fields, and a content part's
+MESSAGE: ck.Spec = {"role": None, "content": None, "name": None}  # a chat message's fields, and a content part's
 CONTENT_PART: ck.Spec = {"type": None, "text": None}
 PARAMETERS = "parameters"  # where TGI's body and TEI's similarity body nest their options
 
@@ -348,15 +347,17 @@ _ONE_CHOICE: ck.Spec = {  # both completion bodies' fields that only their neutr
 
 @api_request
 class CompletionRequest(ApiRequest):
-    """A completion of `prompt`, or of `messages` through the model's chat template: greedy at temperature 0 (the
-    default), else sampled (seeded: reproducible). `stop`: up to 4 strings that end the text before them.
-    `logprobs`: per generated token its log probability and that many alternatives. Bodies: OpenAI's completions
-    and chat completions."""
+    """A completion of `prompt` (a string or its token ids), or of `messages` through the model's chat template:
+    greedy at temperature 0 (the default), else sampled (seeded: reproducible). `max_tokens` None: until the end
+    of generation, a stop string or the model's context, at most the model's `default_max_tokens` when it has one
+    (resolved once the prompt is tokenized). `stop`: up to 4 strings that end the text before them. `logprobs`:
+    per generated token its log probability and that many alternatives. `echo`: the answer begins with the prompt
+    (and with `logprobs`, the prompt's tokens scored, vLLM's way). Bodies: OpenAI's completions and chat
+    completions; a completions body's list of prompts is one request each (`from_json_prompts`)."""
 
     WHAT = "generation"
     NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {
         "completions": {**_ONE_CHOICE, "best_of": ck.only(1, "one candidate per request"),
-                        "echo": ck.only(False, "the prompt is not echoed"),
                         "suffix": ck.never("insertion is not implemented")},
         "chat": {**_ONE_CHOICE, "tools": ck.only([], "tool calls are not implemented"),
                  "tool_choice": ck.only("none", "tool calls are not implemented"),
@@ -364,11 +365,11 @@ class CompletionRequest(ApiRequest):
         "tgi": _TGI_NEUTRAL,
     }
 
-    prompt: str | None = arg(None, body={"completions": ("prompt",), "tgi": ("inputs",)})
+    prompt: str | list[int] | None = arg(None, body={"completions": ("prompt",), "tgi": ("inputs",)})  # or token ids
     messages: list[dict[str, str]] | None = arg(None, body={"chat": ("messages",)})
-    max_tokens: int = arg(DEFAULT_GEN_TOKENS, body={"completions": ("max_tokens",),
-                                                    "chat": ("max_tokens", "max_completion_tokens"),
-                                                    "tgi": ("max_new_tokens",)})
+    max_tokens: int | None = arg(None, body={"completions": ("max_tokens",),
+                                             "chat": ("max_tokens", "max_completion_tokens"),
+                                             "tgi": ("max_new_tokens",)})
     grammar: str | None = arg(None)
     temperature: float | None = arg(None)
     top_p: float | None = arg(None)
@@ -378,29 +379,41 @@ class CompletionRequest(ApiRequest):
     logprobs: int | None = arg(None, body={"completions": ("logprobs",), "chat": ("logprobs", "top_logprobs")})
     stream: bool = arg(False)  # the HTTP answer as server-sent events
     include_usage: bool = arg(False, body={s: ("stream_options",) for s in _BOTH})  # a streamed answer's usage
+    echo: bool = arg(False, body={"completions": ("echo",)})
     user: str | None = arg(None, body={s: ("user",) for s in _BOTH})
     # TGI's: sample (at temperature 1 unless one is given), and the answer's text led by the prompt
     do_sample: bool = arg(False, body={"tgi": ("do_sample",)})
     return_full_text: bool = arg(False, body={"tgi": ("return_full_text",)})
     sampling: dict[str, Any] = derived()  # GENERATE's sampling fields: only those that change the answer
     texts: list[str] = derived()  # what the prompt is made of, for the admission bound
+    prompt_ids: list[int] | None = derived()  # a prompt given as token ids (checked against the vocabulary later)
 
     def _check(self, mc: ModelConfig) -> None:
         context = ck.gen_context(mc)
-        self._set(max_tokens=ck.check_max_tokens(self.max_tokens, context - 1),
-                  grammar=ck.check_text(self.grammar, "grammar") or None)
+        if self.max_tokens is not None:
+            self._set(max_tokens=ck.check_max_tokens(self.max_tokens, context - 1))
+        self._set(grammar=ck.check_text(self.grammar, "grammar") or None, prompt_ids=None)
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
         self._set(do_sample=ck.check_flag(self.do_sample, "do_sample", False),
                   return_full_text=ck.check_flag(self.return_full_text, "return_full_text", False))
-        self._set(sampling=self._sampling())
+        self._set(sampling=self._sampling(), echo=ck.check_flag(self.echo, "echo", False))
         if self.messages is not None:
+            if self.echo:
+                raise InvalidRequest("echo takes a prompt, not messages")
             messages = ck.check_messages(self.messages)
-            self._set(messages=messages, texts=[m["content"] for m in messages] + [m["role"] for m in messages])
+            self._set(messages=messages, texts=[t for m in messages for t in m.values()])
+        elif isinstance(self.prompt, list) and self.prompt and all(map(_is_id, self.prompt)):
+            if len(self.prompt) >= context:
+                raise RequestTooLarge(f"the prompt has {len(self.prompt)} tokens; model {self.model!r}'s context is "
+                                      f"{context}")
+            self._set(prompt_ids=list(self.prompt), texts=[])
         elif not isinstance(self.prompt, str) or not self.prompt:
-            raise InvalidRequest("prompt must be a non-empty string (one prompt per request)")
+            raise InvalidRequest("prompt must be a non-empty string or a non-empty list of token ids")
         else:
             self._set(texts=[self.prompt])
+        if self.echo and "logprobs" in self.sampling:  # the prompt's own logprobs, as many alternatives
+            self._set(sampling={**self.sampling, "prompt_logprobs": self.sampling["logprobs"]})
         cap, n_chars = ck.gen_char_cap(mc), sum(map(len, self.texts))
         if n_chars > cap:
             raise RequestTooLarge(f"the prompt has {n_chars} characters; model {self.model!r} takes at most {cap}")
@@ -408,6 +421,8 @@ class CompletionRequest(ApiRequest):
         self._set(stream=ck.check_flag(self.stream, "stream", False),
                   include_usage=ck.check_flag(self.include_usage, "include_usage", False),
                   user=ck.check_text(self.user, "user"))
+        if self.echo and self.stream:
+            raise UnsupportedField("echo", "is not implemented with stream: true")
 
     def _sampling(self) -> dict[str, Any]:
         """GENERATE's sampling fields, each checked; only those that change the answer (temperature 0 is greedy,
@@ -458,15 +473,33 @@ class CompletionRequest(ApiRequest):
         if shape == "chat":
             given = {"messages": _json_messages(body.get("messages")), "logprobs": _chat_logprobs(body)}
         else:
-            prompt = body.get("prompt")
-            given = {"prompt": prompt[0] if isinstance(prompt, list) and len(prompt) == 1 else prompt}
+            given = {"prompt": body.get("prompt")}
         args = cls._json_args(body, shape, *given, "stream", "include_usage")
         args.update((k, v) for k, v in given.items() if v is not None)
         return cls(models=models, model=model, stream=stream, include_usage=include_usage, **args)
 
-    def to_wire(self, ids: np.ndarray, *, stream: bool) -> Generate:
-        """The GENERATE of the prompt's token ids; `stream`: TEXT_DELTAs as the text is generated."""
-        return Generate(model_ref=self.model, max_tokens=self.max_tokens, grammar=self.grammar,
+    @classmethod
+    def from_json_prompts(cls, body: Mapping[str, Any], models: SupervisorConfig, *,
+                          max_inputs: int) -> list[CompletionRequest]:
+        """A completions body's requests, one per prompt, as vLLM takes `prompt`: a string, a list of token ids,
+        or a list of either (each its own choice, `index` in order). A stream takes one prompt."""
+        cls.json_model(body, models)  # an unknown model is 404 before any other check
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(_is_id, prompt))):
+            prompts: list[Any] = [prompt]
+        else:
+            prompts = json_list(prompt, "prompt", max_inputs, ids=True)
+            for i, p in enumerate(prompts):
+                if not isinstance(p, str | list):
+                    raise InvalidRequest(f"prompt[{i}] must be a string or a list of token ids")
+        if len(prompts) > 1 and ck.check_flag(body.get("stream"), "'stream'", False):
+            raise InvalidRequest("a stream takes one prompt: send a list of prompts without 'stream'")
+        return [cls.from_json({**body, "prompt": p}, models, shape="completions") for p in prompts]
+
+    def to_wire(self, ids: np.ndarray, max_tokens: int, *, stream: bool) -> Generate:
+        """The GENERATE of the prompt's token ids and up to `max_tokens` new ones (the request's, or its default
+        resolved against the prompt); `stream`: TEXT_DELTAs as the text is generated."""
+        return Generate(model_ref=self.model, max_tokens=max_tokens, grammar=self.grammar,
                         stream=True if stream else None, **self.sampling, raw=ids.astype("<i4").tobytes())
 
 
@@ -521,7 +554,6 @@ def _joined_parts(content: Any, i: int) -> Any:
 
 
 __all__ = [
-    "DEFAULT_GEN_TOKENS",
     "ApiRequest",
     "CompletionRequest",
     "EmbeddingsRequest",

@@ -31,6 +31,8 @@ class ModelConfig:
     beam: int = 0  # BEAM search width for the warm-up shapes at LOAD (0: tinygrad's hand-coded kernels)
     # Leading sizes an embedding model was trained to be cut to (Matryoshka); what `dimensions` may ask for
     matryoshka_dims: tuple[int, ...] = ()
+    # a generate model's cap on the new tokens of a request that names no max_tokens (None: the context's room)
+    default_max_tokens: int | None = None
     # (pooling, normalize) of requests that name neither: these keys where set, else the folder's
     defaults: tuple[str, bool] = field(init=False, repr=False, compare=False)
 

@@ -115,8 +115,10 @@ def build_tokenizer(meta: Mapping[str, Any]) -> Tokenizer:
 
 class ChatTokenizer:
     def __init__(self, tokenizer: Tokenizer, *, eos_ids: set[int], bos_id: int | None, add_bos: bool,
-                 template: ChatTemplate | None) -> None:
+                 template: ChatTemplate | None, context_length: int | None = None, eos_id: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.eos_id = eos_id  # the GGUF's eos_token_id (end of generation may have more ids: eos_ids)
+        self.context_length = context_length  # the GGUF's {arch}.context_length, where it has one
         self.eos_ids = eos_ids
         self.bos_id = bos_id
         self.add_bos = add_bos
@@ -135,9 +137,12 @@ class ChatTokenizer:
         bos = meta.get("tokenizer.ggml.bos_token_id")
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
         add_bos = meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama")
+        context = meta.get(f"{meta.get('general.architecture')}.context_length")
         return cls(build_tokenizer(meta), eos_ids=end_of_generation_ids(dict(meta)),
                    bos_id=int(bos) if isinstance(bos, int) else None, add_bos=bool(add_bos),
-                   template=ChatTemplate(str(source), specials) if source else None)
+                   template=ChatTemplate(str(source), specials) if source else None,
+                   context_length=int(context) if isinstance(context, int) else None,
+                   eos_id=eos if isinstance(eos := meta.get("tokenizer.ggml.eos_token_id"), int) else None)
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -11,6 +11,7 @@ from ._extensions import LONG as EXT_LONG
 from ._extensions import MAX_TOP_LOGPROBS, PACKED_SLOTS, V3_MAX_GEN_TOKENS, advertised
 from ._extensions import PACKED as EXT_PACKED
 from ._extensions import POOLING as EXT_POOLING
+from ._extensions import PROMPT_LOGPROBS as EXT_PROMPT_LOGPROBS
 from ._extensions import SAMPLING as EXT_SAMPLING
 from ._extensions import STREAM as EXT_STREAM
 from ._extensions import describe as describe_extensions
@@ -145,6 +146,7 @@ __all__ = [
     "EXT_LONG",
     "EXT_PACKED",
     "EXT_POOLING",
+    "EXT_PROMPT_LOGPROBS",
     "EXT_SAMPLING",
     "EXT_STREAM",
     "FAILED_REPLIES",

@@ -19,6 +19,9 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
 - LOADED_BLOCK: INSTALL_RING `loaded_block: true`; the worker then reports that ingress ring's completions as
   LOADED_BLOCK {ring_id, edge_id, port_id, worker_generation} + a raw frame of four little-endian u64s per object
   (OBJECTS_LOADED's row columns), instead of OBJECTS_LOADED's CBOR rows: no encoding, check or decoding per row.
+- PROMPT_LOGPROBS: GENERATE `prompt_logprobs` (alternatives per token, 0..5); TEXT then carries `prompt_logprobs`,
+  one record per prompt token after the first ({token, id, logprob, top}: the log probability the model gave it
+  after the tokens before it), as vLLM's `echo` with `logprobs` reports the prompt.
 - POOLING: EMBED_BATCH `pooling` beyond the reference's `mean` and `cls`: `max` (each dimension's largest value over
   the tokens) and `lasttoken` (the last token's state), as sentence-transformers pools.
 """
@@ -35,7 +38,8 @@ CANCEL = "gpuworker.cancel"
 PACKED = "gpuworker.packed_generation"
 LOADED_BLOCK = "gpuworker.loaded_block"
 POOLING = "gpuworker.pooling"
-ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK, POOLING)
+PROMPT_LOGPROBS = "gpuworker.prompt_logprobs"
+ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK, POOLING, PROMPT_LOGPROBS)
 
 V3_POOLINGS = ("mean", "cls")  # the reference's EMBED_BATCH poolings
 MORE_POOLINGS = ("max", "lasttoken")  # the POOLING extension's
@@ -71,6 +75,8 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
         need.add(SAMPLING)
     if fields.get("max_tokens", 0) > V3_MAX_GEN_TOKENS:
         need.add(LONG)
+    if fields.get("prompt_logprobs") is not None:
+        need.add(PROMPT_LOGPROBS)
     return frozenset(need)
 
 
@@ -78,10 +84,10 @@ def describe(missing: frozenset[str]) -> str:
     what = {STREAM: "streamed text", SAMPLING: "sampling, stop sequences or logprobs",
             LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation",
             PACKED: "batched generation", LOADED_BLOCK: "binary ingress completions",
-            POOLING: f"pooling {' or '.join(MORE_POOLINGS)}"}
+            POOLING: f"pooling {' or '.join(MORE_POOLINGS)}", PROMPT_LOGPROBS: "the prompt's logprobs (echo)"}
     return ", ".join(what[m] for m in sorted(missing))
 
 
 __all__ = ["ALL", "CANCEL", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "MORE_POOLINGS", "PACKED", "PACKED_SLOTS",
-           "POOLING", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "V3_POOLINGS", "advertised",
-           "describe", "required"]
+           "POOLING", "PROMPT_LOGPROBS", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "V3_POOLINGS",
+           "advertised", "describe", "required"]

@@ -110,6 +110,7 @@ class Generate(WireMessage):
     seed: int | None = opt(uint)
     stop: list[str] | None = opt(list_of(text))
     logprobs: int | None = opt(uint)
+    prompt_logprobs: int | None = opt(uint)  # the PROMPT_LOGPROBS extension
     raw: bytes = raw_frame()  # the prompt's ids
 
 
@@ -186,6 +187,7 @@ class Text(WireMessage):
     n_gen: int = need(uint)
     finish_reason: str = need(one_of("stop", "length"))
     logprobs: list[dict[str, Any]] | None = opt(list_of(mapping))
+    prompt_logprobs: list[dict[str, Any]] | None = opt(list_of(mapping))  # per prompt token after the first
     raw: bytes = raw_frame()  # the generated ids
 
 

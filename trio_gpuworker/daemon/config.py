@@ -140,6 +140,9 @@ def _model(mid: str, raw: Any, base: Path) -> ModelConfig:
         raise ConfigError(f"{key}.beam: must be within 0..{MAX_BEAM} (0 = no search), got {m.beam}")
     if not 2 <= m.max_tokens <= 512:
         raise ConfigError(f"{key}.max_tokens: must be within 2..512, got {m.max_tokens}")
+    cap = m.default_max_tokens
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1 or kind != GENERATE):
+        raise ConfigError(f"{key}.default_max_tokens: a generate model's positive integer, got {cap!r}")
     return m
 
 

@@ -42,6 +42,7 @@ from .http_common import (
     Send,
     Stream,
     error_body,
+    error_type,
     send_events,
 )
 from .http_completions import CompletionRoutes
@@ -88,7 +89,7 @@ class Api:
         embeddings, rerank = EmbeddingRoutes(sup, intake, self._json), RerankRoutes(sup, intake)
         tokens, generation = TokenRoutes(sup, self._json), CompletionRoutes(sup, intake)
         tei = TeiRoutes(sup, intake, rerank)
-        lane = r"(?P<lane>[A-Za-z0-9_-]+)"
+        lane, model = r"(?P<lane>[A-Za-z0-9_-]+)", r"(?P<model>.+)"  # a model id may hold a '/' (org/name)
         # method, path, handler, admin, tracked, body fields (None: no body), query parameters
         table: list[tuple[str, str, Callable[..., Awaitable[Any]], bool, bool, Fields | None, tuple[str, ...]]] = [
             ("GET", "/livez", state.livez, False, False, None, ()),
@@ -96,6 +97,7 @@ class Api:
             ("GET", "/healthz", state.healthz, False, False, None, ()),
             ("GET", "/metrics", state.prometheus, False, False, None, ()),
             ("GET", "/v1/models", state.models, False, False, None, ()),
+            ("GET", "/v1/models/{model}", state.model, False, False, None, ()),
             ("GET", "/v1/lanes", state.lanes, False, False, None, ()),
             ("GET", "/v1/lanes/{lane}", state.lane, False, False, None, ()),
             ("POST", "/v1/embeddings", embeddings.embeddings, False, True, spec.EMBEDDINGS, ()),
@@ -111,6 +113,7 @@ class Api:
             ("GET", "/", state.health, False, False, None, ()),
             ("POST", "/tokenize", tokens.tokenize, False, True, spec.TOKENIZE, ()),
             ("POST", "/detokenize", tokens.detokenize, False, True, spec.DETOKENIZE, ()),
+            ("GET", "/tokenizer_info", tokens.tokenizer_info, False, False, None, ("model",)),
             ("POST", "/v1/completions", generation.completions, False, True, spec.COMPLETIONS, ()),
             ("POST", "/v1/chat/completions", generation.chat_completions, False, True, spec.CHAT, ()),
             ("POST", "/v1/lanes/{lane}/reload", admin.lane_reload, True, True, spec.ADMIN["reload"], ()),
@@ -121,7 +124,8 @@ class Api:
             ("POST", "/v1/config/reload", admin.config_reload, True, True, spec.ADMIN["config"], ()),
         ]
         # matched with fullmatch: `$` would also match before a trailing newline (/v1/lanes/embed-0%0a)
-        return [Route(m, re.compile(p.replace("{lane}", lane)), p, h, is_admin, tracked, fields, query)
+        return [Route(m, re.compile(p.replace("{lane}", lane).replace("{model}", model)), p, h, is_admin, tracked,
+                      fields, query)
                 for m, p, h, is_admin, tracked, fields, query in table]
 
     # --- the state the daemon sets: its [http] settings (a reload), admission and readiness (SIGTERM) --------
@@ -282,7 +286,8 @@ class Api:
         except Exception as exc:  # the daemon must answer, whatever broke
             log.exception("%s %s failed", method, path)
             outcome = "internal"
-            await self._respond(send, 500, {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}},
+            await self._respond(send, 500, {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}",
+                                                      "type": error_type(500), "param": None}},
                                 {} if received else await self._after_unread_body(scope, receive, {}))
         finally:
             if tracked:

@@ -79,8 +79,15 @@ class EventStream:
     produce: Callable[[Emit], Awaitable[None]]
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error `type` for an HTTP status: the caller's request (4xx) or the server (5xx)."""
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
 def error_body(exc: GpuWorkerError) -> dict[str, Any]:
-    return {"error": exc.to_wire()}
+    """OpenAI's error object: `message`, `type`, `param` and `code` always present (`param` null unless the error
+    names a field), and the error's own detail."""
+    return {"error": {"type": error_type(exc.http_status), "param": None, **exc.to_wire()}}
 
 
 @dataclass(frozen=True)

@@ -37,13 +37,45 @@ def chat_logprobs(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def completion_logprobs(records: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
-    """The legacy completions `logprobs`: parallel lists, and each token's offset in the text."""
+    """The legacy completions `logprobs`: parallel lists, and each token's offset in the text. A record without a
+    logprob (an echoed prompt's first token) has null for its logprob and its top logprobs, as vLLM answers."""
     offsets, at = [], offset
     for r in records:
         offsets.append(at)
         at += len(r["token"])
     return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in r["top"]} for r in records], "text_offset": offsets}
+            "top_logprobs": [None if r["top"] is None else _top(r["top"]) for r in records], "text_offset": offsets}
+
+
+def _top(top: list[dict[str, Any]]) -> dict[str, float]:
+    """Alternatives keyed by their text, most likely first; of two with the same text (bytes of one character,
+    each decoding to U+FFFD) the more likely one's logprob."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(t["token"], t["logprob"])
+    return out
+
+
+async def run_all(fn: Callable[[int], Awaitable[None]], n: int) -> None:
+    """fn(0) .. fn(n - 1) concurrently; the first error (a GpuWorkerError as itself, not in an ExceptionGroup)
+    cancels the others."""
+    if n == 1:
+        await fn(0)
+        return
+    failed: list[GpuWorkerError] = []
+
+    async def guarded(i: int, cancel: trio.CancelScope) -> None:
+        try:
+            await fn(i)
+        except GpuWorkerError as exc:
+            failed.append(exc)
+            cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(guarded, i, nursery.cancel_scope)
+    if failed:
+        raise failed[0]
 
 
 class CompletionRoutes:
@@ -55,30 +87,47 @@ class CompletionRoutes:
         return {"prompt_tokens": out["n_prompt"], "completion_tokens": out["n_gen"],
                 "total_tokens": out["n_prompt"] + out["n_gen"]}
 
+    @staticmethod
+    def _head(request: CompletionRequest, shape: str) -> dict[str, Any]:
+        """The head of an answer, OpenAI's fields in full (`system_fingerprint` null: no fingerprint is kept)."""
+        prefix, kind = ("chatcmpl", "chat.completion") if shape == "chat" else ("cmpl", "text_completion")
+        return {"id": f"{prefix}-{secrets.token_hex(12)}", "object": kind, "created": int(time.time()),
+                "model": request.model, "system_fingerprint": None}
+
     def _request(self, body: dict[str, Any], shape: str) -> tuple[CompletionRequest, dict[str, Any], bool]:
         """The body's request, the head of its answer and whether it asks for logprobs."""
         request = CompletionRequest.from_json(body, self.sup.config, shape=shape)
-        prefix, kind = ("chatcmpl", "chat.completion") if shape == "chat" else ("cmpl", "text_completion")
-        head = {"id": f"{prefix}-{secrets.token_hex(12)}", "object": kind, "created": int(time.time()),
-                "model": request.model}
-        return request, head, request.logprobs is not None
+        return request, self._head(request, shape), request.logprobs is not None
 
     def _completion(self, request: CompletionRequest) -> Callable[[OnDelta | None], Awaitable[dict[str, Any]]]:
         timeout = self.intake.http.request_timeout_s
         return lambda on_delta: self.sup.completion(request, timeout=timeout, on_delta=on_delta)
 
     async def completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | EventStream:
-        request, head, lp = self._request(body, "completions")
+        """One choice per prompt (`index` in order; usage summed), generated concurrently; an echo begins with the
+        prompt's text and, with logprobs, the prompt's tokens."""
+        requests = CompletionRequest.from_json_prompts(body, self.sup.config, max_inputs=self.intake.http.max_inputs)
+        head, lp = self._head(requests[0], "completions"), requests[0].logprobs is not None
 
-        def choice(text: str, records: list[dict[str, Any]] | None, offset: int, finish: str | None) -> Any:
-            return {"index": 0, "text": text, "logprobs": completion_logprobs(records or [], offset) if lp else None,
-                    "finish_reason": finish}
+        def choice(text: str, records: list[dict[str, Any]] | None, offset: int, finish: str | None,
+                   index: int = 0) -> Any:
+            return {"index": index, "text": text,
+                    "logprobs": completion_logprobs(records or [], offset) if lp else None, "finish_reason": finish}
 
-        if request.stream:
-            return self._event_stream(self._completion(request), head, request.include_usage, choice, role=False)
-        out = await self._completion(request)(None)
-        return 200, {**head, "choices": [choice(out["text"], out.get("logprobs"), 0, out["finish_reason"])],
-                     "usage": self._usage(out)}
+        if requests[0].stream:
+            return self._event_stream(self._completion(requests[0]), head, requests[0].include_usage, choice,
+                                      role=False)
+        outs: list[dict[str, Any]] = [{} for _ in requests]
+
+        async def one(i: int) -> None:
+            outs[i] = await self._completion(requests[i])(None)
+
+        await run_all(one, len(requests))
+        choices = [choice(out.get("echo", "") + out["text"], out.get("prompt_logprobs", []) + out.get("logprobs", []),
+                          0, out["finish_reason"], i) for i, out in enumerate(outs)]
+        usage = {k: sum(u[k] for u in map(self._usage, outs)) for k in ("prompt_tokens", "completion_tokens",
+                                                                          "total_tokens")}
+        return 200, {**head, "choices": choices, "usage": usage}
 
     async def chat_completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | EventStream:
         request, head, lp = self._request(body, "chat")
@@ -91,7 +140,7 @@ class CompletionRoutes:
                                       request.include_usage, delta, role=True)
         out = await self._completion(request)(None)
         return 200, {**head,
-                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"]},
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": out["text"], "refusal": None},
                                   "logprobs": chat_logprobs(out.get("logprobs") or []) if lp else None,
                                   "finish_reason": out["finish_reason"]}],
                      "usage": self._usage(out)}
@@ -117,13 +166,14 @@ class CompletionRoutes:
                 return {**head, "choices": choices, **({"usage": None} if usage else {}), **extra}
 
             sent, n_records, first = 0, 0, True
+            opening = {"index": 0, "delta": {"role": "assistant", "content": "", "refusal": None}, "logprobs": None,
+                       "finish_reason": None}  # chat's first chunk: the role
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(generate)
                 async with recv:
                     async for d in recv:
                         if first and role:
-                            await emit(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}]))
+                            await emit(chunk([opening]))
                         first = False
                         await emit(chunk([choice(d["text"], d.get("logprobs"), sent, None)]))
                         sent, n_records = sent + len(d["text"]), n_records + len(d.get("logprobs") or ())
@@ -131,8 +181,7 @@ class CompletionRoutes:
                 raise outcome["error"]
             out = outcome["out"]
             if first and role:
-                await emit(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None}]))
+                await emit(chunk([opening]))
             # what no delta carried: a held-back tail, a last partial character, their logprobs
             await emit(chunk([choice(out["text"][sent:], (out.get("logprobs") or [])[n_records:], sent,
                                      out["finish_reason"])]))

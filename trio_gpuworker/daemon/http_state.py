@@ -87,9 +87,17 @@ class StateRoutes:
     async def lane(self, params: dict[str, str], _: Any) -> tuple[int, Any]:
         return 200, lane_status(self.sup, self.sup.lane_status(self.admin.lane(params["lane"])))
 
+    async def _model_entry(self, model: str) -> dict[str, Any]:
+        """OpenAI's model object, with vLLM's `max_model_len` and the daemon's kind and lanes."""
+        m = self.sup.config.model(model)
+        return {"id": m.id, "object": "model", "created": 0, "owned_by": "trio-gpuworker", "kind": m.kind,
+                "max_model_len": await self.sup.model_len(m.id),
+                "lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.loads],
+                "ready_lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.models_loaded]}
+
     async def models(self, _: dict[str, str], __: Any) -> tuple[int, Any]:
-        data = [{"id": m.id, "object": "model", "created": 0, "owned_by": "trio-gpuworker", "kind": m.kind,
-                 "lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.loads],
-                 "ready_lanes": [ln.id for ln in self.sup.lanes.values() if m.id in ln.models_loaded]}
-                for m in self.sup.config.models]
-        return 200, {"object": "list", "data": data}
+        return 200, {"object": "list", "data": [await self._model_entry(m.id) for m in self.sup.config.models]}
+
+    async def model(self, params: dict[str, str], __: Any) -> tuple[int, Any]:
+        """GET /v1/models/{id}: one model object; ModelNotFound (404) for an id no model has."""
+        return 200, await self._model_entry(params["model"])

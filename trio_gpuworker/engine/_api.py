@@ -68,6 +68,7 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] | None = None
     logprobs: int | None = None  # alternatives to report per token
+    prompt_logprobs: int | None = None  # alternatives per prompt token: the PROMPT_LOGPROBS extension
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Generation:
     token_ids: Sequence[int] = ()
     finish_reason: str = "length"  # "stop" (the model ended it) or "length" (max_tokens reached)
     logprobs: list[dict[str, Any]] | None = None  # one record per token, when the request asked for them
+    prompt_logprobs: list[dict[str, Any]] | None = None  # one record per prompt token after the first, if asked
     n_gen: int | None = None  # tokens generated; default len(token_ids)
 
 

@@ -236,13 +236,13 @@ class Engine:
             raise WorkerError("grammar_unsupported", "this worker does not constrain decoding by grammar")
         request = GenerateRequest(msg.model_ref, model, prompt_ids(msg.raw), msg.max_tokens, bool(msg.stream),
                                   msg.temperature, msg.top_p, msg.top_k, msg.seed,
-                                  None if msg.stop is None else list(msg.stop), msg.logprobs)
+                                  None if msg.stop is None else list(msg.stop), msg.logprobs, msg.prompt_logprobs)
         ctx = Context(msg.req_id, report)
         out = _served(self._generation, request, ctx)
         ids = np.asarray(out.token_ids, dtype="<i4")
         return Text(req_id=msg.req_id, text=out.text, n_prompt=len(request.prompt),
                     n_gen=len(ids) if out.n_gen is None else out.n_gen, finish_reason=out.finish_reason,
-                    logprobs=out.logprobs, raw=ids.tobytes())
+                    logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs, raw=ids.tobytes())
 
     def _generation(self, request: GenerateRequest, ctx: Context) -> Generation:
         out = self.generate(request, ctx)

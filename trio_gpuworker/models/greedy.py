@@ -88,6 +88,21 @@ class GreedyDecoder(abc.ABC):
             nxt = self._prefill_step(chunk, s, len(chunk) - 1, slot)
         return nxt
 
+    def score_prompt(self, prompt_ids: np.ndarray, n_top: int,
+                     each: Callable[[], None] | None = None) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Each prompt token after the first: (its log probability after the tokens before it, the `n_top` most
+        likely ids there with theirs), as `token_logprobs` reports a generated token. The prompt runs one token per
+        decode step (the prefill graph's logits are its last row's only), so this costs a decode step a token; a
+        `generate` after it prefills anew. `each()` runs before every step (the worker's cancellation check)."""
+        ids = self.check_prompt(prompt_ids, 1)
+        out = []
+        for pos, token in enumerate(ids[:-1]):
+            if each is not None:
+                each()
+            self._decode_step(int(token), pos)
+            out.append(token_logprobs(self._logits(), int(ids[pos + 1]), n_top))
+        return out
+
     def check_prompt(self, prompt_ids: np.ndarray, max_tokens: int) -> np.ndarray:
         """The prompt as a flat integer array. ValueError when max_tokens < 1, or the prompt is empty, not
         integers, holds an id outside the vocabulary, or prompt + max_tokens exceeds max_context."""

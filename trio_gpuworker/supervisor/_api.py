@@ -99,10 +99,16 @@ class ServingApi:
                 text = prompt if messages is None else tok.apply_chat_template(messages, add_prompt)
                 return list(tok.encode(text, add_special=add_special))
 
-            return await self.tokenizers.off_loop(encode), ck.gen_context(mc)
+            return await self.tokenizers.off_loop(encode), await _completion.context_of(mc, self.tokenizers)
         encoder = await self.tokenizers.encoder_loaded(model)
         ids = await self.tokenizers.off_loop(lambda: encoder.encode_full(texts, special=add_special)[0])
         return ids.tolist(), mc.max_tokens
+
+    async def model_len(self, model: str) -> int:
+        """The most tokens the model takes: a generate model's context (its max_context, at most its GGUF's
+        context_length), an encoder's max_tokens."""
+        mc = self.config.model(model)
+        return mc.max_tokens if mc.encoder else await _completion.context_of(mc, self.tokenizers)
 
     async def detokenize(self, ids: list[int], *, model: str) -> str:
         """The text of token ids, special tokens included."""
@@ -302,18 +308,19 @@ class ServingApi:
 
     # --- generation ----------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | None = None, *, model: str, messages: list[dict[str, str]] | None = None,
-                       max_tokens: int = 16, grammar: str | None = None, timeout: float | None = None,
+    async def generate(self, prompt: str | list[int] | None = None, *, model: str,
+                       messages: list[dict[str, str]] | None = None, max_tokens: int | None = None,
+                       grammar: str | None = None, timeout: float | None = None,
                        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                        seed: int | None = None, stop: str | list[str] | None = None, logprobs: int | None = None,
-                       on_delta: OnDelta | None = None) -> dict[str, Any]:
+                       echo: bool = False, on_delta: OnDelta | None = None) -> dict[str, Any]:
         """Completion of `prompt`, or of `messages` through the model's chat template (daemon-side): see
         `CompletionRequest` for the arguments. `on_delta({text, n_gen, logprobs?})` streams the text as it is
         generated; the deltas joined are the answer's text. Returns {text, n_prompt, n_gen, finish_reason[,
         logprobs]}."""
         request = CompletionRequest(models=self.config, model=model, prompt=prompt, messages=messages,
                                     max_tokens=max_tokens, grammar=grammar, temperature=temperature, top_p=top_p,
-                                    top_k=top_k, seed=seed, stop=stop, logprobs=logprobs)
+                                    top_k=top_k, seed=seed, stop=stop, logprobs=logprobs, echo=echo)
         return await self.completion(request, timeout=timeout, on_delta=on_delta)
 
     async def completion(self, request: CompletionRequest, *, timeout: float | None = None,

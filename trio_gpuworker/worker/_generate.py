@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._proto import MAX_TOP_LOGPROBS
 from ..engine import Context, GenerateRequest, Generation
 from ..models.sampling import SamplingParams
 
@@ -86,11 +87,21 @@ def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
     records: list[dict[str, Any]] = []
     shown = 0  # records already sent in a TEXT_DELTA
 
+    def scored(token: int, lp: tuple[float, list[tuple[int, float]]]) -> dict[str, Any]:
+        word = lambda i: m.detokenizer.decode([i])  # noqa: E731
+        return {"token": word(token), "id": token, "logprob": lp[0],
+                "top": [{"token": word(i), "id": i, "logprob": v} for i, v in lp[1]]}
+
     def record(token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> None:
         if lp is not None:
-            word = lambda i: m.detokenizer.decode([i])  # noqa: E731
-            records.append({"token": word(token), "id": token, "logprob": lp[0],
-                            "top": [{"token": word(i), "id": i, "logprob": v} for i, v in lp[1]]})
+            records.append(scored(token, lp))
+
+    prompt_records = None
+    if request.prompt_logprobs is not None:  # the PROMPT_LOGPROBS extension: before the generation's prefill
+        if not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {request.prompt_logprobs}")
+        scores = m.impl.score_prompt(ids, request.prompt_logprobs, ctx.check)  # a CANCEL stops it between tokens
+        prompt_records = [scored(int(t), lp) for t, lp in zip(ids[1:], scores, strict=True)]
 
     def on_token(token: int, lp: tuple[float, list[tuple[int, float]]] | None) -> bool:
         nonlocal shown
@@ -116,7 +127,8 @@ def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
     else:
         text.finish()  # streamed: what no delta carried is in TEXT, whose text is all of it
         final = text.text[: text.sent]
-    return Generation(final, out, finish, records if params.logprobs is not None else None)
+    return Generation(final, out, finish, records if params.logprobs is not None else None,
+                      prompt_logprobs=prompt_records)
 
 
 __all__ = ["TextStream", "generate", "sampling_params"]
