@@ -22,6 +22,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from . import _api_checks as ck
+from . import _structured as structured
 from ._config import ModelConfig, SupervisorConfig
 from ._errors import InvalidRequest, RequestTooLarge, UnsupportedField
 from ._kinds import EMBEDDING, RERANK, check_serves
@@ -288,16 +289,18 @@ class CompletionRequest(ApiRequest):
         "completions": {**_ONE_CHOICE, "best_of": ck.only(1, "one candidate per request"),
                         "echo": ck.only(False, "the prompt is not echoed"),
                         "suffix": ck.never("insertion is not implemented")},
-        "chat": {**_ONE_CHOICE, "tools": ck.only([], "tool calls are not implemented"),
-                 "tool_choice": ck.only("none", "tool calls are not implemented"),
-                 "response_format": ck.only({"type": "text"}, "structured output is not implemented (see 'grammar')")},
+        "chat": {**_ONE_CHOICE},
     }
 
     prompt: str | None = arg(None, body={"completions": ("prompt",)})
     messages: list[dict[str, str]] | None = arg(None, body={"chat": ("messages",)})
     max_tokens: int = arg(DEFAULT_GEN_TOKENS, body={"completions": ("max_tokens",),
                                                     "chat": ("max_tokens", "max_completion_tokens")})
-    grammar: str | None = arg(None)
+    grammar: str | None = arg(None)  # Lark or GBNF (docs/http-api.md, 'Structured output')
+    response_format: dict[str, Any] | None = arg(None, body={"chat": ("response_format",)})
+    tools: list[dict[str, Any]] | None = arg(None, body={"chat": ("tools",)})
+    tool_choice: str | dict[str, Any] | None = arg(None, body={"chat": ("tool_choice",)})
+    parallel_tool_calls: bool = arg(True, body={"chat": ("parallel_tool_calls",)})  # an answer has at most one
     temperature: float | None = arg(None)
     top_p: float | None = arg(None)
     top_k: int | None = arg(None)
@@ -308,12 +311,15 @@ class CompletionRequest(ApiRequest):
     include_usage: bool = arg(False, body={s: ("stream_options",) for s in _BOTH})  # a streamed answer's usage
     user: str | None = arg(None)
     sampling: dict[str, Any] = derived()  # GENERATE's sampling fields: only those that change the answer
+    constraint: str | None = derived()  # GENERATE's grammar: of `grammar`, `response_format` or `tools`
+    tool_mode: str = derived()  # "none", "auto" or "call": how the answer's text is read back (_structured.py)
     texts: list[str] = derived()  # what the prompt is made of, for the admission bound
 
     def _check(self, mc: ModelConfig) -> None:
         context = ck.gen_context(mc)
         self._set(max_tokens=ck.check_max_tokens(self.max_tokens, context - 1),
                   grammar=ck.check_text(self.grammar, "grammar") or None)
+        self._constrain()
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
         self._set(sampling=self._sampling())
@@ -331,6 +337,23 @@ class CompletionRequest(ApiRequest):
         self._set(stream=ck.check_flag(self.stream, "stream", False),
                   include_usage=ck.check_flag(self.include_usage, "include_usage", False),
                   user=ck.check_text(self.user, "user"))
+
+    def _constrain(self) -> None:
+        """The one grammar of `grammar`, `response_format` or `tools` (at most one of them constrains), checked by
+        the grammar engine now, before any token (GrammarRefused, naming the field)."""
+        self._set(parallel_tool_calls=ck.check_flag(self.parallel_tool_calls, "parallel_tool_calls", True))
+        by_format = None if self.response_format is None else structured.response_format_grammar(self.response_format)
+        by_tools, mode = structured.tools_grammar(self.tools, self.tool_choice)
+        given = {k: v for k, v in (("grammar", self.grammar), ("response_format", by_format), ("tools", by_tools))
+                 if v is not None}
+        if len(given) > 1:
+            raise InvalidRequest(f"{' and '.join(given)} each constrain the answer: give one of them")
+        constraint = None
+        if given:
+            (field, text), = given.items()
+            lark = structured.raw_grammar(text) if field == "grammar" else text
+            constraint = structured.check_grammar(lark, field)
+        self._set(constraint=constraint, tool_mode=mode)
 
     def _sampling(self) -> dict[str, Any]:
         """GENERATE's sampling fields, each checked; only those that change the answer (temperature 0 is greedy,
@@ -376,7 +399,7 @@ class CompletionRequest(ApiRequest):
 
     def to_wire(self, ids: np.ndarray, *, stream: bool) -> Generate:
         """The GENERATE of the prompt's token ids; `stream`: TEXT_DELTAs as the text is generated."""
-        return Generate(model_ref=self.model, max_tokens=self.max_tokens, grammar=self.grammar,
+        return Generate(model_ref=self.model, max_tokens=self.max_tokens, grammar=self.constraint,
                         stream=True if stream else None, **self.sampling, raw=ids.astype("<i4").tobytes())
 
 

@@ -21,6 +21,9 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
   (OBJECTS_LOADED's row columns), instead of OBJECTS_LOADED's CBOR rows: no encoding, check or decoding per row.
 - POOLING: EMBED_BATCH `pooling` beyond the reference's `mean` and `cls`: `max` (each dimension's largest value over
   the tokens) and `lasttoken` (the last token's state), as sentence-transformers pools.
+- GRAMMAR: GENERATE `grammar` (a field v3 has, which its workers refuse): a Lark grammar in llguidance's dialect
+  (which also reads GBNF, and embeds a JSON Schema as `%json {...}`); the worker masks the logits of every step
+  with it, greedy and sampled, so the text is a sentence of the grammar or a prefix of one cut by max_tokens.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ CANCEL = "gpuworker.cancel"
 PACKED = "gpuworker.packed_generation"
 LOADED_BLOCK = "gpuworker.loaded_block"
 POOLING = "gpuworker.pooling"
-ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK, POOLING)
+GRAMMAR = "gpuworker.grammar"
+ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK, POOLING, GRAMMAR)
 
 V3_POOLINGS = ("mean", "cls")  # the reference's EMBED_BATCH poolings
 MORE_POOLINGS = ("max", "lasttoken")  # the POOLING extension's
@@ -71,6 +75,8 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
         need.add(SAMPLING)
     if fields.get("max_tokens", 0) > V3_MAX_GEN_TOKENS:
         need.add(LONG)
+    if fields.get("grammar"):
+        need.add(GRAMMAR)
     return frozenset(need)
 
 
@@ -78,10 +84,11 @@ def describe(missing: frozenset[str]) -> str:
     what = {STREAM: "streamed text", SAMPLING: "sampling, stop sequences or logprobs",
             LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation",
             PACKED: "batched generation", LOADED_BLOCK: "binary ingress completions",
-            POOLING: f"pooling {' or '.join(MORE_POOLINGS)}"}
+            POOLING: f"pooling {' or '.join(MORE_POOLINGS)}",
+            GRAMMAR: "grammar-constrained decoding (grammar, response_format, tools)"}
     return ", ".join(what[m] for m in sorted(missing))
 
 
-__all__ = ["ALL", "CANCEL", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "MORE_POOLINGS", "PACKED", "PACKED_SLOTS",
-           "POOLING", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "V3_POOLINGS", "advertised",
-           "describe", "required"]
+__all__ = ["ALL", "CANCEL", "GRAMMAR", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "MORE_POOLINGS", "PACKED",
+           "PACKED_SLOTS", "POOLING", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "V3_POOLINGS",
+           "advertised", "describe", "required"]

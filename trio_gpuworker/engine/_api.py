@@ -68,6 +68,7 @@ class GenerateRequest:
     seed: int | None = None
     stop: list[str] | None = None
     logprobs: int | None = None  # alternatives to report per token
+    grammar: str | None = None  # the GRAMMAR extension's: a Lark grammar the tokens must follow (engines with it)
 
 
 @dataclass(frozen=True)
