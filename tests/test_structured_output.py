@@ -1,0 +1,265 @@
+"""Structured output against a real daemon and its real tinygrad worker serving a tiny random-weight model:
+`response_format`, `tools` / `tool_choice` and a raw `grammar` constrain every token, greedy and sampled, and what
+the engine cannot compile is a 400 before any token (docs/http-api.md, 'Structured output').
+
+A random model left alone writes anything; under a constraint its every answer must parse and validate, which
+`jsonschema` (an independent validator) and Python's `re` check. Constrained greedy decoding is also replayed by
+the independent numpy decoder (tests/reference_llama.py) with the grammar's allowed set computed by brute force
+over a finite language, token for token."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.daemon_process import TINY_LM, tiny_daemon
+from tests.reference_llama import NumpyLlama
+from trio_gpuworker._structured import TOOL_CALL_TAG
+from trio_gpuworker.llm_tokenizer import ChatTokenizer
+
+pytestmark = pytest.mark.slow
+ASK = [{"role": "user", "content": "Answer in JSON."}]
+MAX_TOKENS = 300  # bounded schemas below need far fewer: a "length" finish is a failure here
+SAMPLED = {"temperature": 1.0, "seed": 11}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "admin": {"type": "boolean"}},
+          "required": ["name", "age", "admin"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Path]]:
+    folder = tmp_path_factory.mktemp("structured")
+    with tiny_daemon(folder) as base, httpx.Client(base_url=base, timeout=120) as client:
+        yield client, folder / "tiny.gguf"
+
+
+@pytest.fixture(scope="module")
+def http(daemon: tuple[httpx.Client, Path]) -> httpx.Client:
+    return daemon[0]
+
+
+def chat(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    r = http.post("/v1/chat/completions", json={"model": TINY_LM, "messages": ASK, "max_tokens": MAX_TOKENS, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def refused(http: httpx.Client, path: str = "/v1/chat/completions", **body: Any) -> dict[str, Any]:
+    start = {"messages": ASK} if path.endswith("chat/completions") else {"prompt": "x"}
+    r = http.post(path, json={"model": TINY_LM, "max_tokens": 8, **start, **body})
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def content(answer: dict[str, Any]) -> str:
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop", choice  # ended by the grammar, not cut by max_tokens
+    return choice["message"]["content"]
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_json_object_and_json_schema(http: httpx.Client, sampling: dict[str, Any]) -> None:
+    assert isinstance(json.loads(content(chat(http, response_format={"type": "json_object"}, **sampling))), dict)
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    jsonschema.validate(json.loads(content(chat(http, response_format=rf, **sampling))), PERSON)
+
+
+def test_the_unconstrained_model_does_not_write_json_by_itself(http: httpx.Client) -> None:
+    """The constraint is what makes the answers above JSON: the same request without it writes none."""
+    text = chat(http, max_tokens=24)["choices"][0]["message"]["content"]
+    with pytest.raises(ValueError):
+        json.loads(text)
+    assert chat(http, max_tokens=24, response_format={"type": "text"})["choices"][0]["message"]["content"] == text
+
+
+@pytest.mark.parametrize("sampling", [{}, SAMPLED], ids=["greedy", "sampled"])
+def test_required_and_named_tool_calls(http: httpx.Client, sampling: dict[str, Any]) -> None:
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for choice, names in (("required", set(schemas)), ({"type": "function", "function": {"name": "get_time"}},
+                                                       {"get_time"})):
+        out = chat(http, tools=[WEATHER, TIME], tool_choice=choice, **sampling)["choices"][0]
+        assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None
+        (call,) = out["message"]["tool_calls"]
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def test_tool_choice_auto_and_none(http: httpx.Client) -> None:
+    """"auto": free text or a tool call, whichever the model writes; "none": plain text, as without tools."""
+    for seed in range(4):
+        out = chat(http, tools=[WEATHER], max_tokens=40, temperature=1.0, seed=seed)["choices"][0]
+        if out["finish_reason"] == "tool_calls":
+            (call,) = out["message"]["tool_calls"]
+            jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+        else:
+            assert not out["message"]["content"].startswith(TOOL_CALL_TAG) and "tool_calls" not in out["message"]
+    plain = chat(http, max_tokens=12)["choices"][0]["message"]["content"]
+    none = chat(http, max_tokens=12, tools=[WEATHER], tool_choice="none")["choices"][0]
+    assert none["message"]["content"] == plain and none["finish_reason"] == "length"
+
+
+def test_tool_call_streamed_as_openai_streams_it(http: httpx.Client) -> None:
+    body = {"model": TINY_LM, "messages": ASK, "max_tokens": MAX_TOKENS, "tools": [WEATHER],
+            "tool_choice": "required", "stream": True, "stream_options": {"include_usage": True}}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    whole = chat(http, tools=[WEATHER], tool_choice="required")["choices"][0]["message"]["tool_calls"][0]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0]["role"] == "assistant"
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["function"]["name"] == "get_weather"
+    assert "".join(c["function"]["arguments"] for c in calls) == whole["function"]["arguments"]  # greedy: the same
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "tool_calls"
+    assert events[-1]["usage"]["completion_tokens"] > 0
+
+
+def test_raw_grammar_gbnf_and_lark(http: httpx.Client) -> None:
+    gbnf = r'root ::= "id-" [0-9] [0-9] [0-9] ("-" ("a" | "b"))?'
+    lark = 'start: "x" NUM "y"\nNUM: /[1-9][0-9]?/'
+    for grammar, pattern in ((gbnf, r"id-[0-9]{3}(-[ab])?"), (lark, r"x[1-9][0-9]?y")):
+        for sampling in ({}, SAMPLED):
+            assert re.fullmatch(pattern, content(chat(http, grammar=grammar, **sampling)))
+            r = http.post("/v1/completions", json={"model": TINY_LM, "prompt": "Say", "max_tokens": 16,
+                                                   "grammar": grammar, **sampling})
+            assert r.status_code == 200 and re.fullmatch(pattern, r.json()["choices"][0]["text"]), r.text
+
+
+def test_what_the_engine_or_the_api_refuses(http: httpx.Client) -> None:
+    for rf, param, what in (
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "response_format",
+         "nonsense"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}},
+         "response_format", "look-around"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}}},
+         "response_format", "missing"),
+    ):
+        err = refused(http, response_format=rf)
+        assert (err["code"], err["param"]) == ("grammar_invalid", param) and what in err["message"], err
+    err = refused(http, grammar="root ::= undefined_rule")
+    assert (err["code"], err["param"]) == ("grammar_invalid", "grammar") and "undefined_rule" in err["message"]
+    assert refused(http, "/v1/completions", grammar="start: (")["code"] == "grammar_invalid"
+    for body, what in (
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "name"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "give one of them"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+        ({"tool_choice": "required"}, "needs 'tools'"),
+        ({"tools": [WEATHER, WEATHER]}, "a second function"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ):
+        err = refused(http, **body)
+        assert err["code"] == "invalid_request" and what in err["message"], (body, err)
+    err = refused(http, response_format={"type": "json_object", "extra": 1})
+    assert (err["code"], err["param"]) == ("unsupported_field", "response_format.extra")
+
+
+def test_constrained_greedy_matches_the_numpy_reference(daemon: tuple[httpx.Client, Path]) -> None:
+    """Greedy under a grammar of a finite language: at each step the reference decoder's logits, masked to the
+    tokens that keep the text a prefix of a sentence (end-of-generation once it is one), give the same argmax
+    the worker picked. The allowed set here is brute force over the token strings, not llguidance."""
+    http, path = daemon
+    words = ["alpha", "alpine", "al", "beta", "b", "gamma ray", "[]{}"]
+    grammar = "root ::= " + " | ".join(json.dumps(w) for w in words)
+    prompt = "Pick one word:"
+    r = http.post("/v1/completions", json={"model": TINY_LM, "prompt": prompt, "max_tokens": 16, "grammar": grammar})
+    assert r.status_code == 200, r.text
+    got = r.json()["choices"][0]["text"]
+    tok = ChatTokenizer.from_gguf(path)
+    vocab = [tok.decode([i]) for i in range(tok.tokenizer.get_vocab_size())]
+    ref = NumpyLlama(path)
+    ids, text = tok.encode(prompt, add_special=True), ""
+    for _ in range(16):
+        ref.generate(ids, 1)
+        logits = ref.logits[-1]
+        allowed = np.array([bool(v) and any(w.startswith(text + v) for w in words) for v in vocab])
+        for e in tok.eos_ids:
+            allowed[e] = text in words
+        nxt = int(np.argmax(np.where(allowed, logits, -np.inf)))
+        if nxt in tok.eos_ids:
+            break
+        ids, text = [*ids, nxt], text + vocab[nxt]
+        if not any(w.startswith(text) and w != text for w in words):
+            break  # nothing may follow: the worker ends here without asking the model
+    assert got == text and got in words
+
+
+# --- property: generated schemas ----------------------------------------------------------------------------------
+
+LEAVES = st.one_of(
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.integers(-50, 50).flatmap(lambda lo: st.integers(lo, lo + 500).map(
+        lambda hi: {"type": "integer", "minimum": lo, "maximum": hi})),
+    st.integers(0, 6).map(lambda n: {"type": "string", "maxLength": n}),
+    st.lists(st.text("abcxyz ", min_size=1, max_size=5), min_size=1, max_size=4, unique=True).map(
+        lambda v: {"enum": v}),
+)
+
+
+def _object(props: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:
+    return st.sets(st.sampled_from(sorted(props)), max_size=len(props)).map(
+        lambda req: {"type": "object", "properties": props, "required": sorted(req), "additionalProperties": False})
+
+
+SCHEMAS = st.recursive(
+    LEAVES,
+    lambda inner: st.one_of(
+        st.tuples(inner, st.integers(0, 3)).map(lambda t: {"type": "array", "items": t[0], "maxItems": t[1]}),
+        st.dictionaries(st.text("abkmnpqz", min_size=1, max_size=4), inner, min_size=1, max_size=3).flatmap(_object),
+        st.lists(inner, min_size=2, max_size=3).map(lambda alts: {"anyOf": alts}),
+    ),
+    max_leaves=6,
+)
+PROPERTY = settings(max_examples=12, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(schema=SCHEMAS, sampled=st.booleans())
+def test_every_constrained_answer_validates(http: httpx.Client, schema: dict[str, Any], sampled: bool) -> None:
+    rf = {"type": "json_schema", "json_schema": {"name": "generated", "schema": schema}}
+    answer = chat(http, response_format=rf, **(SAMPLED if sampled else {}))
+    jsonschema.validate(json.loads(content(answer)), schema)
+
+
+BAD = st.one_of(
+    st.text("abcdefgh", min_size=1, max_size=8).filter(
+        lambda t: t not in ("array", "boolean", "integer", "null", "number", "object", "string")).map(
+        lambda t: {"type": t}),
+    st.sampled_from(["(?=a)", "(?<!b)c", "a\\Z(?=x)"]).map(lambda p: {"type": "string", "pattern": p}),
+    st.text("abcdef", min_size=1, max_size=6).map(lambda name: {"$ref": f"#/$defs/{name}"}),
+)
+
+
+@PROPERTY
+@given(schema=BAD, where=st.sampled_from(["response_format", "tools"]))
+def test_a_schema_the_engine_refuses_is_a_400(http: httpx.Client, schema: dict[str, Any], where: str) -> None:
+    if where == "tools":
+        body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+                "tool_choice": "required"}
+    else:
+        body = {"response_format": {"type": "json_schema", "json_schema": {"name": "bad", "schema": schema}}}
+    err = refused(http, **body)
+    assert (err["code"], err["param"]) == ("grammar_invalid", where), err
