@@ -30,7 +30,7 @@ TOOL_CHOICES = ("none", "auto", "required")
 _CHECKED = 1024  # distinct grammars whose check is kept
 
 
-COMPACT = {"whitespace_flexible": False}  # llguidance's JSON layout: `, ` and `: ` between items, no other space
+COMPACT = {"whitespace_flexible": False}  # llguidance's JSON layout: `,` and `:` between items, no whitespace
 
 
 def _compact(schema: Any) -> Any:
