@@ -9,6 +9,7 @@ over a finite language, token for token."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 from collections.abc import Iterator
@@ -22,8 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.daemon_process import TINY_LM, tiny_daemon
+from tests.daemon_process import CONTEXT, TINY_LM, tiny_daemon
 from tests.reference_llama import NumpyLlama
+from trio_gpuworker import _structured as structured
 from trio_gpuworker._structured import TOOL_CALL_TAG
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 
@@ -203,6 +205,54 @@ def test_constrained_greedy_matches_the_numpy_reference(daemon: tuple[httpx.Clie
         if not any(w.startswith(text) and w != text for w in words):
             break  # nothing may follow: the worker ends here without asking the model
     assert got == text and got in words
+
+
+def test_a_batch_masks_each_sequence_as_it_is_masked_alone(daemon: tuple[httpx.Client, Path]) -> None:
+    """Sequences decoded together (models/batched.py), each under its own grammar or none, greedy and seeded
+    sampled, joining at different steps: each gets the ids and finish it gets from generate() alone."""
+    from trio_gpuworker.models.batched import Batch
+    from trio_gpuworker.models.constraint import Grammars
+    from trio_gpuworker.models.llama_fused import FusedLlamaLM
+    from trio_gpuworker.models.sampling import GREEDY, SamplingParams
+
+    path = daemon[1]
+    lm = FusedLlamaLM.load(path, max_context=CONTEXT)
+    tok = ChatTokenizer.from_gguf(path)
+    grammars = Grammars(tok.tokenizer, lm.vocab_size, lm.eos_ids)
+    person = structured.response_format_grammar({"type": "json_schema",
+                                                 "json_schema": {"name": "p", "schema": PERSON}})
+    runs = [("Who is it?", GREEDY, person), ("Name one", SamplingParams(temperature=1.0, seed=3), person),
+            ("x", GREEDY, None), ("Yes or no?", SamplingParams(temperature=0.7, top_p=0.9, seed=8),
+                                  'root ::= "yes" | "no" | "maybe so"')]
+    prompts = [np.array(tok.encode(text), np.int32) for text, _, _ in runs]
+    alone = [lm.generate(p, 120, sampling=s, constraint=grammars.constraint(g) if g else None)
+             for p, (_, s, g) in zip(prompts, runs, strict=True)]
+    batch, seqs = Batch(lm), []
+    for i, (p, (_, s, g)) in enumerate(zip(prompts, runs, strict=True)):
+        seqs.append(batch.join(p, 120, sampling=s, constraint=grammars.constraint(g) if g else None))
+        for _ in range(i * 3):  # the next joins a few steps later
+            batch.step()
+    while batch.live:
+        batch.step()
+    assert [(s.ids, s.finish) for s in seqs] == alone
+    for ids, _ in alone[:2]:
+        jsonschema.validate(json.loads(tok.decode(ids, skip_special=True)), PERSON)
+    assert tok.decode(alone[3][0]) in ("yes", "no", "maybe so")
+
+
+def test_concurrent_constrained_requests(http: httpx.Client) -> None:
+    """Requests at once (the daemon decodes them together): each answer validates, the greedy one as alone."""
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    lone = content(chat(http, response_format=rf))
+    bodies = [{"response_format": rf}, {"response_format": rf, **SAMPLED}, {"grammar": 'root ::= "yes" | "no"'},
+              {"tools": [WEATHER], "tool_choice": "required", "temperature": 0.5, "seed": 2}]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: chat(http, **b), bodies))
+    assert content(answers[0]) == lone
+    jsonschema.validate(json.loads(content(answers[1])), PERSON)
+    assert content(answers[2]) in ("yes", "no")
+    (call,) = answers[3]["choices"][0]["message"]["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
 
 
 # --- property: generated schemas ----------------------------------------------------------------------------------

@@ -170,20 +170,21 @@ class GreedyDecoder(abc.ABC):
             nxt = self._decode_step(nxt, pos)
             pos += 1
 
-    def _constrained(self, nxt: int, constraint: Constraint,
-                     sampler: Sampler) -> tuple[int, tuple[float, list[tuple[int, float]]] | None]:
-        """The next token under `constraint` (taken by it), and its logprobs if asked. Greedy keeps the kernel's
-        argmax when the grammar allows it (then it is also the masked argmax), reading no logits; otherwise the
-        pick is over the masked logits. Logprobs are the model's own, unmasked."""
+    def _constrained(self, nxt: int, constraint: Constraint, sampler: Sampler,
+                     row: int = 0) -> tuple[int, tuple[float, list[tuple[int, float]]] | None]:
+        """The next token under `constraint` (taken by it) from the last step's logits row `row`, and its logprobs
+        if asked. Greedy keeps the kernel's argmax `nxt` when the grammar allows it (then it is also the masked
+        argmax), reading no logits; otherwise the pick is over the masked logits. Logprobs are the model's own,
+        unmasked. Shared by generate() and a batch's sequences (models/batched.py)."""
         p = sampler.params
         logits = None
         if not (p.greedy and constraint.allows(nxt)):
-            logits = self._logits()
+            logits = self._logits(row)
             nxt = sampler.pick(constraint.masked(logits))
             constraint.take(nxt)
         if p.logprobs is None:
             return nxt, None
-        return nxt, token_logprobs(self._logits() if logits is None else logits, nxt, p.logprobs)
+        return nxt, token_logprobs(self._logits(row) if logits is None else logits, nxt, p.logprobs)
 
 
 OnToken = Callable[[int, "tuple[float, list[tuple[int, float]]] | None"], bool]
