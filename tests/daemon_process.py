@@ -3,6 +3,7 @@ drive it with the real client libraries over HTTP: one daemon per test module (a
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -16,11 +17,14 @@ from pathlib import Path
 import httpx
 
 from tests.state import SESSION_STATE, short_dir
-from tests.tiny_gguf import Dims, write_llama
+from tests.tiny_gguf import CHATML, DEFAULT_VOCAB, Dims, write_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LM = "tiny-lm"
-CONTEXT = 512  # room for a prompt and a few hundred constrained tokens
+# ChatML, with the tools described in a system turn first, as tool-calling models' templates do
+TOOLS_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}{% endif %}"
+                  + CHATML)
+CONTEXT = 2048  # room for a prompt with tools (a byte-level vocabulary: a token a byte) and constrained tokens
 START_S = 300.0  # a loaded 2-vCPU machine compiles the tiny model's kernels in well under this
 
 
@@ -34,7 +38,8 @@ def _free_port() -> int:
 def tiny_daemon(folder: Path) -> Iterator[str]:
     """The base URL of a `gpuworkerd` serving TINY_LM (random weights, byte-level vocabulary) from one lane, once
     /readyz answers 200; on exit SIGTERM, and the daemon (which stops its worker) is waited for."""
-    path = write_llama(folder / "tiny.gguf", {}, Dims(context=CONTEXT), seed=3)
+    path = write_llama(folder / "tiny.gguf", {}, Dims(context=CONTEXT), seed=3,
+                       vocab=dataclasses.replace(DEFAULT_VOCAB, template=TOOLS_TEMPLATE))
     port = _free_port()
     config = folder / "gpuworkerd.toml"
     config.write_text(f'[http]\nlisten = "127.0.0.1:{port}"\n'
@@ -71,4 +76,4 @@ def tiny_daemon(folder: Path) -> Iterator[str]:
         log.close()
 
 
-__all__ = ["CONTEXT", "TINY_LM", "tiny_daemon"]
+__all__ = ["CONTEXT", "TINY_LM", "TOOLS_TEMPLATE", "tiny_daemon"]

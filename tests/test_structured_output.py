@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jinja2
 import jsonschema
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.daemon_process import CONTEXT, TINY_LM, tiny_daemon
+from tests.daemon_process import CONTEXT, TINY_LM, TOOLS_TEMPLATE, tiny_daemon
 from tests.reference_llama import NumpyLlama
 from trio_gpuworker import _structured as structured
 from trio_gpuworker._structured import TOOL_CALL_TAG
@@ -118,6 +119,24 @@ def test_tool_choice_auto_and_none(http: httpx.Client) -> None:
     plain = chat(http, max_tokens=12)["choices"][0]["message"]["content"]
     none = chat(http, max_tokens=12, tools=[WEATHER], tool_choice="none")["choices"][0]
     assert none["message"]["content"] == plain and none["finish_reason"] == "length"
+
+
+def test_the_tools_are_described_in_the_prompt(daemon: tuple[httpx.Client, Path]) -> None:
+    """A template that renders `tools` gets the tools the model may call (none with tool_choice "none"): the prompt's
+    token count is that of the template rendered by plain jinja2 with them."""
+    http, path = daemon
+    tok = ChatTokenizer.from_gguf(path)
+    template = jinja2.Environment()
+    template.filters["tojson"] = lambda x: json.dumps(x, ensure_ascii=False)
+    render = template.from_string(TOOLS_TEMPLATE)
+
+    def n_prompt(tools: list[dict[str, Any]] | None) -> int:
+        return len(tok.encode(render.render(messages=ASK, tools=tools, add_generation_prompt=True)))
+
+    for choice, described in (("required", [WEATHER, TIME]), ("auto", [WEATHER, TIME]), ("none", None)):
+        out = chat(http, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=4)
+        assert out["usage"]["prompt_tokens"] == n_prompt(described), choice
+    assert n_prompt([WEATHER, TIME]) > n_prompt(None) + 100
 
 
 def test_tool_call_streamed_as_openai_streams_it(http: httpx.Client) -> None:

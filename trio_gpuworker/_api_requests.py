@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -325,7 +326,9 @@ class CompletionRequest(ApiRequest):
         self._set(sampling=self._sampling())
         if self.messages is not None:
             messages = ck.check_messages(self.messages)
-            self._set(messages=messages, texts=[m["content"] for m in messages] + [m["role"] for m in messages])
+            tools = [json.dumps(self.template_tools)] if self.template_tools else []  # rendered into the prompt
+            self._set(messages=messages,
+                      texts=[m["content"] for m in messages] + [m["role"] for m in messages] + tools)
         elif not isinstance(self.prompt, str) or not self.prompt:
             raise InvalidRequest("prompt must be a non-empty string (one prompt per request)")
         else:
@@ -378,6 +381,11 @@ class CompletionRequest(ApiRequest):
         if (lp := ck.check_integer(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)) is not None:
             out["logprobs"] = lp
         return out
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template describes to the model: those it may call (none with tool_choice "none")."""
+        return self.tools if self.tool_mode != "none" else None
 
     @property
     def template_bytes(self) -> int:

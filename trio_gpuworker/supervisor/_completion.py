@@ -45,7 +45,8 @@ async def _prompt_ids(request: CompletionRequest, tokenizers: Tokenizers) -> np.
         # a plain prompt gets the BOS its GGUF asks for; a chat template writes its own specials
         if messages is None:
             return np.asarray(tok.encode(request.prompt, add_special=True), dtype="<i4")
-        return np.asarray(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)), dtype="<i4")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=request.template_tools)
+        return np.asarray(tok.encode(text), dtype="<i4")
 
     ids = await tokenizers.off_loop(encode)
     if len(ids) + max_tokens > context:
