@@ -177,6 +177,9 @@ def test_what_the_engine_or_the_api_refuses(http: httpx.Client) -> None:
     ):
         err = refused(http, response_format=rf)
         assert (err["code"], err["param"]) == ("grammar_invalid", param) and what in err["message"], err
+    huge = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [f"v{i:06d}" for i in range(8000)]}}}
+    err = refused(http, response_format=huge)
+    assert (err["code"], err["param"]) == ("grammar_invalid", "response_format") and "at most" in err["message"]
     err = refused(http, grammar="root ::= undefined_rule")
     assert (err["code"], err["param"]) == ("grammar_invalid", "grammar") and "undefined_rule" in err["message"]
     assert refused(http, "/v1/completions", grammar="start: (")["code"] == "grammar_invalid"

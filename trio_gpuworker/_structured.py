@@ -14,9 +14,10 @@ free text or `TOOL_CALL_TAG` followed by that object. `tool_call()` reads an ans
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import secrets
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ import llguidance
 from ._errors import GrammarRefused, InvalidRequest, UnsupportedField
 
 TOOL_CALL_TAG = "<tool_call>"  # tool_choice "auto": what begins a tool call instead of free text
-MAX_GRAMMAR_CHARS = 256 * 1024  # a grammar or schema, as JSON: larger is refused unread
+MAX_GRAMMAR_CHARS = 64 * 1024  # a grammar (a schema as Lark): larger is refused unchecked (the check runs on the loop)
 TOOL_CHOICES = ("none", "auto", "required")
 _CHECKED = 1024  # distinct grammars whose check is kept
 
@@ -159,9 +160,19 @@ def raw_grammar(text: str) -> str:
         raise GrammarRefused("grammar", f"is not a grammar llguidance reads: {exc}") from None
 
 
-@functools.lru_cache(maxsize=_CHECKED)
+_problems: OrderedDict[bytes, str] = OrderedDict()  # a grammar's digest -> what llguidance refused ("" if nothing)
+
+
 def _problem(lark: str) -> str:
-    return str(llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark)))
+    """llguidance's verdict on `lark`, kept per digest (a grammar may be large: its text is not kept)."""
+    key = hashlib.sha256(lark.encode("utf-8", "surrogatepass")).digest()
+    found = _problems.pop(key, None)  # taken out and put back last: the most recently used stay
+    if found is None:
+        found = str(llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(lark)))
+    _problems[key] = found
+    while len(_problems) > _CHECKED:
+        _problems.popitem(last=False)
+    return found
 
 
 def check_grammar(lark: str, field: str) -> str:
