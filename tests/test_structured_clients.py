@@ -62,6 +62,10 @@ def test_openai_parse_with_a_pydantic_model(client: openai.OpenAI, temperature: 
     msg = out.choices[0].message
     assert out.choices[0].finish_reason == "stop"
     assert isinstance(msg.parsed, Person) and msg.parsed == Person.model_validate_json(msg.content)
+    with client.chat.completions.stream(model=TINY_LM, messages=ASK, response_format=Person, max_tokens=MAX_TOKENS,
+                                        temperature=temperature, seed=5) as stream:
+        streamed = stream.get_final_completion().choices[0].message
+    assert streamed.parsed == msg.parsed  # greedy, or the same seed: the same answer, streamed
 
 
 def test_openai_tools_with_a_forced_function(client: openai.OpenAI) -> None:
