@@ -1,9 +1,10 @@
 """Greedy generation with SmolLM2-135M-Instruct (Q4_1 GGUF), same prompts, one run: tokens/s and time
 to first token of the daemon (Supervisor -> worker process, its device's default decoder), of both decoders
 in process (fused: CPU's default; graph: tinygrad-generated kernels, what other devices run), and of the
-independent numpy reference decoder (tests/reference_llama.py).
+independent numpy reference decoder (tests/reference_llama.py); then constrained decoding's cost: greedy and
+sampled under a JSON Schema grammar (models/constraint.py) against the same unconstrained, interleaved.
 
-    .venv/bin/python bench/generate.py [--max-tokens 32] [--daemon-only]
+    .venv/bin/python bench/generate.py [--max-tokens 32] [--daemon-only | --constrained-only]
 """
 
 from __future__ import annotations
@@ -82,6 +83,44 @@ def inprocess_run(ids: list[np.ndarray], max_tokens: int, decoder: str,
     return out
 
 
+# constrained decoding's bench: a JSON object whose one string the model fills until max_tokens, so every step
+# is masked (the kernel's argmax checked against the grammar, the logits masked where it refuses one)
+ANSWER_SCHEMA = ('start: %json {"x-guidance": {"whitespace_flexible": false}, "type": "object", '
+                 '"properties": {"answer": {"type": "string"}}, "required": ["answer"], '
+                 '"additionalProperties": false}')
+
+
+def constrained_vs_plain(ids: list[np.ndarray], max_tokens: int, rounds: int = 3) -> str:
+    """Constrained decoding's cost: the fused decoder loaded once, each prompt generated plain and under
+    ANSWER_SCHEMA in turn (greedy, then sampled), `rounds` times, so load on a shared machine falls on both sides
+    alike. Tokens/s over all runs, first token included, and the decode steps' alone (ms/token after the first)."""
+    from trio_gpuworker.models.constraint import Grammars
+    from trio_gpuworker.models.llama_fused import FusedLlamaLM
+
+    lm = FusedLlamaLM.load(gguf_path())
+    grammars = Grammars(ChatTokenizer.from_gguf(gguf_path()).tokenizer, lm.vocab_size, lm.eos_ids)
+    grammars.constraint(ANSWER_SCHEMA)  # compiled once, as a worker keeps it
+    rows: dict[tuple[str, bool], list[tuple[float, float, int]]] = {}
+    for _ in range(rounds):
+        for p in ids:
+            for sampling in (GREEDY, SamplingParams(temperature=0.8, top_p=0.95, seed=1)):
+                for constrained in (False, True):
+                    first: list[float] = []
+                    constraint = grammars.constraint(ANSWER_SCHEMA) if constrained else None
+                    t0 = time.perf_counter()
+                    gen, _ = lm.generate(p, max_tokens, lambda n: first.append(time.perf_counter()) if n == 1
+                                         else None, sampling=sampling, constraint=constraint)
+                    key = ("greedy" if sampling.greedy else "sampled", constrained)
+                    rows.setdefault(key, []).append((first[0] - t0, time.perf_counter() - t0, len(gen)))
+    out = []
+    for what in ("greedy", "sampled"):
+        (r0, _, s0), (r1, _, s1) = summary(rows[(what, False)]), summary(rows[(what, True)])
+        n0, n1 = (sum(r[2] for r in rows[(what, c)]) for c in (False, True))
+        out.append(f"constrained / unconstrained, {what} ({n1} / {n0} tokens): {r1 / r0:.2f}x tokens/s "
+                   f"({r1:.1f} / {r0:.1f}), {s0 / s1:.2f}x per decode step ({s1:.2f} / {s0:.2f} ms)")
+    return "\n".join(out) + "\n(target: constrained greedy >= 0.9x the tokens/s of unconstrained)"
+
+
 def reference_run(ids: list[np.ndarray], n: int) -> list[tuple[float, float, int]]:
     ref = NumpyLlama(gguf_path())
     out = []
@@ -105,8 +144,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--daemon-only", action="store_true", help="only the daemon's lane.call row, for A/B runs")
+    p.add_argument("--constrained-only", action="store_true", help="only constrained decoding's ratios")
     args = p.parse_args()
     ids = prompts(ChatTokenizer.from_gguf(gguf_path()))
+    if args.constrained_only:
+        print(constrained_vs_plain(ids, args.max_tokens))
+        return
     if args.daemon_only:
         rate, ttft, step = summary(trio.run(daemon_run, ids, args.max_tokens)[0])
         print(f"daemon (Supervisor -> worker, UDS): {rate:.1f} tokens/s, TTFT {ttft:.0f} ms, {step:.2f} ms/token")
@@ -130,6 +173,7 @@ def main() -> None:
         print(f"{name:<44}{rate:>10.2f}{ttft:>10.0f}{step:>10.1f}{rate / base:>7.2f}x")
     print("(ratio = tokens/s / numpy reference; TTFT includes the prompt's prefill; tokens/s counts it too;"
           " ms/token = (total - TTFT) / (tokens - 1))")
+    print(constrained_vs_plain(ids, args.max_tokens))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from trio_gpuworker.daemon import http_fields
 LM = "lm"
 IDS = np.array([1, 2, 3], dtype="<i4")
 # Every route's fields as the hand-written tables listed them before they were derived from the requests, and
-# those added since (Voyage's top_k and truncation)
+# those added since (Voyage's top_k and truncation; structured output's parallel_tool_calls)
 GENERATION = {"model", "max_tokens", "grammar", "stream", "stream_options", "temperature", "top_p", "top_k", "seed",
               "stop", "logprobs", "user", "n", "frequency_penalty", "presence_penalty", "logit_bias"}
 TABLES = {
@@ -32,12 +32,11 @@ TABLES = {
     "RERANK_TEI": {"model", "query", "texts", "raw_scores", "return_text", "truncate", "truncation_direction"},
     "COMPLETIONS": GENERATION | {"prompt", "best_of", "echo", "suffix"},
     "CHAT": GENERATION | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                          "response_format"},
+                          "response_format", "parallel_tool_calls"},
 }
 NEUTRAL = {"RERANK": {"priority"}, "RERANK_TEI": {"truncation_direction"},
            "COMPLETIONS": {"n", "frequency_penalty", "presence_penalty", "logit_bias", "best_of", "suffix"},
-           "CHAT": {"n", "frequency_penalty", "presence_penalty", "logit_bias", "tools", "tool_choice",
-                    "response_format"}}
+           "CHAT": {"n", "frequency_penalty", "presence_penalty", "logit_bias"}}
 
 
 @pytest.fixture

@@ -37,9 +37,7 @@ VALID: dict[str, dict[str, Any]] = {
 NOOPS: dict[str, list[tuple[str, Any, Any]]] = {
     "/v1/completions": [("n", 1, 2), ("frequency_penalty", 0, 0.1), ("presence_penalty", 0.0, 1),
                         ("logit_bias", {}, {"1": 5}), ("best_of", 1, 3)],
-    "/v1/chat/completions": [("n", 1, 3), ("tools", [], [{"type": "function", "function": {"name": "f"}}]),
-                             ("tool_choice", "none", "auto"), ("response_format", {"type": "text"},
-                                                               {"type": "json_object"})],
+    "/v1/chat/completions": [("n", 1, 3)],
     "/v2/rerank": [("priority", 0, 1)],
     "/rerank": [("truncation_direction", "right", "left")],
 }

@@ -16,12 +16,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from . import _api_checks as ck
+from . import _structured as structured
 from ._config import ModelConfig, SupervisorConfig
 from ._errors import InvalidRequest, RequestTooLarge, UnsupportedField
 from ._kinds import EMBEDDING, GENERATE, RERANK, check_serves
@@ -359,9 +361,7 @@ class CompletionRequest(ApiRequest):
     NEUTRAL: ClassVar[Mapping[str, ck.Spec]] = {
         "completions": {**_ONE_CHOICE, "best_of": ck.only(1, "one candidate per request"),
                         "suffix": ck.never("insertion is not implemented")},
-        "chat": {**_ONE_CHOICE, "tools": ck.only([], "tool calls are not implemented"),
-                 "tool_choice": ck.only("none", "tool calls are not implemented"),
-                 "response_format": ck.only({"type": "text"}, "structured output is not implemented (see 'grammar')")},
+        "chat": {**_ONE_CHOICE},
         "tgi": _TGI_NEUTRAL,
     }
 
@@ -370,7 +370,11 @@ class CompletionRequest(ApiRequest):
     max_tokens: int | None = arg(None, body={"completions": ("max_tokens",),
                                              "chat": ("max_tokens", "max_completion_tokens"),
                                              "tgi": ("max_new_tokens",)})
-    grammar: str | None = arg(None)
+    grammar: str | None = arg(None)  # Lark or GBNF (docs/http-api.md, 'Structured output')
+    response_format: dict[str, Any] | None = arg(None, body={"chat": ("response_format",)})
+    tools: list[dict[str, Any]] | None = arg(None, body={"chat": ("tools",)})
+    tool_choice: str | dict[str, Any] | None = arg(None, body={"chat": ("tool_choice",)})
+    parallel_tool_calls: bool = arg(True, body={"chat": ("parallel_tool_calls",)})  # an answer has at most one
     temperature: float | None = arg(None)
     top_p: float | None = arg(None)
     top_k: int | None = arg(None)
@@ -385,6 +389,8 @@ class CompletionRequest(ApiRequest):
     do_sample: bool = arg(False, body={"tgi": ("do_sample",)})
     return_full_text: bool = arg(False, body={"tgi": ("return_full_text",)})
     sampling: dict[str, Any] = derived()  # GENERATE's sampling fields: only those that change the answer
+    constraint: str | None = derived()  # GENERATE's grammar: of `grammar`, `response_format` or `tools`
+    tool_mode: str = derived()  # "none", "auto" or "call": how the answer's text is read back (_structured.py)
     texts: list[str] = derived()  # what the prompt is made of, for the admission bound
     prompt_ids: list[int] | None = derived()  # a prompt given as token ids (checked against the vocabulary later)
 
@@ -393,6 +399,7 @@ class CompletionRequest(ApiRequest):
         if self.max_tokens is not None:
             self._set(max_tokens=ck.check_max_tokens(self.max_tokens, context - 1))
         self._set(grammar=ck.check_text(self.grammar, "grammar") or None, prompt_ids=None)
+        self._constrain()
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages")
         self._set(do_sample=ck.check_flag(self.do_sample, "do_sample", False),
@@ -402,7 +409,8 @@ class CompletionRequest(ApiRequest):
             if self.echo:
                 raise InvalidRequest("echo takes a prompt, not messages")
             messages = ck.check_messages(self.messages)
-            self._set(messages=messages, texts=[t for m in messages for t in m.values()])
+            tools = [json.dumps(self.template_tools)] if self.template_tools else []  # rendered into the prompt
+            self._set(messages=messages, texts=[t for m in messages for t in m.values()] + tools)
         elif isinstance(self.prompt, list) and self.prompt and all(map(_is_id, self.prompt)):
             if len(self.prompt) >= context:
                 raise RequestTooLarge(f"the prompt has {len(self.prompt)} tokens; model {self.model!r}'s context is "
@@ -423,6 +431,23 @@ class CompletionRequest(ApiRequest):
                   user=ck.check_text(self.user, "user"))
         if self.echo and self.stream:
             raise UnsupportedField("echo", "is not implemented with stream: true")
+
+    def _constrain(self) -> None:
+        """The one grammar of `grammar`, `response_format` or `tools` (at most one of them constrains), checked by
+        the grammar engine now, before any token (GrammarRefused, naming the field)."""
+        self._set(parallel_tool_calls=ck.check_flag(self.parallel_tool_calls, "parallel_tool_calls", True))
+        by_format = None if self.response_format is None else structured.response_format_grammar(self.response_format)
+        by_tools, mode = structured.tools_grammar(self.tools, self.tool_choice)
+        given = {k: v for k, v in (("grammar", self.grammar), ("response_format", by_format), ("tools", by_tools))
+                 if v is not None}
+        if len(given) > 1:
+            raise InvalidRequest(f"{' and '.join(given)} each constrain the answer: give one of them")
+        constraint = None
+        if given:
+            (field, text), = given.items()
+            lark = structured.raw_grammar(text) if field == "grammar" else text
+            constraint = structured.check_grammar(lark, field)
+        self._set(constraint=constraint, tool_mode=mode)
 
     def _sampling(self) -> dict[str, Any]:
         """GENERATE's sampling fields, each checked; only those that change the answer (temperature 0 is greedy,
@@ -449,6 +474,11 @@ class CompletionRequest(ApiRequest):
         if (lp := ck.check_integer(self.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)) is not None:
             out["logprobs"] = lp
         return out
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template describes to the model: those it may call (none with tool_choice "none")."""
+        return self.tools if self.tool_mode != "none" else None
 
     @property
     def template_bytes(self) -> int:
@@ -499,7 +529,7 @@ class CompletionRequest(ApiRequest):
     def to_wire(self, ids: np.ndarray, max_tokens: int, *, stream: bool) -> Generate:
         """The GENERATE of the prompt's token ids and up to `max_tokens` new ones (the request's, or its default
         resolved against the prompt); `stream`: TEXT_DELTAs as the text is generated."""
-        return Generate(model_ref=self.model, max_tokens=max_tokens, grammar=self.grammar,
+        return Generate(model_ref=self.model, max_tokens=max_tokens, grammar=self.constraint,
                         stream=True if stream else None, **self.sampling, raw=ids.astype("<i4").tobytes())
 
 

@@ -244,6 +244,13 @@ class UnsupportedField(InvalidRequest):
         return {**super().to_wire(), "param": self.param}
 
 
+class GrammarRefused(UnsupportedField):
+    """A grammar, JSON Schema or tool the grammar engine cannot compile: `param` names the field that carried it,
+    the message what the engine refused (docs/http-api.md, 'Structured output'). Refused before any token."""
+
+    code = "grammar_invalid"
+
+
 class RequestTooLarge(InvalidRequest):
     """The request cannot fit the protocol's frames or the daemon's caps, however it is split."""
 
@@ -407,6 +414,7 @@ __all__ = [
     "ExtentExceedsMax",
     "FrameTooLarge",
     "GpuWorkerError",
+    "GrammarRefused",
     "HandshakeError",
     "HeaderMalformed",
     "InvalidLeaseRequest",

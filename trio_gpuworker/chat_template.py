@@ -71,11 +71,13 @@ class ChatTemplate:
         # a compiled template does not pickle (the JIT cache stores the worker's detokenizer): compile it again
         return ChatTemplate, (self.source, self.specials)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The conversation as the model's prompt text. InvalidRequest when the template refuses it (its
-        raise_exception: roles that do not alternate, say) or fails on it."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation as the model's prompt text; `tools`: OpenAI's tool definitions, for a template that
+        describes them to the model (transformers passes them so too). InvalidRequest when the template refuses it
+        (its raise_exception: roles that do not alternate, say) or fails on it."""
         try:
-            return self._template.render(messages=[dict(m) for m in messages], tools=None, documents=None,
+            return self._template.render(messages=[dict(m) for m in messages], tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self.specials)
         except (jinja2.TemplateError, TypeError) as exc:
             raise InvalidRequest(f"the model's chat template refused the messages: {exc}") from exc

@@ -153,9 +153,10 @@ class ChatTokenizer:
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The GGUF's chat template rendered over `messages` (chat_template.py). InvalidRequest when the GGUF has
-        none or the template refuses the messages."""
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The GGUF's chat template rendered over `messages` (and `tools`, for a template that uses them:
+        chat_template.py). InvalidRequest when the GGUF has none or the template refuses the messages."""
         if self.template is None:
             raise InvalidRequest("the model's GGUF has no chat template (tokenizer.chat_template): send a prompt")
-        return self.template.render(messages, add_generation_prompt)
+        return self.template.render(messages, add_generation_prompt, tools)

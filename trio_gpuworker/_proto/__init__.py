@@ -6,6 +6,7 @@ Nothing here imports trio, socket, os or tinygrad; time is passed in, never read
 from ._connection import CLOSED, NEED_DATA, Connection, decode_control
 from ._extensions import ALL as EXTENSIONS
 from ._extensions import CANCEL as EXT_CANCEL
+from ._extensions import GRAMMAR as EXT_GRAMMAR
 from ._extensions import LOADED_BLOCK as EXT_LOADED_BLOCK
 from ._extensions import LONG as EXT_LONG
 from ._extensions import MAX_TOP_LOGPROBS, PACKED_SLOTS, V3_MAX_GEN_TOKENS, advertised
@@ -142,6 +143,7 @@ __all__ = [
     "EXTENSIONS",
     "EXTENT",
     "EXT_CANCEL",
+    "EXT_GRAMMAR",
     "EXT_LOADED_BLOCK",
     "EXT_LONG",
     "EXT_PACKED",

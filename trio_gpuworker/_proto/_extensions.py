@@ -24,6 +24,9 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
   after the tokens before it), as vLLM's `echo` with `logprobs` reports the prompt.
 - POOLING: EMBED_BATCH `pooling` beyond the reference's `mean` and `cls`: `max` (each dimension's largest value over
   the tokens) and `lasttoken` (the last token's state), as sentence-transformers pools.
+- GRAMMAR: GENERATE `grammar` (a field v3 has, which its workers refuse): a Lark grammar in llguidance's dialect
+  (which also reads GBNF, and embeds a JSON Schema as `%json {...}`); the worker masks the logits of every step
+  with it, greedy and sampled, so the text is a sentence of the grammar or a prefix of one cut by max_tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ PACKED = "gpuworker.packed_generation"
 LOADED_BLOCK = "gpuworker.loaded_block"
 POOLING = "gpuworker.pooling"
 PROMPT_LOGPROBS = "gpuworker.prompt_logprobs"
-ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK, POOLING, PROMPT_LOGPROBS)
+GRAMMAR = "gpuworker.grammar"
+ALL = (STREAM, SAMPLING, LONG, CANCEL, PACKED, LOADED_BLOCK, POOLING, PROMPT_LOGPROBS, GRAMMAR)
 
 V3_POOLINGS = ("mean", "cls")  # the reference's EMBED_BATCH poolings
 MORE_POOLINGS = ("max", "lasttoken")  # the POOLING extension's
@@ -77,6 +81,8 @@ def required(t: str, fields: Mapping[str, Any]) -> frozenset[str]:
         need.add(LONG)
     if fields.get("prompt_logprobs") is not None:
         need.add(PROMPT_LOGPROBS)
+    if fields.get("grammar"):
+        need.add(GRAMMAR)
     return frozenset(need)
 
 
@@ -84,10 +90,11 @@ def describe(missing: frozenset[str]) -> str:
     what = {STREAM: "streamed text", SAMPLING: "sampling, stop sequences or logprobs",
             LONG: f"more than {V3_MAX_GEN_TOKENS} new tokens", CANCEL: "cancellation",
             PACKED: "batched generation", LOADED_BLOCK: "binary ingress completions",
-            POOLING: f"pooling {' or '.join(MORE_POOLINGS)}", PROMPT_LOGPROBS: "the prompt's logprobs (echo)"}
+            POOLING: f"pooling {' or '.join(MORE_POOLINGS)}", PROMPT_LOGPROBS: "the prompt's logprobs (echo)",
+            GRAMMAR: "grammar-constrained decoding (grammar, response_format, tools)"}
     return ", ".join(what[m] for m in sorted(missing))
 
 
-__all__ = ["ALL", "CANCEL", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "MORE_POOLINGS", "PACKED", "PACKED_SLOTS",
-           "POOLING", "PROMPT_LOGPROBS", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS", "V3_POOLINGS",
-           "advertised", "describe", "required"]
+__all__ = ["ALL", "CANCEL", "GRAMMAR", "LOADED_BLOCK", "LONG", "MAX_TOP_LOGPROBS", "MORE_POOLINGS", "PACKED",
+           "PACKED_SLOTS", "POOLING", "PROMPT_LOGPROBS", "SAMPLING", "SAMPLING_FIELDS", "STREAM", "V3_MAX_GEN_TOKENS",
+           "V3_POOLINGS", "advertised", "describe", "required"]

@@ -5,6 +5,8 @@ then one chunk per text delta, `finish_reason` on the last, a usage chunk when `
 then `data: [DONE]`. The stream starts at the first chunk, so a request refused before generation (bad field,
 quarantined lane) is still a plain HTTP error; a failure after that ends the stream with an `error` event. A
 client that disconnects cancels the request, and the worker stops generating at its next token (CANCEL).
+A chat request with `tools` (docs/http-api.md, 'Structured output') is answered with `tool_calls` when the model
+called one; streamed, its chunks come once the answer is whole.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import trio
 
 from .._api_requests import CompletionRequest, OnDelta
 from .._errors import GpuWorkerError
+from .._structured import tool_call
 from .http_common import Emit, EventStream, Intake
 
 if TYPE_CHECKING:
@@ -131,6 +134,8 @@ class CompletionRoutes:
 
     async def chat_completions(self, _: dict[str, str], body: dict[str, Any]) -> tuple[int, Any] | EventStream:
         request, head, lp = self._request(body, "chat")
+        if request.tool_mode != "none":
+            return await self._tool_answer(request, head, lp)
         if request.stream:
             def delta(text: str, records: list[dict[str, Any]] | None, _: int, finish: str | None) -> Any:
                 return {"index": 0, "delta": {"content": text} if text else {},
@@ -144,6 +149,44 @@ class CompletionRoutes:
                                   "logprobs": chat_logprobs(out.get("logprobs") or []) if lp else None,
                                   "finish_reason": out["finish_reason"]}],
                      "usage": self._usage(out)}
+
+    async def _tool_answer(self, request: CompletionRequest, head: dict[str, Any],
+                           lp: bool) -> tuple[int, Any] | EventStream:
+        """An answer that may be a tool call: generated whole, then read back (_structured.tool_call) into
+        OpenAI's `tool_calls` with `finish_reason: "tool_calls"`, or else the text as its content. Streamed, it
+        is OpenAI's chunks: the role, then the call (`delta.tool_calls`, its arguments whole) or the text, then
+        the finish."""
+
+        def message(out: dict[str, Any]) -> tuple[dict[str, Any], str]:
+            calls = tool_call(out["text"], request.tool_mode)
+            if calls is None:
+                return {"role": "assistant", "content": out["text"]}, out["finish_reason"]
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+
+        logprobs = lambda out: chat_logprobs(out.get("logprobs") or []) if lp else None  # noqa: E731
+        if not request.stream:
+            out = await self._completion(request)(None)
+            msg, finish = message(out)
+            return 200, {**head, "choices": [{"index": 0, "message": msg, "logprobs": logprobs(out),
+                                              "finish_reason": finish}], "usage": self._usage(out)}
+        head = {**head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if request.include_usage else {}
+
+        async def produce(emit: Emit) -> None:
+            out = await self._completion(request)(None)
+            msg, finish = message(out)
+            await emit({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}], **extra})
+            delta = ({"tool_calls": [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]}
+                     if "tool_calls" in msg else {"content": msg["content"]})
+            await emit({**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs(out),
+                                             "finish_reason": None}], **extra})
+            await emit({**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}],
+                        **extra})
+            if request.include_usage:
+                await emit({**head, "choices": [], "usage": self._usage(out)})
+
+        return EventStream(produce)
 
     def _event_stream(self, run: Callable[[OnDelta], Awaitable[dict[str, Any]]], head: dict[str, Any], usage: bool,
                       choice: Callable[[str, list[dict[str, Any]] | None, int, str | None], Any], *,

@@ -69,6 +69,7 @@ class GenerateRequest:
     stop: list[str] | None = None
     logprobs: int | None = None  # alternatives to report per token
     prompt_logprobs: int | None = None  # alternatives per prompt token: the PROMPT_LOGPROBS extension
+    grammar: str | None = None  # the GRAMMAR extension's: a Lark grammar the tokens must follow (engines with it)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from .._digest import sha256_file
 from .._errors import WorkerError
 from .._proto import (
     EXT_CANCEL,
+    EXT_GRAMMAR,
     EXT_LONG,
     EXT_POOLING,
     EXT_SAMPLING,
@@ -85,6 +86,7 @@ class Engine:
     name: ClassVar[str] = "engine"  # HELLO's engine.engine
     version: ClassVar[str] = "0"  # HELLO's engine.version
     sampling: ClassVar[bool] = False  # `generate` honours temperature, top_p, top_k, seed, stop and logprobs
+    grammars: ClassVar[bool] = False  # `generate` constrains its tokens by `grammar` (the GRAMMAR extension)
     max_new_tokens: ClassVar[int] = V3_MAX_GEN_TOKENS  # the most tokens `generate` makes per request
     # the EMBED_BATCH poolings `embed` serves: protocol v3's mean and cls, or also max and lasttoken
     poolings: ClassVar[tuple[str, ...]] = ("mean", "cls")
@@ -128,6 +130,8 @@ class Engine:
                 found.add(EXT_STREAM)
             if self.sampling:
                 found.add(EXT_SAMPLING)
+            if self.grammars:
+                found.add(EXT_GRAMMAR)
             if self.max_new_tokens > V3_MAX_GEN_TOKENS:
                 found.add(EXT_LONG)
         return frozenset(found)
@@ -232,11 +236,12 @@ class Engine:
 
     def _serve_generate(self, msg: Generate, report: Reporter) -> Text:
         model = self.model(msg.model_ref)
-        if msg.grammar:
+        if msg.grammar and EXT_GRAMMAR not in self.extensions():
             raise WorkerError("grammar_unsupported", "this worker does not constrain decoding by grammar")
         request = GenerateRequest(msg.model_ref, model, prompt_ids(msg.raw), msg.max_tokens, bool(msg.stream),
                                   msg.temperature, msg.top_p, msg.top_k, msg.seed,
-                                  None if msg.stop is None else list(msg.stop), msg.logprobs, msg.prompt_logprobs)
+                                  None if msg.stop is None else list(msg.stop), msg.logprobs, msg.prompt_logprobs,
+                                  msg.grammar or None)
         ctx = Context(msg.req_id, report)
         out = _served(self._generation, request, ctx)
         ids = np.asarray(out.token_ids, dtype="<i4")

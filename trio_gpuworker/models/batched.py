@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .constraint import Constraint
 from .greedy import BATCH, GreedyDecoder, OnToken
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
@@ -21,9 +22,10 @@ class Sequence:
     """One sequence of a Batch: its slot, its position, the ids generated so far, and how it ended."""
 
     def __init__(self, slot: int, n_prompt: int, max_tokens: int, sampling: SamplingParams, ignore_eos: bool,
-                 on_token: OnToken | None) -> None:
+                 on_token: OnToken | None, constraint: Constraint | None = None) -> None:
         self.slot, self.n_prompt, self.max_tokens = slot, n_prompt, max_tokens
         self.sampling, self.sampler, self.ignore_eos, self.on_token = sampling, Sampler(sampling), ignore_eos, on_token
+        self.constraint = constraint  # its grammar (models/constraint.py), or None
         self.pos = n_prompt  # where the next decoded token goes
         self.ids: list[int] = []
         self.finish: str | None = None  # "stop" | "length" once done
@@ -44,13 +46,14 @@ class Batch:
         return not self._free
 
     def join(self, prompt_ids: np.ndarray, max_tokens: int, *, sampling: SamplingParams = GREEDY,
-             ignore_eos: bool = False, on_token: OnToken | None = None) -> Sequence:
+             ignore_eos: bool = False, on_token: OnToken | None = None,
+             constraint: Constraint | None = None) -> Sequence:
         """Prefill a new sequence into a free slot and take its first token (it may finish at once: then it has
         already left). ValueError for a prompt generate() refuses; RuntimeError when every slot is taken."""
         ids = self.lm.check_prompt(prompt_ids, max_tokens)
         if self.full:
             raise RuntimeError(f"all {BATCH} sequences of the batch are in use")
-        seq = Sequence(self._free.pop(), len(ids), max_tokens, sampling, ignore_eos, on_token)
+        seq = Sequence(self._free.pop(), len(ids), max_tokens, sampling, ignore_eos, on_token, constraint)
         self.live.append(seq)
         self._take(seq, self.lm.prefill(ids, seq.slot), 0)
         return seq
@@ -75,7 +78,14 @@ class Batch:
     def _take(self, s: Sequence, nxt: int, row: int) -> None:
         """generate()'s loop body for the id the last step predicted for `s` (row `row` of its logits)."""
         lp = None
-        if s.sampling.needs_logits:
+        if s.constraint is not None:
+            nxt, lp = self.lm._constrained(nxt, s.constraint, s.sampler, row)
+            if s.constraint.done and nxt not in self.lm.eos_ids:  # nothing may follow: generate() ends here too
+                s.ids.append(nxt)
+                if s.on_token is not None:
+                    s.on_token(nxt, lp)
+                return self._end(s, "stop")
+        elif s.sampling.needs_logits:
             logits = self.lm._logits(row)
             nxt = nxt if s.sampling.greedy else s.sampler.pick(logits)
             if s.sampling.logprobs is not None:

@@ -19,6 +19,7 @@ from .._proto import PACKED_SLOTS
 from ..gguf_file import GGUFTensor, end_of_generation_ids
 from . import quant
 from .architectures import BIASES, HEAD_NORMS, architecture, optional
+from .constraint import Constraint
 from .sampling import GREEDY, Sampler, SamplingParams, token_logprobs
 
 PREFILL_CHUNK = 32
@@ -139,14 +140,16 @@ class GreedyDecoder(abc.ABC):
         ignore_eos: bool = False,
         sampling: SamplingParams = GREEDY,
         on_token: OnToken | None = None,
+        constraint: Constraint | None = None,
     ) -> tuple[list[int], str]:
         """Continuation of `prompt_ids`: (generated ids without the stop token, "stop" | "length").
 
         `progress(n)` is called after each generated token (n = 1, 2, ...). `on_token(id, logprobs)` too, with
         (logprob, [(id, logprob)...]) when `sampling.logprobs` asks for them, else None; it returns True to stop
         there (a stop string was generated). `ignore_eos` keeps going past end-of-generation tokens (warm-up,
-        benchmarks). ValueError when max_tokens < 1, or the prompt is empty, not integers, holds an id outside
-        the vocabulary, or prompt + max_tokens exceeds max_context."""
+        benchmarks). `constraint` (models/constraint.py): every token is one its grammar allows, greedy or sampled,
+        and generation stops where the grammar ends. ValueError when max_tokens < 1, or the prompt is empty, not
+        integers, holds an id outside the vocabulary, or prompt + max_tokens exceeds max_context."""
         ids = self.check_prompt(prompt_ids, max_tokens)
         n = len(ids)
         sampler = Sampler(sampling)
@@ -155,7 +158,16 @@ class GreedyDecoder(abc.ABC):
         pos = n
         while True:
             lp = None
-            if sampling.needs_logits:
+            if constraint is not None:
+                nxt, lp = self._constrained(nxt, constraint, sampler)
+                if constraint.done and nxt not in self.eos_ids:  # nothing may follow: end-of-generation is next
+                    out_ids.append(nxt)
+                    if progress is not None:
+                        progress(len(out_ids))
+                    if on_token is not None:
+                        on_token(nxt, lp)
+                    return out_ids, "stop"
+            elif sampling.needs_logits:
                 logits = self._logits()
                 # greedy keeps the kernel's own argmax, so logprobs never change which token greedy picks
                 nxt = nxt if sampling.greedy else sampler.pick(logits)
@@ -172,6 +184,22 @@ class GreedyDecoder(abc.ABC):
                 return out_ids, "length"
             nxt = self._decode_step(nxt, pos)
             pos += 1
+
+    def _constrained(self, nxt: int, constraint: Constraint, sampler: Sampler,
+                     row: int = 0) -> tuple[int, tuple[float, list[tuple[int, float]]] | None]:
+        """The next token under `constraint` (taken by it) from the last step's logits row `row`, and its logprobs
+        if asked. Greedy keeps the kernel's argmax `nxt` when the grammar allows it (then it is also the masked
+        argmax), reading no logits; otherwise the pick is over the masked logits. Logprobs are the model's own,
+        unmasked. Shared by generate() and a batch's sequences (models/batched.py)."""
+        p = sampler.params
+        logits = None
+        if not (p.greedy and constraint.allows(nxt)):
+            logits = self._logits(row)
+            nxt = sampler.pick(constraint.masked(logits))
+            constraint.take(nxt)
+        if p.logprobs is None:
+            return nxt, None
+        return nxt, token_logprobs(self._logits(row) if logits is None else logits, nxt, p.logprobs)
 
 
 OnToken = Callable[[int, "tuple[float, list[tuple[int, float]]] | None"], bool]

@@ -74,7 +74,8 @@ async def _prompt_ids(request: CompletionRequest, tokenizers: Tokenizers) -> tup
             return rq.check_token_rows([request.prompt_ids], vocab, "prompt")[0].astype("<i4")
         if messages is None:
             return np.asarray(tok.encode(request.prompt, add_special=True), dtype="<i4")
-        return np.asarray(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True)), dtype="<i4")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=request.template_tools)
+        return np.asarray(tok.encode(text), dtype="<i4")
 
     ids = await tokenizers.off_loop(encode)
     room = context - len(ids)

@@ -7,8 +7,9 @@ joins at the next one, without waiting for the batch to finish. There is no task
 the next chunk when none is in flight (shielded: its leaving cannot abandon the others' chunk), and every chunk's
 answer is applied by the lane's `on_result`. An error of a chunk (a crash, a restart, an ERR) fails every
 sequence of the batch with it (fan-out: none is lost, none gets another's text). Used only with a worker that
-advertised PACKED, for requests the batch serves (no grammar, no logprobs); a model whose decoder does not batch
-answers ERR unsupported_request once, and that lane's requests for it go one at a time from then on.
+advertised PACKED, for requests the batch serves (no logprobs; a grammar only when it also advertised GRAMMAR); a
+model whose decoder does not batch answers ERR unsupported_request once, and that lane's requests for it go one at
+a time from then on.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import trio
 
 from .._errors import BrokenWorkerError, DeadlineExceeded, InvalidRequest, WorkerError
-from .._proto import EXT_PACKED, PACKED_SLOTS, GeneratePacked, Texts, WireMessage, advertised
+from .._proto import EXT_GRAMMAR, EXT_PACKED, PACKED_SLOTS, GeneratePacked, Texts, WireMessage, advertised
 
 if TYPE_CHECKING:
     from ._admission import Timing
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 CHUNK_STEPS = 8  # decode steps per chunk: the longest a new request waits to join, in steps of the batch
 STREAM_STEPS = 1  # while a sequence streams: its text goes out token by token, as GENERATE's TEXT_DELTAs do
-JOIN_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream")
+JOIN_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "grammar")
 OnDelta = Callable[[dict[str, Any]], None]
 
 
@@ -210,11 +211,13 @@ _PACKERS: weakref.WeakKeyDictionary[Lane, dict[str, Packer]] = weakref.WeakKeyDi
 
 def packer_for(lane: Lane, model: str, fields: dict[str, Any]) -> Packer | None:
     """The batch a GENERATE with these fields joins on `lane`, or None when it goes alone: the lane's worker did not
-    advertise PACKED, the model does not batch, or the request needs what a batch does not do (grammar, logprobs)."""
-    if fields.get("grammar") or "logprobs" in fields:
+    advertise PACKED (or, for a grammar, GRAMMAR: the lone GENERATE is then refused, naming it), the model does not
+    batch, or the request needs what a batch does not do (logprobs)."""
+    if "logprobs" in fields:
         return None
     gen = lane.gens.get(lane.generation)
-    if gen is None or EXT_PACKED not in advertised(gen.wp.hello):
+    has = advertised(gen.wp.hello) if gen is not None else frozenset()
+    if EXT_PACKED not in has or (fields.get("grammar") and EXT_GRAMMAR not in has):
         return None
     packer = _PACKERS.setdefault(lane, {}).setdefault(model, Packer(lane, model))
     return None if packer.unsupported else packer

@@ -79,7 +79,16 @@ if __name__ == "__main__":
         sys.modules.setdefault(_name, _package)
 
 from trio_gpuworker._lifeline import watch_lifeline
-from trio_gpuworker._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, EXTENSIONS, Connection, Message, hello_fields
+from trio_gpuworker._proto import (
+    CLOSED,
+    DEFAULT_MAX_FRAME,
+    EXT_GRAMMAR,
+    EXT_PACKED,
+    EXTENSIONS,
+    Connection,
+    Message,
+    hello_fields,
+)
 from trio_gpuworker._worker_env import WORKER_ID
 from trio_gpuworker.testing._plan import HANDSHAKE_FAULTS, REQUEST_FAULTS, FaultPlan
 
@@ -157,9 +166,10 @@ class FakeWorker:
             return 3
         self.sock.connect(a.socket)
         print(f"fake worker {os.getpid()} connected", file=sys.stderr, flush=True)  # what a crash's log tail shows
-        # every extension but batched generation, unless --packed: then it advertises that too and answers
-        # GENERATE_PACKED unsupported_request, as a worker whose decoder does not batch does
-        flags = [e for e in EXTENSIONS if e != EXT_PACKED or a.packed] if a.stream_token_s else []
+        # every extension but grammars (it has none) and batched generation, unless --packed: then it advertises
+        # that too and answers GENERATE_PACKED unsupported_request, as a worker whose decoder does not batch does
+        flags = ([e for e in EXTENSIONS if e != EXT_GRAMMAR and (e != EXT_PACKED or a.packed)]
+                 if a.stream_token_s else [])
         engine = {"engine": "fake", "version": "1", "build_flags": flags}
         hello = hello_fields(a.nonce, os.getpid(), DEFAULT_MAX_FRAME, engine)
         if self.at_start("garbage_hello"):

@@ -157,6 +157,16 @@ class _Served:
         self.cls_id, self.sep_id = encoder.special_ids if self.roberta else cfg.ids
         self.max_tokens = cfg.max_tokens
         self.detokenizer = detokenizer  # a decoder's: ids in, text out
+        self._grammars: Any = None
+
+    @property
+    def grammars(self) -> Any:
+        """A decoder's compiled grammars (models/constraint.py), made on its first grammar."""
+        if self._grammars is None:
+            from ..models.constraint import Grammars
+
+            self._grammars = Grammars(self.detokenizer.tokenizer, self.impl.vocab_size, self.impl.eos_ids)
+        return self._grammars
 
 
 __all__ = ["Engine", "compose_pairs", "split_rows", "truncate_pair"]

@@ -3,7 +3,8 @@
 Each chunk drops the sequences whose callers left, prefills the joining ones into free KV cache slots, then runs up
 to `steps` batched decode steps (models/batched.py); TEXTS carries each sequence's new final text and ids. A
 sequence's text follows GENERATE's rules exactly (worker/_generate.py): streamed or with stop strings it goes
-through a TextStream, otherwise it is the decode of all its ids at the end. Any error ends the whole batch: the
+through a TextStream, otherwise it is the decode of all its ids at the end; a `grammar` (GRAMMAR extension)
+constrains its every token, as GENERATE's does. Any error ends the whole batch: the
 daemon then fails every one of its sequences, so neither side keeps one the other forgot.
 """
 
@@ -102,7 +103,10 @@ class PackedGeneration:
                 continue
             s = _Seq(j["seq"], m.detokenizer, stops, bool(j.get("stream")))
             try:
-                s.seq = batch.join(prompt, j["max_tokens"], sampling=_sampling(j), on_token=s.on_token)
+                grammar = j.get("grammar")  # the GRAMMAR extension's, as GENERATE's: compiled before the prefill
+                constraint = m.grammars.constraint(grammar) if isinstance(grammar, str) and grammar else None
+                s.seq = batch.join(prompt, j["max_tokens"], sampling=_sampling(j), on_token=s.on_token,
+                                   constraint=constraint)
             except ValueError as exc:
                 failed.append({"seq": j["seq"], "code": "invalid_request", "msg": str(exc)})
                 continue

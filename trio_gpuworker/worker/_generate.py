@@ -1,4 +1,5 @@
-"""GENERATE in the worker: sampling parameters from the message, stop strings, logprobs, and streamed text.
+"""GENERATE in the worker: sampling parameters from the message, its grammar, stop strings, logprobs, and streamed
+text.
 
 Streamed text is decoded incrementally over a short window of ids (as text-generation-inference does), so a
 delta never ends inside a UTF-8 character (a partial one decodes to U+FFFD and is held back) and never shows
@@ -121,7 +122,10 @@ def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
         if text is None:
             ctx.progress(n)
 
-    out, finish = m.impl.generate(ids, request.max_tokens, tokens, sampling=params, on_token=on_token)
+    # compiled (or found compiled) before the prompt's prefill: a grammar llguidance refuses is ERR invalid_request
+    constraint = m.grammars.constraint(request.grammar) if request.grammar else None
+    out, finish = m.impl.generate(ids, request.max_tokens, tokens, sampling=params, on_token=on_token,
+                                  constraint=constraint)
     if text is None:
         final = m.detokenizer.decode(out, skip_special=True)
     else:
