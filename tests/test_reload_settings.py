@@ -146,6 +146,34 @@ async def test_the_gate_holds_new_requests_until_the_change_is_made_and_waits_fo
     assert gate.serving_now("m") == 0
 
 
+async def test_two_changes_of_one_model_go_one_after_the_other_after_the_requests_admitted(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A second change while the first still waits for a request admitted before both: it waits too, then for
+    the first to end, and never runs beside the request (make sim, seed 97922: two reloads of one model's settings
+    at once, the second served the request admitted before them by a worker with the newest settings)."""
+    gate, log = ModelGate(), []
+
+    async def request() -> None:
+        async with gate.serving("m"):
+            log.append("old in")
+            await trio.sleep(5)
+        log.append("old out")
+
+    async def change(name: str) -> None:
+        async with gate.changing(["m"]):
+            log.append(f"{name} in")
+            await trio.sleep(1)
+        log.append(f"{name} out")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request)
+        await trio.sleep(0.1)
+        nursery.start_soon(change, "first")
+        await trio.sleep(0.1)
+        nursery.start_soon(change, "second")
+    assert log == ["old in", "old out", "first in", "first out", "second in", "second out"]
+
+
 async def test_a_request_waiting_at_the_gate_honours_its_deadline(autojump_clock: trio.testing.MockClock) -> None:
     gate = ModelGate()
     async with gate.changing(["m"]):

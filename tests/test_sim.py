@@ -29,6 +29,7 @@ CATCHES: dict[str, int | Schedule] = {
     "unsent_install_keeps_its_lease": 34001,
     "faulted_ring_waits_on_us": 46795,
     "quarantine_drops_reload_settings": 56935,
+    "changes_of_one_model_overlap": 97922,
     # none of seeds 0..1999 catches it since: the schedule seed 1623 drew before, pinned whole
     "handles_cross_lanes": Schedule(seed=1623, lanes=2, standby=False, strikes=3, fault_rate=0.0, steps=(
         Step(0.001, "kill", 0, 1), Step(0.301, "rerank", 0, 10), Step(4.301, "ring", 0, 1, 0.5),

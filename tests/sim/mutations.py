@@ -187,6 +187,24 @@ def _quarantine_drops_reload_settings(original: Any) -> Any:
     return quarantine
 
 
+def _changes_of_one_model_overlap(original: Any) -> Any:
+    """The gate let a second change of a model's settings through while the first still waited for the requests
+    admitted before it: the second queued its lanes' reloads ahead of such a request, which a worker with the new
+    settings then served."""
+    @contextlib.asynccontextmanager
+    async def changing(self: Any, models: Any) -> Any:
+        models = set(models) - self._changing
+        self._changing |= models
+        try:
+            while any(self._serving[m] for m in models):
+                await self._moved.park()
+            yield
+        finally:
+            self._changing -= models
+            self._moved.unpark_all()
+    return changing
+
+
 MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "standby_carries_two": [(_lifecycle_rules, "_serve_next", _serving_ignores_own_requests),
                             (_lifecycle_rules, "_promote", _promote_ignores_the_standbys_request)],
@@ -201,6 +219,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Callable[[Any], Any]]]] = {
     "uninstall_dropped_with_its_caller": [(_dataplane.DataPlane, "uninstall_ring", _uninstall_dropped_with_its_caller)],
     "unsent_install_keeps_its_lease": [(_dataplane.DataPlane, "_orphan_answered", _unsent_install_counted_as_sent)],
     "quarantine_drops_reload_settings": [(_lifecycle_rules, "quarantine", _quarantine_drops_reload_settings)],
+    "changes_of_one_model_overlap": [(_gate.ModelGate, "changing", _changes_of_one_model_overlap)],
     "faulted_ring_waits_on_us": [(_dataplane.DataPlane, "_step_waits_on_us", _faulted_ring_waits_on_us)],
 }
 

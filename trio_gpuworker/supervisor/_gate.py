@@ -42,8 +42,12 @@ class ModelGate:
 
     @asynccontextmanager
     async def changing(self, models: Collection[str]) -> AsyncIterator[None]:
-        """While the block runs no new request of `models` starts; it starts once the ones admitted have ended."""
-        models = set(models) - self._changing  # (reloads are serialized: nothing nests in practice)
+        """While the block runs no new request of `models` starts; it starts once the ones admitted have ended, and
+        once another change of any of them has ended (two changes of one model go one after the other: the second
+        must also wait for the requests admitted before it, which the first is still waiting for)."""
+        models = set(models)
+        while models & self._changing:
+            await self._moved.park()
         self._changing |= models
         try:
             while any(self._serving[m] for m in models):
