@@ -272,13 +272,13 @@ def command(args: argparse.Namespace, client: Client, out: TextIO, err: TextIO, 
                 out.write(f"{r['relevance_score']:.4f}\t{r['index']}\t{args.documents[r['index']][:60]}\n")
         return body
     if c == "generate":
+        cap = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}  # none: until EOS or the context
         if args.chat:
-            body = client.post("/v1/chat/completions", {"model": args.model, "max_tokens": args.max_tokens,
+            body = client.post("/v1/chat/completions", {"model": args.model, **cap,
                                                         "messages": [{"role": "user", "content": args.prompt}]})
             text = body["choices"][0]["message"]["content"]
         else:
-            body = client.post("/v1/completions", {"model": args.model, "prompt": args.prompt,
-                                                   "max_tokens": args.max_tokens})
+            body = client.post("/v1/completions", {"model": args.model, "prompt": args.prompt, **cap})
             text = body["choices"][0]["text"]
         if not args.json:
             out.write(text + "\n")
@@ -317,7 +317,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("documents", nargs="+")
     g = sub.add_parser("generate", help="greedy completion (max 64 tokens)")
     g.add_argument("-m", "--model", required=True)
-    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--max-tokens", type=int, default=None, help="default: until EOS or the model's context")
     g.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     g.add_argument("prompt")
     t = sub.add_parser("tune", help="BEAM-search a model's warm-up shapes into the daemon's caches")
