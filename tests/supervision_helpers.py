@@ -6,8 +6,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import trio
 
-from trio_gpuworker import LaneConfig, ModelConfig, QuarantinePolicy, RestartPolicy, SupervisorConfig, Windows
+from trio_gpuworker import (
+    LaneConfig,
+    LaneState,
+    ModelConfig,
+    QuarantinePolicy,
+    RestartPolicy,
+    SupervisorConfig,
+    Windows,
+)
+from trio_gpuworker.supervisor import Lane
 
 FAST = Windows(inference_s=2.0, setup_s=5.0, control_s=5.0, load_s=5.0, kill_grace_s=0.5, shutdown_s=2.0)
 MODEL = "fake-embed"
@@ -42,3 +52,11 @@ def rows(*lengths: int, base: int = 1) -> list[np.ndarray]:
 def expected_fake_rows(rs: list[np.ndarray]) -> np.ndarray:
     """The fake worker's vector for row i is [sum(ids), n_tokens, i, req_id]; compare the first three."""
     return np.array([[r.sum(), len(r), i] for i, r in enumerate(rs)], dtype=np.float32)
+
+
+async def restarted(lane: Lane, after: int, within: float = 20.0) -> None:
+    """Until `lane` serves with a generation newer than `after` (a crash has no event a test can wait on)."""
+    with trio.fail_after(within):
+        while lane.generation == after:  # noqa: ASYNC110
+            await trio.sleep(0.02)
+        await lane.wait_state(LaneState.READY)

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import trio
 
-from tests.supervision_helpers import FAST
-from trio_gpuworker import LaneConfig, LaneState, ModelConfig, Supervisor, SupervisorConfig
-from trio_gpuworker._cores import _FLOCK, SLOTS, CoreLedger, step_threads
+from tests.supervision_helpers import FAST, restarted
+from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
+from trio_gpuworker._compute import ComputeThread
+from trio_gpuworker._cores import _BUSY_AT, _FLOCK, LINE, SLOTS, CoreLedger, step_threads
 from trio_gpuworker._kinds import AUTO_THREADS, MAX_THREADS
 
 ENGINES_DOC = Path(__file__).resolve().parent.parent / "docs" / "engines.md"
@@ -59,6 +59,22 @@ def test_the_share_is_at_least_one_and_at_most_a_kernel_team(path: Path) -> None
     finally:
         many.close()
         one.close()
+
+
+async def test_a_compute_thread_counts_its_worker_busy_exactly_while_a_job_runs(path: Path) -> None:
+    """The worker's hook (worker/__main__.py): seen from another worker, this one is busy during a job (the cores
+    are shared) and idle before and after it (they are not)."""
+    mine, other = CoreLedger(path, 2), CoreLedger(path, 2)
+    compute = ComputeThread("test-cores", on_busy=mine.busy)
+    try:
+        other.busy(True)
+        assert other.share() == 2
+        assert await compute.run(other.share) == 1
+        assert other.share() == 2 and not mine._flags[mine.slot]
+    finally:
+        compute.close()
+        mine.close()
+        other.close()
 
 
 def test_a_slot_given_back_is_claimed_again_and_cleared(path: Path) -> None:
@@ -155,11 +171,8 @@ async def test_every_worker_a_daemon_starts_claims_a_slot_and_its_end_gives_it_b
         lane = sup.lanes["bow-0"]
         assert lane.pid is not None
         os.kill(lane.pid, signal.SIGKILL)
-        with trio.fail_after(20):
-            while lane.generation == 1:  # noqa: ASYNC110 (the crash has no event a test can wait on here)
-                await trio.sleep(0.02)
-            await lane.wait_state(LaneState.READY)
+        await restarted(lane, after=1)
         assert len(claimed(ledger)) == 2
-        flags = np.frombuffer(ledger.read_bytes(), np.uint8)[SLOTS::64]
+        flags = np.frombuffer(ledger.read_bytes(), np.uint8)[_BUSY_AT::LINE]
         assert not flags.any()
     assert claimed(ledger) == []

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import trio
 
-from tests.supervision_helpers import FAST
-from trio_gpuworker import LaneConfig, LaneState, ModelConfig, Supervisor, SupervisorConfig, WorkerError
+from tests.supervision_helpers import FAST, restarted
+from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig, WorkerError
 from trio_gpuworker._proto import Generate, Rerank, Scores
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "engines.md"
@@ -69,10 +68,7 @@ async def test_the_example_serves_crashes_and_recovers(tmp_path: Path) -> None:
 
         assert lane.pid is not None
         os.kill(lane.pid, signal.SIGKILL)
-        with trio.fail_after(20):
-            while lane.generation == 1:  # noqa: ASYNC110 (the crash has no event a test can wait on here)
-                await trio.sleep(0.02)
-            await lane.wait_state(LaneState.READY)
+        await restarted(lane, after=1)
         assert lane.generation == 2 and "SIGKILL" in lane.last_error and lane.policy.strikes == 1
         np.testing.assert_allclose(await embed(sup, rows), bag_of_words(rows), rtol=1e-6)
         assert lane.policy.strikes == 0  # a served reply clears the strike
