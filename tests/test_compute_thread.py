@@ -74,7 +74,7 @@ async def test_a_consumed_input_is_freed_at_once_only_while_the_thread_is_idle(c
     from trio_gpuworker.worker._dataplane import WorkerDataPlane
     from trio_gpuworker.worker._objects import DeviceObject
 
-    plane = WorkerDataPlane(1, lambda *m: None, {}, arena=None)
+    plane = WorkerDataPlane(1, lambda msg: None, {}, arena=None)
     freed: list[Any] = []
     free = plane.bridge.free_device
     plane.bridge.free_device = lambda alloc: freed.append(alloc) or free(alloc)

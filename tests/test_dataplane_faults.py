@@ -213,7 +213,7 @@ async def test_a_batch_with_a_bad_header_loads_the_good_objects_first(tmp_path: 
 def _worker_plane(arena: ArenaManager, bridge: Any = None) -> Any:
     from trio_gpuworker.worker._dataplane import WorkerDataPlane
 
-    return WorkerDataPlane(1, lambda t, f: None, {}, arena=arena.mmap, bridge=bridge)
+    return WorkerDataPlane(1, lambda msg: None, {}, arena=arena.mmap, bridge=bridge)
 
 
 async def _installed(arena: ArenaManager, plane: Any, capacity: int = 4096) -> tuple[Any, Any]:
@@ -246,10 +246,10 @@ async def test_a_device_copy_failure_during_ingress_is_typed_not_fatal(window: i
         for object_id, data in ((1, np.ones(4, np.float32)), (2, np.ones(2, np.float32))):
             write_egress(ring, state, object_id, object_id - 1, data.ctypes.data, data.nbytes)
         out = plane.drain(lease.ring_id)
-        assert [t for t, _ in out] == ["OBJECTS_LOADED", "OBJECT_FAILED", "RING_FAULT"]
-        assert [row[0] for row in out[0][1]["objects"]] == [1]
-        assert out[1][1]["reason"] == "device_copy_failed" and out[1][1]["object_id"] == 2
-        assert out[2][1]["reason"] == "device_copy_failed"
+        assert [m.T for m in out] == ["OBJECTS_LOADED", "OBJECT_FAILED", "RING_FAULT"]
+        assert [row[0] for row in out[0].objects] == [1]
+        assert out[1].reason == "device_copy_failed" and out[1].object_id == 2
+        assert out[2].reason == "device_copy_failed"
         assert ring.state == 3 and plane.drain(lease.ring_id) == []  # faulted once, reported once
         plane.stop()
         assert plane.rings == {} and plane.objects == {}  # SHUTDOWN: rings quiesced, device objects freed
@@ -289,7 +289,7 @@ async def test_a_large_object_streams_into_device_memory_through_a_small_window(
             if not state.busy:
                 break
         out += plane.drain(lease.ring_id)
-        (row,) = [r for t, f in out if t == "OBJECTS_LOADED" for r in f["objects"]]
+        (row,) = [r for m in out if m.T == "OBJECTS_LOADED" for r in m.objects]
         assert row[:3] == [1, 0, data.nbytes]
         got = np.empty_like(data)
         bridge.device_to_host(plane.objects[row[3]].alloc, 0, memoryview(got).cast("B"), data.nbytes)
@@ -333,15 +333,15 @@ async def test_the_cpu_drain_refills_its_pool_for_a_new_extent_and_types_an_allo
         for k, data in enumerate(objects):
             write_egress(ring, state, 10 + k, k, data.ctypes.data, data.nbytes)
         out = plane.drain(lease.ring_id)
-        assert [t for t, _ in out] == ["OBJECTS_LOADED", "OBJECT_FAILED", "RING_FAULT"]
-        rows = out[0][1]["objects"]
+        assert [m.T for m in out] == ["OBJECTS_LOADED", "OBJECT_FAILED", "RING_FAULT"]
+        rows = out[0].objects
         assert [row[:3] for row in rows] == [[10, 0, 16], [11, 1, 16], [12, 2, 32]]
         for row, data in zip(rows, objects, strict=False):  # each landed whole in its own pooled allocation
             obj = plane.objects[row[3]]
             assert obj.alloc.nbytes == data.nbytes and obj.shape == (data.size,)
             assert ctypes.string_at(plane.bridge.host_address(obj.alloc), data.nbytes) == data.tobytes()
-        assert out[1][1]["reason"] == "device_allocation_failed" and out[1][1]["object_id"] == 13
-        assert out[2][1]["reason"] == "device_out_of_memory"
+        assert out[1].reason == "device_allocation_failed" and out[1].object_id == 13
+        assert out[2].reason == "device_out_of_memory"
         assert ring.state == 3 and plane.drain(lease.ring_id) == []  # faulted once, reported once
         plane.stop()
         assert plane.rings == {} and plane.objects == {}

@@ -29,8 +29,9 @@ from trio_gpuworker._proto import (
     Connection,
     EmbedBatch,
     Generate,
+    Hello,
+    HelloAck,
     Load,
-    Message,
     Ping,
     Shutdown,
     WireMessage,
@@ -129,7 +130,7 @@ class Daemon:
         self.req_id = 0
 
     async def send(self, msg: WireMessage) -> None:
-        for chunk in self.conn.send_message(msg):
+        for chunk in self.conn.send(msg):
             await self.stream.send_all(chunk)
 
     async def request(self, cls: type[WireMessage], **fields: Any) -> int:
@@ -137,22 +138,22 @@ class Daemon:
         await self.send(cls(req_id=self.req_id, **fields))
         return self.req_id
 
-    async def receive(self) -> Message:
+    async def receive(self) -> WireMessage:
         with trio.fail_after(10):
             msg = await self.reader.receive()
         assert msg is not None
         return msg
 
-    async def reply(self) -> tuple[list[Message], Message]:
+    async def reply(self) -> tuple[list[WireMessage], WireMessage]:
         """What precedes the terminal reply (PROGRESS, TEXT_DELTA), and the terminal reply."""
         before = []
-        while (msg := await self.receive()).t in ("PROGRESS", "TEXT_DELTA"):
+        while (msg := await self.receive()).T in ("PROGRESS", "TEXT_DELTA"):
             before.append(msg)
         return before, msg
 
 
 @asynccontextmanager
-async def session(engine: Engine) -> AsyncIterator[tuple[Daemon, Message]]:
+async def session(engine: Engine) -> AsyncIterator[tuple[Daemon, WireMessage]]:
     """The engine served on one end of a socket pair; the daemon's end past HELLO_ACK, with the HELLO."""
     ours, theirs = trio.socket.socketpair()
     daemon, worker = trio.SocketStream(ours), trio.SocketStream(theirs)
@@ -162,9 +163,8 @@ async def session(engine: Engine) -> AsyncIterator[tuple[Daemon, Message]]:
             nursery.start_soon(server.run)
             d = Daemon(daemon)
             hello = await d.receive()
-            for chunk in d.conn.send("HELLO_ACK", {"v": 3, "accept": True, "max_frame": hello["max_frame"],
-                                                   "generation": 1}):
-                await daemon.send_all(chunk)
+            assert isinstance(hello, Hello)
+            await d.send(HelloAck(v=3, accept=True, max_frame=hello.max_frame, generation=1))
             yield d, hello
             nursery.cancel_scope.cancel()
     finally:
@@ -176,7 +176,7 @@ async def session(engine: Engine) -> AsyncIterator[tuple[Daemon, Message]]:
 async def load_this_file(d: Daemon, model_ref: str) -> None:
     await d.request(Load, artifact_path=__file__, artifact_digest=THIS_FILE_SHA256, format="x", runtime_config={},
                     model_ref=model_ref)
-    assert (await d.reply())[1].t == "LOADED"
+    assert (await d.reply())[1].T == "LOADED"
 
 
 def artifact(tmp_path: Path) -> tuple[Path, str]:
@@ -187,12 +187,12 @@ def artifact(tmp_path: Path) -> tuple[Path, str]:
 
 async def test_hello_carries_the_nonce_and_what_the_class_implements() -> None:
     async with session(Echo()) as (d, hello):
-        assert hello["nonce"] == NONCE and hello["v"] == 3
-        assert hello["engine"] == {"engine": "engine", "version": "0",
+        assert hello.nonce == NONCE and hello.v == 3
+        assert hello.engine == {"engine": "engine", "version": "0",
                                    "build_flags": ["gpuworker.stream", "gpuworker.cancel"]}
         await d.request(Ping)
         _, pong = await d.reply()
-        assert pong.t == "PONG" and pong["models_loaded"] == []
+        assert pong.T == "PONG" and pong.models_loaded == []
 
 
 async def test_load_embed_and_the_errors_they_answer(tmp_path: Path) -> None:
@@ -200,28 +200,28 @@ async def test_load_embed_and_the_errors_they_answer(tmp_path: Path) -> None:
     async with session(Embedder()) as (d, _):
         await d.request(Load, artifact_path=str(path), artifact_digest="0" * 64, format="x", runtime_config={},
                         model_ref="bad")
-        assert (await d.reply())[1]["code"] == "artifact_invalid"
+        assert (await d.reply())[1].code == "artifact_invalid"
         await d.request(Load, artifact_path=str(path), artifact_digest=digest.upper(), format="x", runtime_config={})
         _, loaded = await d.reply()
-        assert loaded.t == "LOADED" and loaded["model_ref"] == "model"
+        assert loaded.T == "LOADED" and loaded.model_ref == "model"
         ids = np.array([1, 2, 3, 4], "<i4").tobytes()
         items = [{"id": 0, "n_tokens": 3}, {"id": 1, "n_tokens": 1}]
         await d.request(EmbedBatch, model_ref="model", pooling="mean", normalize=False, items=items, raw=ids)
         progress, vectors = await d.reply()
-        assert [m["completed"] for m in progress] == [1] and progress[0]["phase"] == "inference"
-        assert vectors["dims"] == 2 and np.frombuffer(vectors.raw, "<f4").tolist() == [6, 3, 4, 1]
+        assert [m.completed for m in progress] == [1] and progress[0].phase == "inference"
+        assert vectors.dims == 2 and np.frombuffer(vectors.raw, "<f4").tolist() == [6, 3, 4, 1]
         await d.request(EmbedBatch, model_ref="model", pooling="cls", normalize=False, items=items, raw=ids)
-        assert (await d.reply())[1]["code"] == "invalid_request"
+        assert (await d.reply())[1].code == "invalid_request"
         await d.request(EmbedBatch, model_ref="bad", pooling="mean", normalize=False, items=items, raw=ids)
-        assert (await d.reply())[1]["code"] == "model_load_failed"
+        assert (await d.reply())[1].code == "model_load_failed"
 
 
 async def test_an_engine_listing_max_pooling_advertises_it_and_is_sent_it(tmp_path: Path) -> None:
     path, digest = artifact(tmp_path)
     async with session(Pooler()) as (d, hello):
-        assert hello["engine"]["build_flags"] == [EXT_POOLING]
+        assert hello.engine["build_flags"] == [EXT_POOLING]
         await d.request(Load, artifact_path=str(path), artifact_digest=digest, format="x", runtime_config={})
-        assert (await d.reply())[1].t == "LOADED"
+        assert (await d.reply())[1].T == "LOADED"
         items = [{"id": 0, "n_tokens": 3}, {"id": 1, "n_tokens": 1}]
         await d.request(EmbedBatch, model_ref="model", pooling="max", normalize=False, items=items,
                         raw=np.array([1, 9, 3, 4], "<i4").tobytes())
@@ -233,16 +233,16 @@ async def test_a_generator_streams_deltas_then_text() -> None:
     prompt = np.array([5, 6], "<i4").tobytes()
     async with session(Echo()) as (d, _):
         await d.request(Generate, model_ref="model", max_tokens=3, stream=True, raw=prompt)
-        assert (await d.reply())[1]["code"] == "model_not_loaded"
+        assert (await d.reply())[1].code == "model_not_loaded"
         await load_this_file(d, "model")
         await d.request(Generate, model_ref="model", max_tokens=3, stream=True, raw=prompt)
         deltas, text = await d.reply()
-        assert [(m.t, m["text"], m["n_gen"]) for m in deltas] == [
+        assert [(m.T, m.text, m.n_gen) for m in deltas] == [
             ("TEXT_DELTA", "<5>", 1), ("TEXT_DELTA", "<6>", 2), ("TEXT_DELTA", "<5>", 3)]
-        assert text["text"] == "<5><6><5>" and text["n_gen"] == 3 and text["finish_reason"] == "length"
+        assert text.text == "<5><6><5>" and text.n_gen == 3 and text.finish_reason == "length"
         await d.request(Generate, model_ref="model", max_tokens=2, raw=prompt)
         progress, text = await d.reply()
-        assert [m.t for m in progress] == ["PROGRESS", "PROGRESS"] and text["text"] == "<5><6>"
+        assert [m.T for m in progress] == ["PROGRESS", "PROGRESS"] and text.text == "<5><6>"
 
 
 async def test_cancel_stops_a_running_generation_at_its_next_token() -> None:
@@ -253,21 +253,21 @@ async def test_cancel_stops_a_running_generation_at_its_next_token() -> None:
         req_id = await d.request(Generate, model_ref="model", max_tokens=4000, stream=True,
                                  raw=np.array([1], "<i4").tobytes())
         first = await d.receive()
-        assert first.t == "TEXT_DELTA"
+        assert first.T == "TEXT_DELTA"
         await d.send(Cancel(req_id=req_id))
         _, end = await d.reply()
-        assert end.t == "ERR" and end["code"] == "request_cancelled" and end["req_id"] == req_id
+        assert end.T == "ERR" and end.code == "request_cancelled" and end.req_id == req_id
 
 
 async def test_plain_generate_and_shutdown() -> None:
     async with session(Plain()) as (d, _):
         await load_this_file(d, "m")
         await d.request(Generate, model_ref="m", max_tokens=100, grammar="root ::= x", raw=b"")
-        assert (await d.reply())[1]["code"] == "grammar_unsupported"
+        assert (await d.reply())[1].code == "grammar_unsupported"
         await d.request(Generate, model_ref="m", max_tokens=100, temperature=0.5, raw=np.array([1], "<i4").tobytes())
         _, text = await d.reply()
-        assert (text["text"], text["n_gen"], text["finish_reason"], text["n_prompt"]) == ("done", 2, "stop", 1)
+        assert (text.text, text.n_gen, text.finish_reason, text.n_prompt) == ("done", 2, "stop", 1)
         assert np.frombuffer(text.raw, "<i4").tolist() == [7, 8]
         await d.request(Shutdown, mode="graceful")
         stopped = await d.receive()
-        assert stopped.t == "WORKER_STOPPED" and stopped["reason"] == "graceful"
+        assert stopped.T == "WORKER_STOPPED" and stopped.reason == "graceful"

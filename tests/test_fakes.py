@@ -25,7 +25,17 @@ from trio_gpuworker._errors import (
     UnexpectedFrame,
     VersionMismatch,
 )
-from trio_gpuworker._proto import CLOSED, DAEMON, DEFAULT_MAX_FRAME, NEED_DATA, Connection, HandshakeRules, Message
+from trio_gpuworker._proto import (
+    CLOSED,
+    DAEMON,
+    DEFAULT_MAX_FRAME,
+    NEED_DATA,
+    Connection,
+    HandshakeRules,
+    Hello,
+    WireMessage,
+    WorkerStopped,
+)
 
 TIMEOUT = 10.0
 
@@ -52,8 +62,8 @@ class Daemon:
         self.sock, _ = self.listener.accept()
         self.sock.settimeout(TIMEOUT)
 
-    def recv(self) -> Message | object:
-        """The next Message, or CLOSED."""
+    def recv(self) -> WireMessage | object:
+        """The next message, or CLOSED."""
         assert self.sock is not None
         while (event := self.conn.next_event()) is NEED_DATA:
             self.conn.receive_data(self.sock.recv(1 << 16))
@@ -61,28 +71,30 @@ class Daemon:
 
     def send(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> None:
         assert self.sock is not None
-        for chunk in self.conn.send(t, fields, raw):
+        for chunk in self.conn.send_map(t, fields, raw):
             self.sock.sendall(chunk)
 
     def handshake(self) -> None:
         self.accept()
         hello = self.message()
+        assert isinstance(hello, Hello)
         ack = HandshakeRules(self.nonce, self.proc.pid, DEFAULT_MAX_FRAME, generation=1).check_hello(hello)
-        self.send("HELLO_ACK", ack)
+        for chunk in self.conn.send(ack):
+            self.sock.sendall(chunk)
 
-    def message(self) -> Message:
+    def message(self) -> WireMessage:
         msg = self.recv()
-        assert isinstance(msg, Message), msg
+        assert isinstance(msg, WireMessage), msg
         return msg
 
-    def reply(self) -> list[Message]:
+    def reply(self) -> list[WireMessage]:
         """PROGRESS frames up to and including the terminal reply."""
         out = [self.message()]
-        while out[-1].t == "PROGRESS":
+        while out[-1].T == "PROGRESS":
             out.append(self.message())
         return out
 
-    def request(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> list[Message]:
+    def request(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> list[WireMessage]:
         self.send(t, fields, raw)
         return self.reply()
 
@@ -146,34 +158,34 @@ def test_serves_every_request_then_shuts_down(spawn: Callable[..., Daemon]) -> N
     load = {"artifact_path": "/models/fake-embed.bin", "artifact_digest": "sha256:0", "format": "fake",
             "runtime_config": {}}
     progress, loaded = d.request("LOAD", {"req_id": 1, **load})
-    assert (progress.t, progress["phase"], progress["completed"]) == ("PROGRESS", "setup", 1)
-    assert (loaded.t, loaded["model_ref"], loaded["dims"]) == ("LOADED", "fake-embed.bin", 4)
+    assert (progress.T, progress.phase, progress.completed) == ("PROGRESS", "setup", 1)
+    assert (loaded.T, loaded.model_ref, loaded.dims) == ("LOADED", "fake-embed.bin", 4)
     [_, loaded] = d.request("LOAD", {"req_id": 2, **load, "model_ref": "m"})
-    assert loaded["model_ref"] == "m"
+    assert loaded.model_ref == "m"
 
     items = [{"id": 10, "n_tokens": 3}, {"id": 11, "n_tokens": 2}]
     progress, vectors = d.request("EMBED_BATCH", {"req_id": 3, "model_ref": "m", "pooling": "mean",
                                                   "normalize": True, "items": items}, ids(1, 2, 3, 10, 20))
-    assert (progress.t, progress["phase"]) == ("PROGRESS", "inference")
-    assert (vectors.t, vectors["dims"], vectors["n"]) == ("VECTORS", 4, 2)
+    assert (progress.T, progress.phase) == ("PROGRESS", "inference")
+    assert (vectors.T, vectors.dims, vectors.n) == ("VECTORS", 4, 2)
     assert f32(vectors.raw) == [6, 3, 10, 3, 30, 2, 11, 3]
 
     _, scores = d.request("RERANK", {"req_id": 4, "model_ref": "m", "query_n_tokens": 2,
                                      "candidates": [{"n_tokens": 1}, {"n_tokens": 2}]}, ids(9, 9, 5, 1, 2))
-    assert (scores.t, scores["n"], f32(scores.raw)) == ("SCORES", 2, [5.0, 3.0])
+    assert (scores.T, scores.n, f32(scores.raw)) == ("SCORES", 2, [5.0, 3.0])
 
     _, text = d.request("GENERATE", {"req_id": 5, "model_ref": "m", "max_tokens": 8}, ids(4, 5))
-    assert (text.t, text["text"], text["n_prompt"], text["n_gen"]) == ("TEXT", "fake 9", 2, 3)
+    assert (text.T, text.text, text.n_prompt, text.n_gen) == ("TEXT", "fake 9", 2, 3)
     _, err = d.request("GENERATE", {"req_id": 6, "model_ref": "m", "max_tokens": 8, "grammar": "root"}, ids(1))
-    assert (err.t, err["req_id"], err["code"]) == ("ERR", 6, "grammar_unsupported")
+    assert (err.T, err.req_id, err.code) == ("ERR", 6, "grammar_unsupported")
 
     [pong] = d.request("PING", {"req_id": 7})
-    assert (pong.t, pong["models_loaded"]) == ("PONG", ["fake-embed.bin", "m"]) and pong["rss_mb"] > 0
-    assert d.request("UNLOAD", {"req_id": 8, "model_ref": "m"})[0].t == "UNLOADED"
-    assert d.request("PING", {"req_id": 9})[0]["models_loaded"] == ["fake-embed.bin"]
+    assert (pong.T, pong.models_loaded) == ("PONG", ["fake-embed.bin", "m"]) and pong.rss_mb > 0
+    assert d.request("UNLOAD", {"req_id": 8, "model_ref": "m"})[0].T == "UNLOADED"
+    assert d.request("PING", {"req_id": 9})[0].models_loaded == ["fake-embed.bin"]
 
     [stopped] = d.request("SHUTDOWN", {"req_id": 10, "mode": "graceful"})
-    assert stopped.fields == {"t": "WORKER_STOPPED", "reason": "graceful", "req_id": 10}
+    assert stopped == WorkerStopped(reason="graceful", req_id=10)
     assert d.recv() is CLOSED
     assert d.wait() == 0
 
@@ -194,7 +206,7 @@ def test_handshake_breakers(spawn: Callable[..., Daemon], behavior: str, error: 
         d.handshake()
 
 
-def embed(d: Daemon, req_id: int = 1) -> list[Message]:
+def embed(d: Daemon, req_id: int = 1) -> list[WireMessage]:
     fields = {"req_id": req_id, "model_ref": "m", "pooling": "mean", "normalize": False,
               "items": [{"id": 0, "n_tokens": 2}]}
     return d.request("EMBED_BATCH", fields, ids(1, 2))
@@ -210,7 +222,7 @@ def test_oversize_length(spawn: Callable[..., Daemon]) -> None:
 def test_crash_mid_request(spawn: Callable[..., Daemon]) -> None:
     d = spawn("crash_mid_request", on_request=2)
     d.handshake()
-    assert embed(d, 1)[-1].t == "VECTORS"
+    assert embed(d, 1)[-1].T == "VECTORS"
     d.send("EMBED_BATCH", {"req_id": 2, "model_ref": "m", "pooling": "mean", "normalize": False, "items": []}, b"")
     assert d.recv() is CLOSED
     assert d.wait() == 5
@@ -230,7 +242,7 @@ def test_once_file_misbehaves_only_in_the_first_generation(spawn: Callable[..., 
     assert first.wait() == 3 and once.exists()
     second = spawn("crash_before_hello", once_file=once)
     second.handshake()
-    assert embed(second)[-1].t == "VECTORS"
+    assert embed(second)[-1].T == "VECTORS"
     os.kill(second.proc.pid, 15)
     assert second.wait() == -15
 
@@ -240,7 +252,7 @@ def test_crash_during_load(spawn: Callable[..., Daemon]) -> None:
     d.handshake()
     d.send("LOAD", {"req_id": 1, "artifact_path": "/a/m.bin", "artifact_digest": "", "format": "fake",
                     "runtime_config": {}})
-    assert d.message().t == "PROGRESS"
+    assert d.message().T == "PROGRESS"
     assert d.recv() is CLOSED
     assert d.wait() == 4
 
@@ -249,11 +261,11 @@ def test_reply_faults(spawn: Callable[..., Daemon]) -> None:
     d = spawn("regressing_progress")
     d.handshake()
     first, second, reply = embed(d, 4)
-    assert [first["completed"], second["completed"], reply["req_id"]] == [2, 1, 4]
+    assert [first.completed, second.completed, reply.req_id] == [2, 1, 4]
     d = spawn("wrong_req_id")
     d.handshake()
     progress, reply = embed(d, 4)
-    assert (progress["req_id"], reply.t, reply["req_id"]) == (4, "VECTORS", 5)
+    assert (progress.req_id, reply.T, reply.req_id) == (4, "VECTORS", 5)
     d = spawn("garbage")
     d.handshake()
     with pytest.raises(MalformedMessage):
@@ -264,19 +276,19 @@ def test_slow_with_progress(spawn: Callable[..., Daemon]) -> None:
     d = spawn("slow", delay=0.3, progress_every=0.05)
     d.handshake()
     *progress, reply = embed(d)
-    assert len(progress) >= 4 and [p["completed"] for p in progress] == list(range(1, len(progress) + 1))
-    assert reply.t == "VECTORS"
+    assert len(progress) >= 4 and [p.completed for p in progress] == list(range(1, len(progress) + 1))
+    assert reply.T == "VECTORS"
 
 
 def test_exit_after_reply_and_flood(spawn: Callable[..., Daemon]) -> None:
     d = spawn("exit_after_reply")
     d.handshake()
-    assert embed(d)[-1].t == "VECTORS"
+    assert embed(d)[-1].T == "VECTORS"
     assert d.recv() is CLOSED
     assert d.wait() == 0
     d = spawn("flood_stderr")
     d.handshake()
-    assert embed(d)[-1].t == "VECTORS"
+    assert embed(d)[-1].T == "VECTORS"
     assert d.log.stat().st_size >= 2 << 20
 
 
@@ -284,14 +296,14 @@ def test_signal_behaviors(spawn: Callable[..., Daemon]) -> None:
     d = spawn("ignore_sigterm")
     d.handshake()
     d.proc.terminate()
-    assert embed(d)[-1].t == "VECTORS"  # still serving after SIGTERM
+    assert embed(d)[-1].T == "VECTORS"  # still serving after SIGTERM
     d.proc.kill()
     assert d.wait() == -signal.SIGKILL
     d = spawn("hang_sigstop")
     d.handshake()
     d.send("PING", {"req_id": 1})  # not a serving request: answered
-    assert d.message().t == "PONG"
+    assert d.message().T == "PONG"
     d.send("EMBED_BATCH", {"req_id": 2, "model_ref": "m", "pooling": "mean", "normalize": False, "items": []}, b"")
     assert os.waitid(os.P_PID, d.proc.pid, os.WSTOPPED | os.WNOWAIT).si_code == os.CLD_STOPPED
     os.kill(d.proc.pid, signal.SIGCONT)  # resumed, it answers
-    assert d.reply()[-1].t == "VECTORS"
+    assert d.reply()[-1].T == "VECTORS"

@@ -15,7 +15,7 @@ import pytest
 
 import trio_gpuworker.worker._ingress as ingress
 from cython_ring import EgressState, ObjectSpec, buffer_records, write_egress_batch
-from trio_gpuworker._proto import InstallRing, NeverInstalled
+from trio_gpuworker._proto import InstallRing, LoadedBlock, NeverInstalled
 from trio_gpuworker.supervisor import ArenaManager
 
 SPEC = {"kind": "bytes", "max_extent": 1 << 20, "alignment": 1, "dtype": "uint8", "shape": [],
@@ -30,10 +30,10 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ingress, "DRAIN_CALL_CHUNKS", CALL_CHUNKS)
 
 
-def _rows(notices: list[tuple[Any, ...]]) -> list[list[int]]:
+def _rows(notices: list[Any]) -> list[list[int]]:
     """Every LOADED_BLOCK's rows [object_id, sequence, extent, handle], in order."""
-    return [row for t, _, raw in (n for n in notices if n[0] == "LOADED_BLOCK")
-            for row in np.frombuffer(raw, "<u8").reshape(-1, 4).tolist()]
+    return [row for n in notices if isinstance(n, LoadedBlock)
+            for row in np.frombuffer(n.raw, "<u8").reshape(-1, 4).tolist()]
 
 
 def _install(plane: Any, arena: ArenaManager, lease: Any) -> None:
@@ -67,8 +67,8 @@ async def _installed(emit: Callable[..., None]) -> AsyncIterator[tuple[Any, Any,
 
 
 async def test_one_call_drains_several_chunks_and_posts_each_as_it_ends(small_chunks: None) -> None:
-    emitted: list[tuple[Any, ...]] = []
-    async with _installed(lambda *m: emitted.append(m)) as (plane, lease, ring):
+    emitted: list[Any] = []
+    async with _installed(emitted.append) as (plane, lease, ring):
         count = CHUNK * CALL_CHUNKS + 2
         objects = [np.full(8 + k, k, np.uint8) for k in range(count)]
         written, _, _ = write_egress_batch(ring, EgressState(ObjectSpec.from_wire(SPEC)),
@@ -76,8 +76,8 @@ async def test_one_call_drains_several_chunks_and_posts_each_as_it_ends(small_ch
         assert written == count
         first = plane.drain(lease.ring_id)
         # the first CALL_CHUNKS - 1 full chunks went out as they ended, the last full one is the call's reply
-        assert [len(_rows([m])) for m in emitted if m[0] == "LOADED_BLOCK"] == [CHUNK] * (CALL_CHUNKS - 1)
-        assert {m[0] for m in emitted} <= {"LOADED_BLOCK", "RING_WRITABLE"}
+        assert [len(_rows([m])) for m in emitted if isinstance(m, LoadedBlock)] == [CHUNK] * (CALL_CHUNKS - 1)
+        assert {m.T for m in emitted} <= {"LOADED_BLOCK", "RING_WRITABLE"}
         assert len(_rows(first)) == CHUNK and plane.more(lease.ring_id)  # the thread is handed back: more to do
         second = plane.drain(lease.ring_id)
         assert not plane.more(lease.ring_id)
@@ -91,8 +91,8 @@ async def test_one_call_drains_several_chunks_and_posts_each_as_it_ends(small_ch
 
 
 async def test_a_steady_stream_allocates_nothing_once_its_first_lap_is_released(small_chunks: None) -> None:
-    emitted: list[tuple[Any, ...]] = []
-    async with _installed(lambda *m: emitted.append(m)) as (plane, lease, ring):
+    emitted: list[Any] = []
+    async with _installed(emitted.append) as (plane, lease, ring):
         bridge = plane.bridge
         fresh: list[int] = []
         alloc = bridge.alloc_device
@@ -122,8 +122,8 @@ async def test_a_drain_on_the_event_loop_stops_at_its_byte_budget(monkeypatch: p
     calls take the rest, in stream order. Objects of two sizes make the pool run dry between native calls."""
     small, large = 4096, 8192
     monkeypatch.setattr(ingress, "LOOP_DRAIN_BYTES", 2 * small)
-    emitted: list[tuple[Any, ...]] = []
-    async with _installed(lambda *m: emitted.append(m)) as (plane, lease, ring):
+    emitted: list[Any] = []
+    async with _installed(emitted.append) as (plane, lease, ring):
         extents = [small, small, large, large, small, small, large, large]
         objects = [np.full(n, k, np.uint8) for k, n in enumerate(extents)]
         written, _, _ = write_egress_batch(ring, EgressState(ObjectSpec.from_wire(SPEC)),

@@ -11,7 +11,15 @@ import trio
 
 from cython_ring import EgressState, ObjectSpec, write_egress
 from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig, Windows
-from trio_gpuworker._proto import EXT_LOADED_BLOCK, InstallRing, NeverInstalled, advertised, required_extensions
+from trio_gpuworker._proto import (
+    EXT_LOADED_BLOCK,
+    InstallRing,
+    LoadedBlock,
+    NeverInstalled,
+    ObjectsLoaded,
+    advertised,
+    required_extensions,
+)
 from trio_gpuworker.supervisor import ArenaManager
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
@@ -31,8 +39,8 @@ async def test_the_cpu_drain_reports_the_same_rows_in_either_form() -> None:
     objects = [np.arange(n, dtype=np.float32) + k for k, n in enumerate((4, 8, 4))]
     with ArenaManager(1 << 20) as arena:
         emitted: list[str] = []
-        plane = WorkerDataPlane(1, lambda t, f: emitted.append(t), {}, arena=arena.mmap)
-        notices: dict[bool, list[tuple[Any, ...]]] = {}
+        plane = WorkerDataPlane(1, lambda msg: emitted.append(msg.T), {}, arena=arena.mmap)
+        notices: dict[bool, list[Any]] = {}
         for block in (False, True):
             lease = await arena.lease(4096)
             ring = arena.init_ring(lease)
@@ -48,16 +56,14 @@ async def test_the_cpu_drain_reports_the_same_rows_in_either_form() -> None:
             plane.quiesce(lease.ring_id)
             ring.release()
             arena.release(lease, NeverInstalled(lease.ring_id))
-        (t_rows, fields), *rest = notices[False]
-        (t_block, block_fields, raw), *rest_block = notices[True]
-        assert (t_rows, t_block) == ("OBJECTS_LOADED", "LOADED_BLOCK")
-        assert rest == rest_block == []
+        [loaded], [block] = notices[False], notices[True]
+        assert isinstance(loaded, ObjectsLoaded) and isinstance(block, LoadedBlock)
         # consume advanced: RING_WRITABLE went out at once, ahead of the drain's reply
         assert emitted == ["RING_WRITABLE", "RING_WRITABLE"]
-        assert [row[:3] for row in fields["objects"]] == [[10, 0, 16], [11, 1, 32], [12, 2, 16]]
-        rows = np.frombuffer(raw, "<u8").reshape(-1, 4)
-        assert rows[:, :3].tolist() == [row[:3] for row in fields["objects"]]
-        assert block_fields["worker_generation"] == fields["worker_generation"] == 1
+        assert [row[:3] for row in loaded.objects] == [[10, 0, 16], [11, 1, 32], [12, 2, 16]]
+        rows = np.frombuffer(block.raw, "<u8").reshape(-1, 4)
+        assert rows[:, :3].tolist() == [row[:3] for row in loaded.objects]
+        assert block.worker_generation == loaded.worker_generation == 1
         for handle_id, data in zip(rows[:, 3].tolist(), objects, strict=True):  # each a live device object
             assert plane.objects[handle_id].shape == (data.size,)
         plane.stop()

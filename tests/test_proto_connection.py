@@ -21,14 +21,16 @@ from trio_gpuworker._proto import (
     NEED_DATA,
     WORKER,
     Connection,
-    Message,
+    Hello,
+    WireMessage,
+    decode,
     decode_control,
     encode_frame,
     hello_fields,
 )
 
 ENGINE = {"engine": "fake", "version": "1", "build_flags": []}
-Event = Any  # Message | NEED_DATA | CLOSED
+Event = Any  # a message class, NEED_DATA or CLOSED
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -39,11 +41,9 @@ def ctrl(t: str, **fields: Any) -> bytes:
     return encode_frame(cbor2.dumps({"t": t, **fields}))
 
 
-def msg(t: str, raw: bytes | None = None, **fields: Any) -> Message:
-    """The Message the receiver should produce."""
-    if raw is not None:
-        fields["raw_len"] = len(raw)
-    return Message(t, {"t": t, **fields}, raw)
+def msg(t: str, raw: bytes | None = None, **fields: Any) -> WireMessage:
+    """The message the receiver should produce: the class of `t` with these fields."""
+    return decode(t, {"t": t, **fields}, raw)
 
 
 def whole(data: bytes) -> Iterator[bytes]:
@@ -86,10 +86,10 @@ def joined(chunks: list[bytes | memoryview]) -> bytes:
 def established(max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Connection, Connection]:
     """A daemon and a worker connection that have completed the handshake with each other."""
     daemon, worker = Connection(DAEMON), Connection(WORKER)
-    [hello] = events(daemon, joined(worker.send("HELLO", hello_fields("n0", 7, max_frame, ENGINE))))
-    assert hello.t == "HELLO"
+    [hello] = events(daemon, joined(worker.send_map("HELLO", hello_fields("n0", 7, max_frame, ENGINE))))
+    assert isinstance(hello, Hello)
     ack = {"v": 3, "accept": True, "max_frame": max_frame, "generation": 1}
-    assert events(worker, joined(daemon.send("HELLO_ACK", ack))) == [msg("HELLO_ACK", **ack)]
+    assert events(worker, joined(daemon.send_map("HELLO_ACK", ack))) == [msg("HELLO_ACK", **ack)]
     assert daemon.handshake_done and worker.handshake_done
     return daemon, worker
 
@@ -247,7 +247,7 @@ def test_after_a_fault_every_call_fails_with_the_same_error() -> None:
     with pytest.raises(MalformedMessage) as first:
         daemon.next_event()
     for call in (daemon.next_event, lambda: daemon.receive_data(ctrl("UNLOADED", req_id=1)),
-                 lambda: daemon.receive_data(b""), lambda: daemon.send("PING", {"req_id": 2})):
+                 lambda: daemon.receive_data(b""), lambda: daemon.send_map("PING", {"req_id": 2})):
         with pytest.raises(MalformedMessage) as again:
             call()
         assert again.value is first.value
@@ -380,5 +380,5 @@ def test_daemon_only_message_at_the_daemon(frame: bytes) -> None:
 def test_wake_hints_travel_both_ways() -> None:
     daemon, worker = established()
     for t in ("RING_READABLE", "RING_WRITABLE"):
-        assert events(worker, joined(daemon.send(t, {"ring_id": 3}))) == [msg(t, ring_id=3)]
-        assert events(daemon, joined(worker.send(t, {"ring_id": 4}))) == [msg(t, ring_id=4)]
+        assert events(worker, joined(daemon.send_map(t, {"ring_id": 3}))) == [msg(t, ring_id=3)]
+        assert events(daemon, joined(worker.send_map(t, {"ring_id": 4}))) == [msg(t, ring_id=4)]

@@ -19,7 +19,7 @@ from trio_gpuworker._proto import (
     SCHEMAS,
     WORKER,
     Connection,
-    Message,
+    WireMessage,
     encode_frame,
     hello_fields,
 )
@@ -29,7 +29,7 @@ from trio_gpuworker._proto import (
 
 def test_send_control_message() -> None:
     daemon, worker = established()
-    chunks = daemon.send("PING", {"req_id": 9})
+    chunks = daemon.send_map("PING", {"req_id": 9})
     assert len(chunks) == 1
     assert events(worker, joined(chunks)) == [msg("PING", req_id=9)]
 
@@ -39,7 +39,7 @@ def test_send_with_raw_frame() -> None:
     raw = bytes(range(12))
     fields = {"req_id": 2, "model_ref": "m", "pooling": "cls", "normalize": False,
               "items": [{"id": 5, "n_tokens": 3}]}
-    chunks = daemon.send("EMBED_BATCH", fields, raw)
+    chunks = daemon.send_map("EMBED_BATCH", fields, raw)
     assert [bytes(c) for c in chunks[1:]] == [b"\x0c\x00\x00\x00", raw]
     assert events(worker, joined(chunks)) == [msg("EMBED_BATCH", raw, **fields)]
 
@@ -47,7 +47,7 @@ def test_send_with_raw_frame() -> None:
 def test_send_raw_memoryview_is_not_copied() -> None:
     worker = worker_side()
     raw = memoryview(bytearray(16))
-    chunks = worker.send("SCORES", {"req_id": 1, "n": 4}, raw)
+    chunks = worker.send_map("SCORES", {"req_id": 1, "n": 4}, raw)
     assert chunks[2] is raw
 
 
@@ -74,24 +74,24 @@ def test_send_invalid_is_a_local_error(sender: str, t: str, fields: dict[str, An
     worker.set_max_frame(64)
     conn = daemon if sender == DAEMON else worker
     with pytest.raises(LocalProtocolError):
-        conn.send(t, fields, raw)
+        conn.send_map(t, fields, raw)
     # our own mistake does not kill the connection
     if sender == DAEMON:
-        assert events(worker, joined(daemon.send("PING", {"req_id": 5}))) == [msg("PING", req_id=5)]
+        assert events(worker, joined(daemon.send_map("PING", {"req_id": 5}))) == [msg("PING", req_id=5)]
     else:
-        assert events(daemon, joined(worker.send("UNLOADED", {"req_id": 5}))) == [msg("UNLOADED", req_id=5)]
+        assert events(daemon, joined(worker.send_map("UNLOADED", {"req_id": 5}))) == [msg("UNLOADED", req_id=5)]
 
 
 def test_send_control_frame_over_max_frame() -> None:
     daemon, _ = established(max_frame=64)
     with pytest.raises(LocalProtocolError):
-        daemon.send("UNLOAD", {"req_id": 1, "model_ref": "m" * 64})
+        daemon.send_map("UNLOAD", {"req_id": 1, "model_ref": "m" * 64})
 
 
 def test_send_fields_cannot_override_the_type() -> None:
     daemon, worker = established()
     try:
-        chunks = daemon.send("PING", {"req_id": 1, "t": "SHUTDOWN"})
+        chunks = daemon.send_map("PING", {"req_id": 1, "t": "SHUTDOWN"})
     except LocalProtocolError:
         return
     assert events(worker, joined(chunks)) == [msg("PING", req_id=1)]
@@ -169,8 +169,8 @@ def run_fuzz(conn: Connection, data: bytes, cuts: list[int], eof: bool) -> None:
             conn.receive_data(chunk)
             while True:
                 event = conn.next_event()
-                assert event is NEED_DATA or event is CLOSED or isinstance(event, Message)
-                if not isinstance(event, Message):
+                assert event is NEED_DATA or event is CLOSED or isinstance(event, WireMessage)
+                if not isinstance(event, WireMessage):
                     break
     except RemoteProtocolError as exc:
         with pytest.raises(RemoteProtocolError) as again:
@@ -232,7 +232,7 @@ def test_round_trip_under_any_chunking(data: st.DataObject, from_daemon: bool) -
     daemon, worker = established()
     sender, receiver = (daemon, worker) if from_daemon else (worker, daemon)
     sent = data.draw(st.lists(DAEMON_MESSAGES if from_daemon else WORKER_MESSAGES, max_size=8))
-    wire = b"".join(joined(sender.send(t, fields, raw)) for t, fields, raw in sent)
+    wire = b"".join(joined(sender.send_map(t, fields, raw)) for t, fields, raw in sent)
     cuts = data.draw(st.lists(st.integers(0, len(wire)), max_size=12))
     got: list[Event] = []
     for chunk in split(wire, cuts):

@@ -25,7 +25,10 @@ from trio_gpuworker._proto import (
     Handshake,
     HandshakeRules,
     HandshakeState,
-    Message,
+    Hello,
+    HelloAck,
+    RingReadable,
+    WireMessage,
     encode_frame,
     hello_fields,
 )
@@ -45,12 +48,12 @@ def hello(**overrides: Any) -> dict[str, Any]:
     return {**hello_fields(NONCE, PID, DEFAULT_MAX_FRAME, ENGINE), **overrides}
 
 
-def receive(conn: Connection, data: bytes, bytewise: bool = False) -> list[Message]:
-    out: list[Message] = []
+def receive(conn: Connection, data: bytes, bytewise: bool = False) -> list[WireMessage]:
+    out: list[WireMessage] = []
     for chunk in [data[i : i + 1] for i in range(len(data))] if bytewise else [data]:
         conn.receive_data(chunk)
         while (event := conn.next_event()) is not NEED_DATA:
-            assert isinstance(event, Message)
+            assert isinstance(event, WireMessage)
             out.append(event)
     return out
 
@@ -60,9 +63,8 @@ def rules(**overrides: Any) -> HandshakeRules:
                              **overrides})
 
 
-def hello_message(**overrides: Any) -> Message:
-    fields = hello(**overrides)
-    return Message("HELLO", {"t": "HELLO", **fields})
+def hello_message(**overrides: Any) -> Hello:
+    return Hello(**hello(**overrides))
 
 
 # --- the whole exchange -------------------------------------------------------------------------
@@ -72,13 +74,13 @@ def hello_message(**overrides: Any) -> Message:
 def test_handshake(bytewise: bool) -> None:
     daemon, worker = Connection(DAEMON), Connection(WORKER)
     assert not daemon.handshake_done and not worker.handshake_done
-    [got] = receive(daemon, b"".join(worker.send("HELLO", hello())), bytewise)
+    [got] = receive(daemon, b"".join(worker.send_map("HELLO", hello())), bytewise)
     assert got == hello_message()
     assert not daemon.handshake_done
     ack = rules().check_hello(got)
-    assert ack == {"v": PROTOCOL_VERSION, "accept": True, "max_frame": DEFAULT_MAX_FRAME, "generation": 3}
-    [got_ack] = receive(worker, b"".join(daemon.send("HELLO_ACK", ack)), bytewise)
-    assert got_ack == Message("HELLO_ACK", {"t": "HELLO_ACK", **ack})
+    assert ack == HelloAck(v=PROTOCOL_VERSION, accept=True, max_frame=DEFAULT_MAX_FRAME, generation=3)
+    [got_ack] = receive(worker, b"".join(daemon.send(ack)), bytewise)
+    assert got_ack == ack
     assert daemon.handshake_done and worker.handshake_done
 
 
@@ -92,7 +94,7 @@ def test_hello_with_optional_fields() -> None:
     daemon = Connection(DAEMON)
     fields = hello(kernel_revision="k1", manifest_digest="d", packed=False)
     [got] = receive(daemon, ctrl("HELLO", **fields))
-    assert got.fields == {"t": "HELLO", **fields}
+    assert got == Hello(**fields)
 
 
 # --- ordering, daemon side ----------------------------------------------------------------------
@@ -130,7 +132,7 @@ def test_daemon_rejects_a_message_between_hello_and_ack() -> None:
 def test_daemon_rejects_hello_after_handshake() -> None:
     daemon = Connection(DAEMON)
     receive(daemon, ctrl("HELLO", **hello()))
-    daemon.send("HELLO_ACK", ACK)
+    daemon.send_map("HELLO_ACK", ACK)
     with pytest.raises(UnexpectedFrame):
         receive(daemon, ctrl("HELLO", **hello()))
 
@@ -148,14 +150,14 @@ def test_daemon_rejects_hello_after_handshake() -> None:
 )
 def test_worker_rejects_anything_before_ack(frame: bytes) -> None:
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     with pytest.raises(UnexpectedFrame):
         receive(worker, frame)
 
 
 def test_worker_rejects_a_second_ack() -> None:
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     receive(worker, ctrl("HELLO_ACK", **ACK))
     with pytest.raises(UnexpectedFrame):
         receive(worker, ctrl("HELLO_ACK", **ACK))
@@ -172,47 +174,47 @@ def test_worker_rejects_hello() -> None:
 def test_worker_may_send_only_hello_before_ack() -> None:
     worker = Connection(WORKER)
     with pytest.raises(LocalProtocolError):
-        worker.send("PONG", {"req_id": 0, "rss_mb": 1.0, "models_loaded": []})
+        worker.send_map("PONG", {"req_id": 0, "rss_mb": 1.0, "models_loaded": []})
     with pytest.raises(LocalProtocolError):
-        worker.send("RING_READABLE", {"ring_id": 1})
-    worker.send("HELLO", hello())
+        worker.send_map("RING_READABLE", {"ring_id": 1})
+    worker.send_map("HELLO", hello())
 
 
 def test_daemon_may_send_only_hello_ack_before_handshake() -> None:
     daemon = Connection(DAEMON)
     receive(daemon, ctrl("HELLO", **hello()))
     with pytest.raises(LocalProtocolError):
-        daemon.send("PING", {"req_id": 1})
+        daemon.send_map("PING", {"req_id": 1})
     with pytest.raises(LocalProtocolError):
-        daemon.send("RING_WRITABLE", {"ring_id": 1})
-    daemon.send("HELLO_ACK", ACK)
-    daemon.send("PING", {"req_id": 1})
+        daemon.send_map("RING_WRITABLE", {"ring_id": 1})
+    daemon.send_map("HELLO_ACK", ACK)
+    daemon.send_map("PING", {"req_id": 1})
 
 
 def test_sending_ack_applies_the_negotiated_max_frame() -> None:
     daemon = Connection(DAEMON)
     receive(daemon, ctrl("HELLO", **hello(max_frame=1 << 20)))
-    daemon.send("HELLO_ACK", {**ACK, "max_frame": 1 << 20})
+    daemon.send_map("HELLO_ACK", {**ACK, "max_frame": 1 << 20})
     assert daemon.max_frame == 1 << 20
     with pytest.raises(LocalProtocolError):
-        daemon.send("UNLOAD", {"req_id": 1, "model_ref": "m" * (1 << 20)})
+        daemon.send_map("UNLOAD", {"req_id": 1, "model_ref": "m" * (1 << 20)})
 
 
 def test_daemon_cannot_ack_before_hello() -> None:
     with pytest.raises(LocalProtocolError):
-        Connection(DAEMON).send("HELLO_ACK", ACK)
+        Connection(DAEMON).send_map("HELLO_ACK", ACK)
 
 
 def test_handshake_messages_cannot_be_sent_twice() -> None:
     daemon = Connection(DAEMON)
     receive(daemon, ctrl("HELLO", **hello()))
-    daemon.send("HELLO_ACK", ACK)
+    daemon.send_map("HELLO_ACK", ACK)
     with pytest.raises(LocalProtocolError):
-        daemon.send("HELLO_ACK", ACK)
+        daemon.send_map("HELLO_ACK", ACK)
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     with pytest.raises(LocalProtocolError):
-        worker.send("HELLO", hello())
+        worker.send_map("HELLO", hello())
 
 
 def test_worker_rejects_ack_before_its_hello() -> None:
@@ -222,14 +224,14 @@ def test_worker_rejects_ack_before_its_hello() -> None:
 
 def test_worker_applies_the_negotiated_max_frame() -> None:
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     receive(worker, ctrl("HELLO_ACK", **{**ACK, "max_frame": 1 << 20}))
     assert worker.max_frame == 1 << 20
 
 
 def test_worker_rejects_a_refusing_ack() -> None:
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     with pytest.raises(HandshakeError):
         receive(worker, ctrl("HELLO_ACK", **{**ACK, "accept": False}))
 
@@ -281,7 +283,7 @@ def test_a_frame_right_behind_hello_is_a_fault_not_the_first_request(behind: byt
     got = []
     with pytest.raises(UnexpectedFrame):  # raised by next_event if it is whole, else by answering HELLO
         got = receive(daemon, ctrl("HELLO", **hello()) + behind, bytewise)
-        daemon.send("HELLO_ACK", ACK)
+        daemon.send_map("HELLO_ACK", ACK)
     assert got in ([], [hello_message()]) or got[0] == hello_message()
     with pytest.raises(UnexpectedFrame):
         daemon.next_event()  # the connection stays dead
@@ -290,13 +292,12 @@ def test_a_frame_right_behind_hello_is_a_fault_not_the_first_request(behind: byt
 def test_a_frame_after_the_ack_is_delivered() -> None:
     daemon = Connection(DAEMON)
     receive(daemon, ctrl("HELLO", **hello()))
-    daemon.send("HELLO_ACK", ACK)
-    assert receive(daemon, ctrl("RING_READABLE", ring_id=1)) == [Message("RING_READABLE",
-                                                                         {"t": "RING_READABLE", "ring_id": 1})]
+    daemon.send_map("HELLO_ACK", ACK)
+    assert receive(daemon, ctrl("RING_READABLE", ring_id=1)) == [RingReadable(ring_id=1)]
 
 
 def test_a_request_right_behind_the_ack_reaches_the_worker() -> None:
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     got = receive(worker, ctrl("HELLO_ACK", **ACK) + ctrl("PING", req_id=1), bytewise=True)
-    assert [m.t for m in got] == ["HELLO_ACK", "PING"]
+    assert [m.T for m in got] == ["HELLO_ACK", "PING"]

@@ -30,7 +30,9 @@ from trio_gpuworker._proto import (
     RING_ABI,
     WORKER,
     Connection,
-    Message,
+    HelloAck,
+    WireMessage,
+    decode,
     encode_frame,
 )
 
@@ -60,15 +62,15 @@ def test_v3_hello_missing_fields_is_malformed_not_a_version_mismatch() -> None:
 
 
 def test_rules_accept() -> None:
-    assert rules(generation=7).check_hello(hello_message()) == {"v": 3, "accept": True,
-                                                                 "max_frame": DEFAULT_MAX_FRAME, "generation": 7}
+    assert rules(generation=7).check_hello(hello_message()) == HelloAck(v=3, accept=True, max_frame=DEFAULT_MAX_FRAME,
+                                                                        generation=7)
 
 
 @pytest.mark.parametrize(("ours", "theirs"), [(1 << 20, DEFAULT_MAX_FRAME), (DEFAULT_MAX_FRAME, 1 << 20),
                                               (4096, 4096)])
 def test_rules_negotiate_the_smaller_max_frame(ours: int, theirs: int) -> None:
     ack = rules(max_frame=ours).check_hello(hello_message(max_frame=theirs))
-    assert ack["max_frame"] == min(ours, theirs)
+    assert ack.max_frame == min(ours, theirs)
 
 
 @pytest.mark.parametrize(
@@ -91,7 +93,7 @@ def test_rules_reject(overrides: dict[str, Any], error: type[HandshakeError]) ->
 
 
 def test_rules_other_supported_ring_abis() -> None:
-    assert rules(ring_abis=frozenset({1, 2})).check_hello(hello_message(ring_abi=1))["accept"] is True
+    assert rules(ring_abis=frozenset({1, 2})).check_hello(hello_message(ring_abi=1)).accept is True
 
 
 def test_handshake_errors_are_remote_protocol_errors_with_codes() -> None:
@@ -123,7 +125,7 @@ def test_hello_fields_are_exact(fields: dict[str, Any], bytewise: bool) -> None:
     with pytest.raises(MalformedMessage):
         receive(Connection(DAEMON), ctrl("HELLO", **fields), bytewise)
     with pytest.raises(LocalProtocolError):
-        Connection(WORKER).send("HELLO", fields)
+        Connection(WORKER).send_map("HELLO", fields)
 
 
 @pytest.mark.parametrize(
@@ -137,19 +139,19 @@ def test_hello_fields_are_exact(fields: dict[str, Any], bytewise: bool) -> None:
 )
 def test_ack_fields_are_exact(fields: dict[str, Any]) -> None:
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     with pytest.raises(MalformedMessage):
         receive(worker, ctrl("HELLO_ACK", **fields))
     daemon = Connection(DAEMON)
     receive(daemon, ctrl("HELLO", **hello()))
     with pytest.raises(LocalProtocolError):
-        daemon.send("HELLO_ACK", fields)
+        daemon.send_map("HELLO_ACK", fields)
 
 
 @pytest.mark.parametrize("v", [2, 4, "3", None])
 def test_worker_checks_the_acks_version(v: object) -> None:
     worker = Connection(WORKER)
-    worker.send("HELLO", hello())
+    worker.send_map("HELLO", hello())
     with pytest.raises(VersionMismatch):
         receive(worker, ctrl("HELLO_ACK", **{**ACK, "v": v}))
     assert not worker.handshake_done
@@ -157,16 +159,16 @@ def test_worker_checks_the_acks_version(v: object) -> None:
 
 def test_we_cannot_send_another_version() -> None:
     with pytest.raises(LocalProtocolError):
-        Connection(WORKER).send("HELLO", hello(v=2))
+        Connection(WORKER).send_map("HELLO", hello(v=2))
     daemon = Connection(DAEMON)
     receive(daemon, ctrl("HELLO", **hello()))
     with pytest.raises(LocalProtocolError):
-        daemon.send("HELLO_ACK", {**ACK, "v": 4})
+        daemon.send_map("HELLO_ACK", {**ACK, "v": 4})
 
 
 def test_worker_rejects_an_ack_above_its_max_frame() -> None:
     worker = Connection(WORKER, max_frame=1 << 20)
-    worker.send("HELLO", hello(max_frame=1 << 20))
+    worker.send_map("HELLO", hello(max_frame=1 << 20))
     with pytest.raises(HandshakeError):
         receive(worker, ctrl("HELLO_ACK", **ACK))
 
@@ -196,11 +198,11 @@ def test_fuzz_the_daemons_handshake_decoder(mutations: dict[str, Any], drop: lis
     data = encode_frame(cbor2.dumps({"t": "HELLO", **fields})) + trailing
     points = sorted({0, len(data), *(c for c in cuts if c < len(data))})
     daemon = Connection(DAEMON)
-    got: list[Message] = []
+    got: list[WireMessage] = []
     try:
         for a, b in itertools.pairwise(points):
             got += receive(daemon, data[a:b])
-        daemon.send("HELLO_ACK", ACK)
+        daemon.send_map("HELLO_ACK", ACK)
     except RemoteProtocolError as exc:
         with pytest.raises(RemoteProtocolError) as again:
             daemon.next_event()
@@ -208,7 +210,7 @@ def test_fuzz_the_daemons_handshake_decoder(mutations: dict[str, Any], drop: lis
         assert not daemon.handshake_done
         return
     # accepted only a complete, exact v3 HELLO with nothing behind it
-    assert got == [Message("HELLO", {"t": "HELLO", **fields})] and not trailing
+    assert got == [decode("HELLO", fields)] and not trailing
     assert fields.get("v") == PROTOCOL_VERSION and set(fields) - {"t"} <= set(hello()) | {
         "packed", "manifest_digest", "kernel_revision"}
     assert daemon.handshake_done

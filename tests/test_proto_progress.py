@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from trio_gpuworker._errors import ProgressViolation, RemoteProtocolError
-from trio_gpuworker._proto import Message, ProgressValidator
+from trio_gpuworker._proto import Progress, ProgressValidator
 
 
-def progress(completed: int, phase: str = "inference", req_id: int = 7) -> Message:
-    return Message("PROGRESS", {"t": "PROGRESS", "req_id": req_id, "completed": completed, "phase": phase})
+def progress(completed: int, phase: str = "inference", req_id: int = 7) -> Progress:
+    return Progress(req_id=req_id, completed=completed, phase=phase)
 
 
 def test_increasing_counts_are_accepted() -> None:

@@ -4,6 +4,7 @@ Plain inputs, no I/O, in the way h11 tests its state machine."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -11,14 +12,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trio_gpuworker._errors import LocalProtocolError, ProgressViolation, RemoteProtocolError, UnexpectedFrame
-from trio_gpuworker._proto import REQUESTS, Message, ReplyKind, RequestTracker, is_request
+from trio_gpuworker._proto import MESSAGES, REQUESTS, ReplyKind, RequestTracker, WireMessage, is_request
 
 
-def msg(t: str, **fields: Any) -> Message:
-    return Message(t, {"t": t, **fields})
+def msg(t: str, **fields: Any) -> WireMessage:
+    """Message `t` with these fields; the fields a test leaves out are None (the tracker reads only its ids and
+    counts)."""
+    cls = MESSAGES[t]
+    return cls(**{f.name: fields.get(f.name) for f in dataclasses.fields(cls) if f.name != "raw"})
 
 
-def progress(req_id: int, completed: int, phase: str = "inference") -> Message:
+def progress(req_id: int, completed: int, phase: str = "inference") -> WireMessage:
     return msg("PROGRESS", req_id=req_id, completed=completed, phase=phase)
 
 
@@ -72,7 +76,7 @@ def test_intermediate_replies_precede_the_terminal_one() -> None:
     msg("LOADED", req_id=1, model_ref="m", dims=4, cold_load_ms=1.0),  # a reply to something else
     msg("OBJECT_PRODUCED", req_id=1, ring_id=1, port_id="p", object_id=1, sequence=0, extent=8),  # not for EMBED
 ])
-def test_foreign_replies_are_protocol_faults(reply: Message) -> None:
+def test_foreign_replies_are_protocol_faults(reply: WireMessage) -> None:
     tr = RequestTracker()
     tr.begin("EMBED_BATCH")
     with pytest.raises(UnexpectedFrame):

@@ -13,7 +13,7 @@ import trio.testing
 
 from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig, Windows
 from trio_gpuworker._errors import UnexpectedFrame
-from trio_gpuworker._proto import Message, ReplyKind, RequestTracker, Verdict
+from trio_gpuworker._proto import ObjectProduced, ReplyKind, RequestTracker, Vectors, Verdict
 from trio_gpuworker.supervisor._worker import MESSAGE_BYTES, Replies
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 16, "alignment": 4, "dtype": "float32", "shape": [],
@@ -55,8 +55,9 @@ async def test_an_echo_step_with_many_outputs_is_served_by_the_same_worker(tmp_p
             await dp.uninstall_ring(end)
 
 
-def _reply(n: int, raw: int = 0) -> Message:
-    return Message("OBJECT_PRODUCED", {"t": "OBJECT_PRODUCED", "req_id": 1, "n": n}, b"x" * raw if raw else None)
+def _reply(n: int, raw: int = 0) -> Vectors:
+    """Reply number `n` (its `n`), with a raw frame of `raw` bytes."""
+    return Vectors(req_id=1, dims=1, n=n, raw=b"x" * raw)
 
 
 async def test_the_reply_queue_makes_its_reader_wait_once_full_and_never_drops() -> None:
@@ -74,9 +75,9 @@ async def test_the_reply_queue_makes_its_reader_wait_once_full_and_never_drops()
         nursery.start_soon(reader)
         await trio.testing.wait_all_tasks_blocked()
         assert not done.is_set() and len(replies) == 4
-        assert replies.get_nowait()[0]["n"] == 0
+        assert replies.get_nowait()[0].n == 0
         await done.wait()
-    assert [(await replies.get())[0]["n"] for _ in range(4)] == [1, 2, 3, 4]
+    assert [(await replies.get())[0].n for _ in range(4)] == [1, 2, 3, 4]
     assert replies.held == 0
     with pytest.raises(trio.WouldBlock):
         replies.get_nowait()
@@ -92,7 +93,7 @@ async def test_one_reply_larger_than_the_bound_still_fits_an_empty_queue() -> No
 def test_more_object_produced_than_the_step_has_outputs_is_the_workers_fault() -> None:
     tracker = RequestTracker()
     req_id = tracker.begin("EXECUTE_STEP", intermediates=2)
-    produced = Message("OBJECT_PRODUCED", {"t": "OBJECT_PRODUCED", "req_id": req_id})
+    produced = ObjectProduced(req_id=req_id, ring_id=1, port_id="out", object_id=1, sequence=0, extent=8)
     assert tracker.classify(produced).kind is ReplyKind.INTERMEDIATE
     assert tracker.classify(produced).kind is ReplyKind.INTERMEDIATE
     with pytest.raises(UnexpectedFrame, match="2 outputs"):

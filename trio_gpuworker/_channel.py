@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import trio
 
-from ._proto import CLOSED, NEED_DATA, Connection, Message
+from ._proto import CLOSED, NEED_DATA, Connection, WireMessage
 
 RECV_CHUNK = 1 << 20
 
@@ -28,16 +27,15 @@ class MessageReader:
         self.conn, self.stream = conn, stream
         self._streak = 0
 
-    async def receive(self) -> Message | None:
+    async def receive(self) -> WireMessage | None:
         """The next message, or None once the peer closed its end between frames."""
         conn = self.conn
         while True:
             ev = conn.next_event()
-            if isinstance(ev, Message):
-                return ev
             if ev is CLOSED:
                 return None
-            assert ev is NEED_DATA
+            if ev is not NEED_DATA:
+                return ev  # type: ignore[return-value]
             conn.receive_data(await self._read())
 
     async def _read(self) -> bytes:
@@ -61,9 +59,9 @@ class MessageReader:
             return data
 
 
-def encode_messages(conn: Connection, messages: list[tuple[Any, ...]]) -> bytes:
-    """Several small messages as one buffer, for one write: each (t, fields), or (t, fields, raw frame)."""
-    return b"".join(bytes(chunk) for t, fields, *raw in messages for chunk in conn.send(t, fields, *raw))
+def encode_messages(conn: Connection, messages: Sequence[WireMessage]) -> bytes:
+    """Several small messages as one buffer, for one write."""
+    return b"".join(bytes(chunk) for msg in messages for chunk in conn.send(msg))
 
 
 def _fd(stream: trio.SocketStream) -> int:

@@ -33,7 +33,7 @@ from ._proto import (
     Err,
     Hello,
     HelloAck,
-    Message,
+    Progress,
     Shutdown,
     WireMessage,
     WorkerStopped,
@@ -69,7 +69,7 @@ class Report:
     def __call__(self, completed: int, phase: str, post: bool = True) -> None:
         self.check()
         if post:
-            self.server.post("PROGRESS", {"req_id": self.req_id, "completed": completed, "phase": phase})
+            self.server.post(Progress(req_id=self.req_id, completed=completed, phase=phase))
 
     def check(self) -> None:
         """Raise the request's stop, if it has one (on the compute thread, inside the engine's loop)."""
@@ -80,7 +80,7 @@ class Report:
 
     def notice(self, msg: WireMessage) -> None:
         self.check()
-        self.server.post(msg.T, msg.to_fields())
+        self.server.post(msg)
 
 
 class EngineServer:
@@ -97,19 +97,19 @@ class EngineServer:
         self.compute = compute or ComputeThread()
         self._send_lock = trio.Lock()
         self.nursery: trio.Nursery | None = None
-        self._outbox: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._outbox: collections.deque[WireMessage] = collections.deque()
         self._kicked = False
         self._loop_thread: int | None = None  # the event loop's thread, known from the handshake on
         self.stopping: str | None = None
 
     # --- writing -------------------------------------------------------------------------------
 
-    def post(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> None:
+    def post(self, msg: WireMessage) -> None:
         """Queue a message without waiting for the event loop (a thread round trip per wake hint, PROGRESS and
         OBJECT_PRODUCED cost a step milliseconds). Every send flushes the queue first, in the same write, so a
         step's messages still precede its terminal reply. From another thread the loop is kicked to flush it; on
         the loop the task that posts writes next (a step's reply), or calls `flush_soon` before it waits."""
-        self._outbox.append((t, fields) if raw is None else (t, fields, raw))
+        self._outbox.append(msg)
         if threading.get_ident() != self._loop_thread:
             self.flush_soon()
 
@@ -124,14 +124,10 @@ class EngineServer:
         if self.nursery is not None:
             self.nursery.start_soon(self.send_many, [])
 
-    async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
+    async def send_message(self, msg: WireMessage) -> None:
         """Queued notices first, then this message. It is framed before anything is written, so a
         LocalProtocolError (OutgoingFrameTooLarge) leaves the stream untouched."""
-        await self._write(self.conn.send(t, fields, raw))
-
-    async def send_message(self, msg: WireMessage) -> None:
-        """`send` for a message class."""
-        await self._write(self.conn.send_message(msg))
+        await self._write(self.conn.send(msg))
 
     async def _write(self, chunks: list[bytes | memoryview]) -> None:
         async with Held(self._send_lock):
@@ -148,7 +144,7 @@ class EngineServer:
             queued.append(self._outbox.popleft())
         return encode_messages(self.conn, queued) if queued else b""
 
-    async def send_many(self, messages: list[tuple[Any, ...]]) -> None:
+    async def send_many(self, messages: list[WireMessage]) -> None:
         """Several small messages in one write: a drain that finished many objects costs one syscall."""
         async with Held(self._send_lock):
             data = self._take_outbox() + (encode_messages(self.conn, messages) if messages else b"")
@@ -157,7 +153,7 @@ class EngineServer:
 
     # --- the session ---------------------------------------------------------------------------
 
-    async def receive(self) -> Message | None:
+    async def receive(self) -> WireMessage | None:
         return await self._reader.receive()
 
     def engine_info(self) -> dict[str, Any]:
@@ -168,10 +164,9 @@ class EngineServer:
 
     async def handshake(self) -> None:
         await self.send_message(Hello(**hello_fields(self.nonce, self.pid, DEFAULT_MAX_FRAME, self.engine_info())))
-        received = await self.receive()
-        if received is None:
+        ack = await self.receive()
+        if ack is None:
             raise SystemExit(2)
-        ack = received.typed()
         assert isinstance(ack, HelloAck)  # the Connection's handshake table lets nothing else through first
         self.token = trio.lowlevel.current_trio_token()
         self._loop_thread = threading.get_ident()
@@ -189,8 +184,7 @@ class EngineServer:
     async def _read_loop(self, send_req: trio.MemorySendChannel[WireMessage]) -> None:
         at_once = self.at_once()
         async with send_req:
-            while (received := await self.receive()) is not None:
-                msg = received.typed()
+            while (msg := await self.receive()) is not None:
                 handle = at_once.get(type(msg))
                 if (handle is None or not handle(msg)) and is_request(msg.T):
                     await send_req.send(msg)

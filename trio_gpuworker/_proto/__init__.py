@@ -3,7 +3,7 @@
 Nothing here imports trio, socket, os or tinygrad; time is passed in, never read.
 """
 
-from ._connection import CLOSED, NEED_DATA, Connection, decode_control
+from ._connection import CLOSED, NEED_DATA, Connection, decode, decode_control
 from ._extensions import ALL as EXTENSIONS
 from ._extensions import CANCEL as EXT_CANCEL
 from ._extensions import GRAMMAR as EXT_GRAMMAR
@@ -58,7 +58,6 @@ from ._lifecycle_table import (
     LaneState,
     LifecycleError,
 )
-from ._message import Message, decode
 from ._messages import (
     Cancel,
     EmbedBatch,
@@ -87,7 +86,7 @@ from ._messages import (
     WorkerStopped,
 )
 from ._progress import ProgressValidator
-from ._requests import REQUESTS, RequestTracker, Verdict, is_request
+from ._requests import REQUESTS, Reply, RequestTracker, Verdict, is_request
 from ._requests import Kind as ReplyKind
 from ._ring_messages import (
     EXTENT,
@@ -213,7 +212,6 @@ __all__ = [
     "Loaded",
     "LoadedBlock",
     "LoadedRow",
-    "Message",
     "NeverInstalled",
     "ObjectFailed",
     "ObjectLoaded",
@@ -230,6 +228,7 @@ __all__ = [
     "Reaped",
     "ReleaseDeviceObject",
     "ReleaseFailed",
+    "Reply",
     "ReplyKind",
     "RequestTracker",
     "Rerank",

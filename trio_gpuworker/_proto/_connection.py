@@ -17,11 +17,10 @@ from .._errors import (
 )
 from ._framing import DEFAULT_MAX_FRAME, FrameDecoder, frame_prefix
 from ._handshake import HANDSHAKE_MESSAGES, Handshake
-from ._message import Message
-from ._schema import BOTH, DAEMON, SCHEMAS, WORKER, check_fields
+from ._schema import BOTH, DAEMON, MESSAGES, SCHEMAS, WORKER, check_fields
 from ._wire import WireMessage
 
-__all__ = ["CLOSED", "NEED_DATA", "Connection", "Message", "check_fields", "decode_control"]
+__all__ = ["CLOSED", "NEED_DATA", "Connection", "check_fields", "decode", "decode_control"]
 
 
 class _Sentinel:
@@ -51,6 +50,15 @@ def decode_control(payload: bytes) -> dict[str, Any]:
     if not isinstance(t, str):
         raise MalformedMessage("control map has no string field 't'")
     return obj
+
+
+def decode(t: str, fields: dict[str, Any], raw: bytes | None = None) -> WireMessage:
+    """The class of message `t` built from a control map that passed its schema (keys a non-exact message does not
+    declare, a newer peer's additions, are dropped)."""
+    cls = MESSAGES.get(t)
+    if cls is None:
+        raise MalformedMessage(f"unknown message type {t!r}")
+    return cls.from_fields(fields, raw)
 
 
 class Connection:
@@ -88,8 +96,8 @@ class Connection:
             raise LocalProtocolError("data after EOF")
         self._fail_on(self._decoder.feed, data)
 
-    def next_event(self) -> Message | _Sentinel:
-        """The next Message (its `typed()` is the message's class), NEED_DATA or CLOSED."""
+    def next_event(self) -> WireMessage | _Sentinel:
+        """The next message, as its class; NEED_DATA or CLOSED."""
         self._raise_if_dead()
         return self._fail_on(self._next_event)
 
@@ -98,7 +106,7 @@ class Connection:
         """True when a partial frame or a control map without its raw frame is buffered."""
         return self._decoder.buffered > 0 or self._pending is not None
 
-    def _next_event(self) -> Message | _Sentinel:
+    def _next_event(self) -> WireMessage | _Sentinel:
         payload = self._decoder.next_frame()
         if payload is None:
             if self._eof:
@@ -111,14 +119,14 @@ class Connection:
             if len(payload) != fields["raw_len"]:
                 raise UnexpectedFrame(
                     f"{fields['t']}: raw frame of {len(payload)} bytes, raw_len said {fields['raw_len']}")
-            return Message(fields["t"], fields, payload)
+            return decode(fields["t"], fields, payload)
         fields = decode_control(payload)
         t = fields["t"]
         self.handshake.receive(t, fields)
         if t in HANDSHAKE_MESSAGES:
             if t == "HELLO_ACK":
                 self.set_max_frame(fields["max_frame"])
-            return Message(t, fields)
+            return decode(t, fields)
         spec = check_fields(t, fields, MalformedMessage)
         if spec.sender not in (self.peer_role, BOTH):
             raise UnexpectedFrame(f"{t} may not be sent by the {self.peer_role}")
@@ -127,14 +135,20 @@ class Connection:
                 raise FrameTooLarge(f"{t}: raw_len {fields['raw_len']} exceeds max_frame {self.max_frame}")
             self._pending = fields
             return self._next_event()
-        return Message(t, fields)
+        return decode(t, fields)
 
     # --- sending ---------------------------------------------------------------------------
 
-    def send(
+    def send(self, msg: WireMessage) -> list[bytes | memoryview]:
+        """Validate an outgoing message; return the byte chunks to write, in order."""
+        return self.send_map(msg.T, msg.to_fields(), msg.payload())
+
+    def send_map(
         self, t: str, fields: dict[str, Any] | None = None, raw: bytes | memoryview | None = None
     ) -> list[bytes | memoryview]:
-        """Validate an outgoing message; return the byte chunks to write, in order."""
+        """`send` of a control map as it goes on the wire, with the same checks: for a peer that writes what no
+        class holds (a test's malformed or unknown message). A message the checks refuse raises
+        LocalProtocolError and writes nothing."""
         self._raise_if_dead()
         msg = {**(fields or {}), "t": t}
         spec = SCHEMAS.get(t)
@@ -157,10 +171,6 @@ class Connection:
             chunks.append(frame_prefix(len(raw), self.max_frame))
             chunks.append(raw)
         return chunks
-
-    def send_message(self, msg: WireMessage) -> list[bytes | memoryview]:
-        """The typed path of `send`: the same checks, the same bytes."""
-        return self.send(msg.T, msg.to_fields(), msg.payload())
 
     def set_max_frame(self, max_frame: int) -> None:
         """Apply the negotiated limit (the smaller of both sides')."""

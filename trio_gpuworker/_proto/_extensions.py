@@ -32,7 +32,10 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._messages import Hello  # which imports this module
 
 STREAM = "gpuworker.stream"
 SAMPLING = "gpuworker.sampling"
@@ -54,11 +57,11 @@ MAX_TOP_LOGPROBS = 5  # GENERATE `logprobs`: alternatives per token, as OpenAI a
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "logprobs")
 
 
-def advertised(hello: Mapping[str, Any] | None) -> frozenset[str]:
+def advertised(hello: Hello | None) -> frozenset[str]:
     """The extensions a worker's HELLO advertised (none before HELLO)."""
     if hello is None:
         return frozenset()
-    flags = hello["engine"]["build_flags"]
+    flags = hello.engine["build_flags"]
     return frozenset(f for f in flags if f in ALL)
 
 

@@ -23,7 +23,7 @@ from .._errors import (
     UnexpectedFrame,
     VersionMismatch,
 )
-from ._message import Message
+from ._messages import Hello, HelloAck
 from ._schema import DAEMON, PROTOCOL_VERSION, WORKER, check_fields
 
 RING_ABI = 2  # the ring header ABI version (docs/architecture.md, 'Ring header')
@@ -121,18 +121,18 @@ class HandshakeRules:
     generation: int
     ring_abis: frozenset[int] = frozenset({RING_ABI})
 
-    def check_hello(self, hello: Message) -> dict[str, Any]:
-        """Return the HELLO_ACK fields. Order: nonce, pid, max_frame floor, ring ABI."""
-        if hello["nonce"] != self.nonce:
+    def check_hello(self, hello: Hello) -> HelloAck:
+        """The HELLO_ACK that accepts `hello`. Order: nonce, pid, max_frame floor, ring ABI."""
+        if hello.nonce != self.nonce:
             raise NonceMismatch("HELLO nonce does not match the spawn nonce (stale or foreign worker)")
-        if hello["pid"] != self.pid:
-            raise PidMismatch(f"HELLO pid {hello['pid']} is not the spawned pid {self.pid}")
-        if hello["max_frame"] < MIN_MAX_FRAME:
-            raise HandshakeError(f"HELLO max_frame {hello['max_frame']} is below the floor of {MIN_MAX_FRAME} bytes")
-        if hello["ring_abi"] not in self.ring_abis:
-            raise RingAbiMismatch(f"ring ABI {hello['ring_abi']} unsupported (supported {sorted(self.ring_abis)})")
-        return {"v": PROTOCOL_VERSION, "accept": True, "max_frame": min(self.max_frame, hello["max_frame"]),
-                "generation": self.generation}
+        if hello.pid != self.pid:
+            raise PidMismatch(f"HELLO pid {hello.pid} is not the spawned pid {self.pid}")
+        if hello.max_frame < MIN_MAX_FRAME:
+            raise HandshakeError(f"HELLO max_frame {hello.max_frame} is below the floor of {MIN_MAX_FRAME} bytes")
+        if hello.ring_abi not in self.ring_abis:
+            raise RingAbiMismatch(f"ring ABI {hello.ring_abi} unsupported (supported {sorted(self.ring_abis)})")
+        return HelloAck(v=PROTOCOL_VERSION, accept=True, max_frame=min(self.max_frame, hello.max_frame),
+                        generation=self.generation)
 
 
 def hello_fields(nonce: str, pid: int, max_frame: int, engine: dict[str, Any], **extra: Any) -> dict[str, Any]:

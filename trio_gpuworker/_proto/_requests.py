@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .._errors import LocalProtocolError, ProgressViolation, UnexpectedFrame
-from ._connection import Message
+from ._messages import Err, Generate, Progress, TextDelta
 from ._progress import ProgressValidator
 from ._schema import INTERMEDIATE, TERMINAL
+from ._wire import WireMessage
 
 REQUESTS = frozenset(TERMINAL)  # every message that opens a request, mapped to its terminal replies
 
@@ -36,6 +37,15 @@ class Verdict:
     kind: Kind
     phase: str | None = None
     renews: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """How a request ended on the wire: its terminal reply (or ERR) and the intermediate replies that came before
+    it, in order (an EXECUTE_STEP's OBJECT_PRODUCED)."""
+
+    msg: WireMessage
+    extras: tuple[WireMessage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,37 +90,37 @@ class RequestTracker:
     def phase(self) -> str | None:
         return self._progress.phase if self._progress is not None else None
 
-    def classify(self, msg: Message) -> Verdict:
+    def classify(self, msg: WireMessage) -> Verdict:
         """Classify a reply frame (one with a req_id) against the open request; a terminal verdict closes it.
 
         Raises UnexpectedFrame or ProgressViolation (both RemoteProtocolError) when the worker broke the rules.
         """
-        req = self.open
+        req, req_id = self.open, getattr(msg, "req_id", None)
         if req is None:
-            raise UnexpectedFrame(f"{msg.t} for req_id {msg.get('req_id')} while no request is open")
-        if msg.t == "PROGRESS":
+            raise UnexpectedFrame(f"{msg.T} for req_id {req_id} while no request is open")
+        if isinstance(msg, Progress):
             assert self._progress is not None
             before = self._progress.completed
             phase = self._progress.accept(msg)
-            return Verdict(Kind.PROGRESS, phase, renews=msg["completed"] > (before or 0))
-        if msg.get("req_id") != req.req_id:
-            raise UnexpectedFrame(f"{msg.t} for req_id {msg.get('req_id')} while {req.req_id} is current")
-        if msg.t == "TEXT_DELTA" and req.t == "GENERATE":
+            return Verdict(Kind.PROGRESS, phase, renews=msg.completed > (before or 0))
+        if req_id != req.req_id:
+            raise UnexpectedFrame(f"{msg.T} for req_id {req_id} while {req.req_id} is current")
+        if isinstance(msg, TextDelta) and req.t == Generate.T:
             # streamed text is completed work, like PROGRESS: it renews the window when it adds tokens
-            if msg["n_gen"] <= self._delta_tokens:
-                raise ProgressViolation(f"TEXT_DELTA n_gen {msg['n_gen']} does not exceed {self._delta_tokens}")
-            self._delta_tokens = msg["n_gen"]
+            if msg.n_gen <= self._delta_tokens:
+                raise ProgressViolation(f"TEXT_DELTA n_gen {msg.n_gen} does not exceed {self._delta_tokens}")
+            self._delta_tokens = msg.n_gen
             return Verdict(Kind.PROGRESS, self.phase, renews=True)
-        if msg.t in INTERMEDIATE.get(req.t, ()):
+        if msg.T in INTERMEDIATE.get(req.t, ()):
             self._intermediates += 1
             if req.intermediates is not None and self._intermediates > req.intermediates:
-                raise UnexpectedFrame(f"{msg.t} number {self._intermediates} for a {req.t} with "
+                raise UnexpectedFrame(f"{msg.T} number {self._intermediates} for a {req.t} with "
                                       f"{req.intermediates} outputs")
             return Verdict(Kind.INTERMEDIATE)
-        if msg.t == "ERR":
+        if isinstance(msg, Err):
             self.abort()
             return Verdict(Kind.ERROR)
-        if msg.t in TERMINAL[req.t]:
+        if msg.T in TERMINAL[req.t]:
             self.abort()
             return Verdict(Kind.TERMINAL)
-        raise UnexpectedFrame(f"{msg.t} is not a reply to {req.t}")
+        raise UnexpectedFrame(f"{msg.T} is not a reply to {req.t}")

@@ -9,7 +9,8 @@ h11's `_events.py` is the model. A message class is written once, with the `mess
 
 `need(check)` is a required field, `opt(check)` an optional one (None: absent from the map), `numbered()` a
 request's req_id (required on the wire, filled in by the lane that sends it, so a request is built without
-one), `raw_frame()` the raw frame that follows the control map. `ends=` names the requests a reply is terminal
+one, and written after the other fields: the bytes every worker has always been sent), `raw_frame()` the raw
+frame that follows the control map. `ends=` names the requests a reply is terminal
 for, `precedes=` those it is an intermediate reply of, `serves=True` marks a request that serves a caller (its
 success clears the lane's strikes), `hint=True` a wake-up hint that is never a reply, `fails=True` a reply saying
 its request failed (it clears no strike), `last=` fields a sender has always written after the others.
@@ -25,7 +26,7 @@ from typing import Any, ClassVar, TypeVar
 
 from ._fields import BOTH, DAEMON, WORKER, Check, Spec, uint
 
-_CHECK, _OPTIONAL, _RAW = "check", "optional", "raw"
+_CHECK, _OPTIONAL, _RAW, _NUMBERED = "check", "optional", "raw", "numbered"
 W = TypeVar("W", bound="WireMessage")
 
 
@@ -43,8 +44,9 @@ def opt(check: Check) -> Any:
 def numbered() -> Any:
     """A request's req_id: required on the wire, numbered by the connection that sends it (the daemon's
     RequestTracker, in supervisor/_exchange.py), so a request is built without one. None until then; a None
-    req_id never passes the schema, so a request sent unnumbered fails before a byte is written."""
-    return dataclasses.field(default=None, metadata={_CHECK: uint})
+    req_id never passes the schema, so a request sent unnumbered fails before a byte is written. It goes last in
+    the control map."""
+    return dataclasses.field(default=None, metadata={_CHECK: uint, _NUMBERED: True})
 
 
 def raw_frame() -> Any:
@@ -113,7 +115,8 @@ def message(t: str, sender: str, *, exact: bool = False, ends: tuple[type[WireMe
         dc.SPEC = Spec(sender, required, optional, raw=raw, exact=exact)
         dc._REQUIRED, dc._OPTIONALS = tuple(required), tuple(optional)
         names = [f.name for f in dataclasses.fields(dc) if f.name in required or f.name in optional]
-        names = [n for n in names if n not in last] + [n for n in last if n in names]
+        after = (*last, *(f.name for f in dataclasses.fields(dc) if f.metadata.get(_NUMBERED)))
+        names = [n for n in names if n not in after] + [n for n in after if n in names]
         dc._NAMES = tuple((name, name in optional) for name in names)
         return dc
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .._errors import LocalProtocolError, ProgressViolation
-from .._proto import Message, ProgressValidator, TextDelta, WireMessage
+from .._proto import Progress, ProgressValidator, TextDelta, WireMessage
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class Context:
         n = self.completed + 1 if completed is None else completed
         phase = phase or self._progress.phase
         try:
-            self._progress.accept(Message("PROGRESS", {"req_id": self.req_id, "completed": n, "phase": phase}))
+            self._progress.accept(Progress(req_id=self.req_id, completed=n, phase=phase))
         except ProgressViolation as exc:
             raise LocalProtocolError(f"progress the daemon would refuse: {exc}") from exc
         self._reporter(n, phase)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import trio
 
@@ -19,8 +18,9 @@ from .._proto import (
     ExecuteStep,
     Generate,
     Load,
-    Message,
+    Reply,
     ReplyKind,
+    WireMessage,
     advertised,
     describe_extensions,
     required_extensions,
@@ -38,14 +38,6 @@ def silence_window(windows: Windows, t: str) -> float:
     return windows.load_s if t == Load.T else windows.control_s
 
 
-def numbered(fields: dict[str, Any], req_id: int) -> dict[str, Any]:
-    """The request's control map with the lane's req_id, which goes last: the bytes every worker has always
-    been sent (a request's class declares req_id first, but builds without it)."""
-    fields.pop("req_id", None)
-    fields["req_id"] = req_id
-    return fields
-
-
 def rejected(t: str, exc: LocalProtocolError) -> InvalidRequest:
     """A request that failed local validation becomes the caller's typed error; the lane goes on serving."""
     if isinstance(exc, OutgoingFrameTooLarge):
@@ -54,7 +46,7 @@ def rejected(t: str, exc: LocalProtocolError) -> InvalidRequest:
 
 
 async def exchange(wp: WorkerProcess, job: Job, windows: Windows, on_progress: Callable[[], None] | None = None,
-                   extend: Callable[[], bool] | None = None) -> Message:
+                   extend: Callable[[], bool] | None = None) -> Reply:
     """Write one request and read until its terminal reply (or ERR, returned as a message).
 
     Raises InvalidRequest/RequestTooLarge when the request fails local validation: nothing was written and the
@@ -65,16 +57,15 @@ async def exchange(wp: WorkerProcess, job: Job, windows: Windows, on_progress: C
     the window starts again instead of striking it.
     """
     assert job.request is not None  # RELOAD never reaches a worker as itself
-    fields = job.request.to_fields()
     has = advertised(wp.hello)
-    if missing := required_extensions(job.t, fields) - has:
+    if missing := required_extensions(job.t, job.request.to_fields()) - has:
         raise InvalidRequest(f"{job.t}: this worker does not support {describe_extensions(missing)} (its HELLO "
                              "did not advertise it)")
     tracker = wp.tracker
     try:
         outputs = job.request.outputs if isinstance(job.request, ExecuteStep) else None
         req_id = tracker.begin(job.t, intermediates=None if outputs is None else len(outputs))
-        chunks = wp.encode(job.t, numbered(fields, req_id), job.request.payload())
+        chunks = wp.encode(dataclasses.replace(job.request, req_id=req_id))
     except LocalProtocolError as exc:
         tracker.abort()
         raise rejected(job.t, exc) from exc
@@ -85,7 +76,7 @@ async def exchange(wp: WorkerProcess, job: Job, windows: Windows, on_progress: C
         job.on_abandon = lambda: interrupt.cancel() if interrupt is not None else None
     if job.on_started is not None:
         job.on_started()
-    extras: list[Message] = []
+    extras: list[WireMessage] = []
     window = silence_window(windows, job.t)
     deadline, written = trio.current_time() + window, False
     while True:
@@ -116,12 +107,12 @@ async def exchange(wp: WorkerProcess, job: Job, windows: Windows, on_progress: C
                     if on_progress is not None:
                         on_progress()
                     if job.on_progress is not None and not job.abandoned:
-                        job.on_progress(msg.typed())
+                        job.on_progress(msg)  # PROGRESS or TEXT_DELTA
                     continue
                 if verdict.kind is ReplyKind.INTERMEDIATE:
                     extras.append(msg)
                     continue
-                return dataclasses.replace(msg, extras=tuple(extras)) if extras else msg
+                return Reply(msg, tuple(extras))
         if not (written and extend is not None and extend()):
             break  # silent for the whole window (a write that never finished included): a hang
         deadline = trio.current_time() + window  # waiting on us, not hung: the window starts again

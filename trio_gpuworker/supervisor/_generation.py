@@ -4,7 +4,6 @@ lane lifecycle's decisions (_proto/_lifecycle.py); this only carries them out an
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -18,8 +17,8 @@ from .._proto import (
     Err,
     Load,
     Loaded,
-    Message,
     Ping,
+    Reply,
     ReplyKind,
     Shutdown,
     Unload,
@@ -78,7 +77,7 @@ def own_request(kind: str, model: str | None, loads: Mapping[str, LoadSpec]) -> 
 
 
 async def host(gen: Generation, windows: Windows, on_hello: Callable[[], None],
-               on_reaped: Callable[[Message | None], None]) -> None:
+               on_reaped: Callable[[Reply | None], None]) -> None:
     """Run `gen` from launch to reap. It runs until a fault or an ordered end (WorkerProcess.stop_now) cancels
     it; `on_reaped` gets a complete reply salvaged from a worker that exited right after writing it."""
     wp = gen.wp
@@ -111,10 +110,10 @@ def patience(wp: WorkerProcess, windows: Windows) -> float:
     return 0.0
 
 
-def salvage(wp: WorkerProcess) -> Message | None:
+def salvage(wp: WorkerProcess) -> Reply | None:
     """A worker may write its whole reply and exit before the exchange, cancelled with the generation, reads it:
     a complete terminal reply (or ERR) already received still goes to its caller."""
-    extras: list[Message] = []
+    extras: list[WireMessage] = []
     while True:
         try:
             msg, verdict = wp.replies.get_nowait()
@@ -124,4 +123,4 @@ def salvage(wp: WorkerProcess) -> Message | None:
         if kind is ReplyKind.INTERMEDIATE:
             extras.append(msg)
         elif kind in (ReplyKind.ERROR, ReplyKind.TERMINAL):
-            return dataclasses.replace(msg, extras=tuple(extras)) if extras else msg
+            return Reply(msg, tuple(extras))

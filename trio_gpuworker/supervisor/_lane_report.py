@@ -13,7 +13,7 @@ import trio
 
 from .._config import SupervisorConfig
 from .._errors import BrokenWorkerError, ClosedSupervisorError, EngineCrashed, WorkerError
-from .._proto import Err, Finish, GenState, LaneLifecycle, Message, Outcome, WireMessage
+from .._proto import Err, Finish, GenState, LaneLifecycle, Outcome, Reply, WireMessage
 from ._events import EventBus
 from ._generation import Generation
 from ._logring import LogRing
@@ -83,8 +83,8 @@ class LaneReport:
         """The reply as its class (ERR raised as WorkerError), or the error the ticket ended with."""
         lane, o, payload = self, e.outcome, e.payload
         if o is Outcome.REPLY:
-            assert isinstance(payload, Message)
-            reply = payload.typed()
+            assert isinstance(payload, Reply)
+            reply = payload.msg
             if isinstance(reply, Err):
                 return None, WorkerError(reply.code, reply.msg)
             return reply, None

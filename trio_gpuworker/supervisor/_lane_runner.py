@@ -18,7 +18,6 @@ import trio
 from .._config import SupervisorConfig
 from .._errors import InvalidRequest
 from .._proto import (
-    FAILED_REPLIES,
     Abort,
     Crashed,
     Effect,
@@ -29,8 +28,8 @@ from .._proto import (
     LaneState,
     LaneTicket,
     Load,
-    Message,
     Outcome,
+    Reply,
     Send,
     Shutdown,
     Spawn,
@@ -93,8 +92,8 @@ class LaneRunner:
 
     def _record_load(self, e: Finish) -> None:
         gen = self.gens.get(e.ticket.gen or -1)
-        if gen is not None and e.ticket.model and e.outcome is Outcome.REPLY and isinstance(e.payload, Message):
-            gen.loaded(e.ticket.model, e.payload.typed())
+        if gen is not None and e.ticket.model and e.outcome is Outcome.REPLY and isinstance(e.payload, Reply):
+            gen.loaded(e.ticket.model, e.payload.msg)
 
     def feed(self, effects: list[Effect]) -> None:
         self._effects.extend(effects)
@@ -119,7 +118,7 @@ class LaneRunner:
             job = self._jobs.pop(e.ticket.id, None)
             if job is not None:
                 result, error = self.report.outcome(e)
-                extras = tuple(m.typed() for m in e.payload.extras) if isinstance(e.payload, Message) else ()
+                extras = e.payload.extras if isinstance(e.payload, Reply) else ()
                 job.finish(result=result, error=error, extras=extras)
             if (own := self._own.pop(e.ticket.id, None)) is not None:
                 own(e)
@@ -158,7 +157,7 @@ class LaneRunner:
         except InvalidRequest as exc:  # failed local validation: this request alone, nothing was written
             self.feed(machine.replied(n, t, exc, success=False, refused=True, now=trio.current_time()))
             return
-        self.feed(machine.replied(n, t, reply, success=reply.t not in FAILED_REPLIES, now=trio.current_time()))
+        self.feed(machine.replied(n, t, reply, success=not reply.msg.FAILS, now=trio.current_time()))
 
     async def _abort(self, gen: Generation) -> None:
         """SHUTDOWN abort_in_flight, out of band; a worker that has not stopped within shutdown_s is killed."""
@@ -187,7 +186,7 @@ class LaneRunner:
                lambda: self.feed(self.machine.hello(number, trio.current_time())),
                lambda salvaged: self._reaped(gen, salvaged))
 
-    def _reaped(self, gen: Generation, salvaged: Message | None) -> None:
+    def _reaped(self, gen: Generation, salvaged: Reply | None) -> None:
         assert gen.rc is not None
         self.last_reaped = (gen.wp.pid or -1, gen.rc)
         self.report.ended(gen)

@@ -8,13 +8,12 @@ import signal
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import trio
 
 from .._channel import Held, MessageReader, send_chunks
 from .._errors import ProtocolError, RemoteProtocolError, TruncatedStream, UnexpectedFrame
-from .._proto import DAEMON, WAKE_HINTS, Connection, HandshakeRules, Message, RequestTracker, Verdict, WireMessage
+from .._proto import DAEMON, Connection, HandshakeRules, Hello, RequestTracker, Verdict, WireMessage
 from ._launcher import Launched, Launcher, WorkerSpec
 from ._logring import LogRing
 
@@ -32,22 +31,22 @@ class Replies:
     def __init__(self, limit: int = REPLY_BUFFER_BYTES) -> None:
         self.limit = limit
         self.held = 0
-        self._items: deque[tuple[Message, Verdict, int]] = deque()
+        self._items: deque[tuple[WireMessage, Verdict, int]] = deque()
         self._space = trio.lowlevel.ParkingLot()
         self._arrived = trio.lowlevel.ParkingLot()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    async def put(self, msg: Message, verdict: Verdict) -> None:
+    async def put(self, msg: WireMessage, verdict: Verdict) -> None:
         while self.held >= self.limit:
             await self._space.park()
-        size = MESSAGE_BYTES + (len(msg.raw) if msg.raw is not None else 0)
+        size = MESSAGE_BYTES + len(msg.payload() or b"")
         self._items.append((msg, verdict, size))
         self.held += size
         self._arrived.unpark_all()
 
-    def get_nowait(self) -> tuple[Message, Verdict]:
+    def get_nowait(self) -> tuple[WireMessage, Verdict]:
         """The oldest reply and its verdict; trio.WouldBlock when none is waiting."""
         if not self._items:
             raise trio.WouldBlock
@@ -56,7 +55,7 @@ class Replies:
         self._space.unpark_all()
         return msg, verdict
 
-    async def get(self) -> tuple[Message, Verdict]:
+    async def get(self) -> tuple[WireMessage, Verdict]:
         while not self._items:
             await self._arrived.park()
         return self.get_nowait()
@@ -94,7 +93,7 @@ class WorkerProcess:
         self.fault: Fault | None = None
         self.ordered_stop = False  # set before we shut it down or kill it on purpose: no strike
         self.returncode: int | None = None
-        self.hello: Message | None = None
+        self.hello: Hello | None = None
         self._reader_done: trio.Event | None = None
         self._scopes: list[trio.CancelScope] = []  # everything that runs on this generation's behalf
         self._send_lock = trio.Lock()
@@ -155,10 +154,10 @@ class WorkerProcess:
         hello = await self._receive()
         if hello is None:
             raise UnexpectedFrame("worker closed the socket before HELLO")
-        assert self.body is not None
+        assert self.body is not None and isinstance(hello, Hello)  # the Connection lets nothing else through first
         ack = HandshakeRules(self.nonce, self.body.pid, self.max_frame, self.generation).check_hello(hello)
         self.hello = hello
-        await self.send("HELLO_ACK", ack)
+        await self.send_message(ack)
 
     # --- background tasks ----------------------------------------------------------------------
 
@@ -178,10 +177,10 @@ class WorkerProcess:
         self._reader_done = trio.Event()
         try:
             while (msg := await self._receive()) is not None:
-                if msg.t in WAKE_HINTS or "req_id" not in msg.fields:  # a notification, not a reply
+                if msg.HINT or getattr(msg, "req_id", None) is None:  # a notification, not a reply
                     if self.on_event is not None:
-                        self.on_event(self, msg.typed())
-                    continue  # a reply stays a Message: the RequestTracker files it by its fields
+                        self.on_event(self, msg)
+                    continue
                 await self.replies.put(msg, self.tracker.classify(msg))
             self.fail("crash", "worker closed the control socket")
         except TruncatedStream as exc:
@@ -193,22 +192,18 @@ class WorkerProcess:
         finally:
             self._reader_done.set()
 
-    async def _receive(self) -> Message | None:
+    async def _receive(self) -> WireMessage | None:
         assert self._reader is not None
         return await self._reader.receive()
 
     # --- use -----------------------------------------------------------------------------------
 
-    def encode(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None
-               ) -> list[bytes | memoryview]:
+    def encode(self, msg: WireMessage) -> list[bytes | memoryview]:
         """Validate a message and frame it; LocalProtocolError (nothing written) when it breaks the protocol."""
-        return self.conn.send(t, fields, raw)
-
-    async def send(self, t: str, fields: dict[str, Any], raw: bytes | memoryview | None = None) -> None:
-        await self.write(t, self.encode(t, fields, raw))
+        return self.conn.send(msg)
 
     async def send_message(self, msg: WireMessage) -> None:
-        await self.write(msg.T, self.conn.send_message(msg))
+        await self.write(msg.T, self.encode(msg))
 
     async def write(self, t: str, chunks: list[bytes | memoryview]) -> None:
         assert self.stream is not None

@@ -85,15 +85,24 @@ from trio_gpuworker._proto import (
     EXT_GRAMMAR,
     EXT_PACKED,
     EXTENSIONS,
+    Cancel,
     Connection,
-    Message,
+    EmbedBatch,
+    Generate,
+    HelloAck,
+    Load,
+    Ping,
+    Rerank,
+    Shutdown,
+    Unload,
+    WireMessage,
     hello_fields,
 )
 from trio_gpuworker._worker_env import WORKER_ID
 from trio_gpuworker.testing._plan import HANDSHAKE_FAULTS, REQUEST_FAULTS, FaultPlan
 
 DIMS = 4
-SERVING = ("EMBED_BATCH", "RERANK", "GENERATE")
+SERVING = (EmbedBatch, Rerank, Generate)
 BEHAVIORS = (*HANDSHAKE_FAULTS, "ignore_sigterm", "crash_during_load", *REQUEST_FAULTS)  # what --behavior names
 
 
@@ -139,14 +148,14 @@ class FakeWorker:
         self.sock.sendall(data)
 
     def send(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> None:
-        for chunk in self.conn.send(t, fields, raw):
+        for chunk in self.conn.send_map(t, fields, raw):
             self.sock.sendall(chunk)
 
-    def recv(self) -> Message | None:
+    def recv(self) -> WireMessage | None:
         """The next message, or None when the daemon closed the connection."""
         while True:
             event = self.conn.next_event()
-            if isinstance(event, Message):
+            if isinstance(event, WireMessage):
                 return event
             if event is CLOSED:
                 return None
@@ -180,7 +189,7 @@ class FakeWorker:
             self.write(frame(cbor2.dumps({"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []})))
         elif self.at_start("frame_behind_hello"):
             pong = frame(cbor2.dumps({"t": "PONG", "req_id": 0, "rss_mb": 1.0, "models_loaded": []}))
-            self.write(b"".join(self.conn.send("HELLO", hello)) + pong)  # one write: one recv on the daemon's side
+            self.write(b"".join(self.conn.send_map("HELLO", hello)) + pong)  # one write: one recv on the daemon's side
         elif self.at_start("v2_hello"):
             self.write(frame(cbor2.dumps({"t": "HELLO", **hello, "v": 2})))  # our own Connection sends only v3
         else:
@@ -188,25 +197,25 @@ class FakeWorker:
                 hello["nonce"] = "00" * 16 if a.nonce != "00" * 16 else "11" * 16
             self.send("HELLO", hello)
         while (msg := self.recv()) is not None:
-            if msg.t == "HELLO_ACK":
-                self.conn.set_max_frame(msg["max_frame"])
-            elif msg.t == "SHUTDOWN" and "req_id" not in msg.fields:  # out of band: abort_in_flight
-                print(f"fake worker: SHUTDOWN {msg.get('mode')} out of band", file=sys.stderr, flush=True)
-                self.send("WORKER_STOPPED", {"reason": msg.get("mode", "abort_in_flight")})
+            if isinstance(msg, HelloAck):
+                self.conn.set_max_frame(msg.max_frame)
+            elif isinstance(msg, Shutdown) and msg.req_id is None:  # out of band: abort_in_flight
+                print(f"fake worker: SHUTDOWN {msg.mode} out of band", file=sys.stderr, flush=True)
+                self.send("WORKER_STOPPED", {"reason": (msg.mode or "abort_in_flight")})
                 return 0
-            elif msg.t == "CANCEL":
+            elif isinstance(msg, Cancel):
                 pass  # of a request already answered
-            elif "req_id" in msg.fields:
+            elif getattr(msg, "req_id", None) is not None:
                 self.completed = 0
                 if self.serve(msg):
                     return 0
             # notifications (wake hints) need no answer
         return 0
 
-    def serve(self, msg: Message) -> bool:
+    def serve(self, msg: WireMessage) -> bool:
         """Answer one request; True when the worker should exit."""
-        req_id, t = msg["req_id"], msg.t
-        if t == "LOAD":
+        req_id = msg.req_id
+        if isinstance(msg, Load):
             self.loads += 1
             self.progress(req_id, "setup")
             if self.plan.crashes_in_load(self.loads) and self.plan.claim():
@@ -215,35 +224,35 @@ class FakeWorker:
             delay = self.plan.load_delay(self.loads)
             if delay:
                 time.sleep(delay)
-            model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
+            model_ref = msg.model_ref or os.path.basename(msg.artifact_path)
             if self.args.record_loads:  # what this worker was asked to load, for tests of the settings it got
                 with open(self.args.record_loads, "a") as f:
                     f.write(json.dumps({"pid": os.getpid(), "model_ref": model_ref,
-                                        "runtime_config": msg.get("runtime_config")}) + "\n")
+                                        "runtime_config": msg.runtime_config}) + "\n")
             if model_ref not in self.models:
                 self.models.append(model_ref)
             cold_load_ms = (time.monotonic() - started) * 1000
             self.send("LOADED", {"req_id": req_id, "model_ref": model_ref, "dims": DIMS, "cold_load_ms": cold_load_ms})
-        elif t in SERVING:
+        elif isinstance(msg, SERVING):
             self.served += 1
             self.serve_inference(msg, self.at_request(self.served))
-        elif t == "UNLOAD":
-            if msg["model_ref"] in self.models:
-                self.models.remove(msg["model_ref"])
+        elif isinstance(msg, Unload):
+            if msg.model_ref in self.models:
+                self.models.remove(msg.model_ref)
             self.send("UNLOADED", {"req_id": req_id})
-        elif t == "PING":
+        elif isinstance(msg, Ping):
             rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             self.send("PONG", {"req_id": req_id, "rss_mb": rss_mb, "models_loaded": list(self.models)})
-        elif t == "SHUTDOWN":
+        elif isinstance(msg, Shutdown):
             self.send("WORKER_STOPPED", {"reason": "graceful", "req_id": req_id})
             return True
         else:
-            self.send("ERR", {"req_id": req_id, "code": "unsupported_request", "msg": f"fake worker: no {t}"})
+            self.send("ERR", {"req_id": req_id, "code": "unsupported_request", "msg": f"fake worker: no {msg.T}"})
         return False
 
-    def serve_inference(self, msg: Message, behavior: str | None) -> None:
-        req_id = msg["req_id"]
-        if msg.t == "GENERATE" and msg.get("stream") and self.args.stream_token_s:
+    def serve_inference(self, msg: WireMessage, behavior: str | None) -> None:
+        req_id = msg.req_id
+        if isinstance(msg, Generate) and msg.stream and self.args.stream_token_s:
             return self.stream(msg, behavior)
         if behavior == "crash_mid_request":
             os._exit(5)
@@ -280,7 +289,7 @@ class FakeWorker:
         elif behavior == "oversize_length":
             self.write(struct.pack("<I", 0xFFFFFFF0))
         else:
-            self.write(self.conn.send(t, fields, raw)[0])
+            self.write(self.conn.send_map(t, fields, raw)[0])
             os._exit(6)
         if behavior == "exit_after_reply":
             self.sock.close()
@@ -288,9 +297,9 @@ class FakeWorker:
         if behavior == "stop_after_reply":
             os.kill(os.getpid(), signal.SIGSTOP)
 
-    def stream(self, msg: Message, behavior: str | None) -> None:
-        req_id, text = msg["req_id"], ""
-        for k in range(1, msg["max_tokens"] + 1):
+    def stream(self, msg: WireMessage, behavior: str | None) -> None:
+        req_id, text = msg.req_id, ""
+        for k in range(1, msg.max_tokens + 1):
             if self.cancelled(req_id):
                 print(f"fake worker: cancelled after {k - 1} tokens", file=sys.stderr, flush=True)
                 self.send("ERR", {"req_id": req_id, "code": "request_cancelled", "msg": "CANCEL stopped it"})
@@ -301,16 +310,16 @@ class FakeWorker:
             if k == 2 and behavior == "crash_mid_request":
                 os._exit(5)
         ids = ids_of(msg.raw or b"")
-        self.send("TEXT", {"req_id": req_id, "text": text, "n_prompt": len(ids), "n_gen": msg["max_tokens"],
-                           "finish_reason": "length"}, struct.pack(f"<{msg['max_tokens']}i", *range(msg["max_tokens"])))
+        self.send("TEXT", {"req_id": req_id, "text": text, "n_prompt": len(ids), "n_gen": msg.max_tokens,
+                           "finish_reason": "length"}, struct.pack(f"<{msg.max_tokens}i", *range(msg.max_tokens)))
 
     def cancelled(self, req_id: int) -> bool:
         """Wait one token's time for a CANCEL of `req_id` (anything else arriving meanwhile is a protocol bug)."""
         deadline = time.monotonic() + self.args.stream_token_s
         while (left := deadline - time.monotonic()) > 0:
             event = self.conn.next_event()
-            if isinstance(event, Message):
-                return event.t == "CANCEL" and event["req_id"] == req_id
+            if isinstance(event, WireMessage):
+                return isinstance(event, Cancel) and event.req_id == req_id
             self.sock.settimeout(left)
             try:
                 data = self.sock.recv(1 << 16)
@@ -322,30 +331,30 @@ class FakeWorker:
         return False
 
     @staticmethod
-    def reply(msg: Message) -> tuple[str, dict[str, Any], bytes | None]:
+    def reply(msg: WireMessage) -> tuple[str, dict[str, Any], bytes | None]:
         """The normal reply to a serving request: (type, fields, raw frame)."""
-        req_id, ids, at = msg["req_id"], ids_of(msg.raw or b""), 0
-        if msg.t == "EMBED_BATCH":
+        req_id, ids, at = msg.req_id, ids_of(msg.raw or b""), 0
+        if isinstance(msg, EmbedBatch):
             rows: list[float] = []
-            for item in msg["items"]:
+            for item in msg.items:
                 n = item["n_tokens"]
                 rows += [float(sum(ids[at : at + n])), float(n), float(item["id"]), float(req_id)]
                 at += n
-            t, fields, raw = "VECTORS", {"req_id": req_id, "dims": DIMS, "n": len(msg["items"])}, f32(rows)
-        elif msg.t == "RERANK":
-            at = msg["query_n_tokens"]
+            t, fields, raw = "VECTORS", {"req_id": req_id, "dims": DIMS, "n": len(msg.items)}, f32(rows)
+        elif isinstance(msg, Rerank):
+            at = msg.query_n_tokens
             scores: list[float] = []
-            for cand in msg["candidates"]:
+            for cand in msg.candidates:
                 scores.append(float(sum(ids[at : at + cand["n_tokens"]])))
                 at += cand["n_tokens"]
             t, fields, raw = "SCORES", {"req_id": req_id, "n": len(scores)}, f32(scores)
         else:
-            if msg.get("grammar"):
+            if msg.grammar:
                 return "ERR", {"req_id": req_id, "code": "grammar_unsupported", "msg": "fake worker: no grammars"}, None
-            gen, at = [1, 2, 3][: msg["max_tokens"]], len(ids)
+            gen, at = [1, 2, 3][: msg.max_tokens], len(ids)
             t, raw = "TEXT", struct.pack(f"<{len(gen)}i", *gen)
             fields = {"req_id": req_id, "text": f"fake {sum(ids)}", "n_prompt": len(ids), "n_gen": len(gen),
-                      "finish_reason": "length" if len(gen) == msg["max_tokens"] else "stop"}
+                      "finish_reason": "length" if len(gen) == msg.max_tokens else "stop"}
         if at != len(ids):
             msg_ = f"the request names {at} token ids, its raw frame holds {len(ids)}"
             return "ERR", {"req_id": req_id, "code": "invalid_request", "msg": msg_}, None

@@ -12,7 +12,7 @@ import trio
 
 from cython_ring import EgressState, IngressState, ObjectSpec, Ring, drain_ingress, write_egress
 
-from .._proto import Message
+from .._proto import ConfigureRole, InstallRing, ReleaseDeviceObject, UninstallRing, WireMessage
 
 
 class Worker(Protocol):
@@ -50,33 +50,32 @@ class SimRings:
     def ids(self, slot: Slot) -> dict[str, Any]:
         return {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id}
 
-    async def request(self, msg: Message) -> tuple[str, dict[str, Any]]:
-        t = msg.t
-        if t == "INSTALL_RING":
-            ids = {"ring_id": msg["ring_id"], "edge_id": msg["edge_id"], "port_id": msg["port_id"]}
-            if self.arena is None or msg["ring_id"] in self.rings:
+    async def request(self, msg: WireMessage) -> tuple[str, dict[str, Any]]:
+        if isinstance(msg, InstallRing):
+            ids = {"ring_id": msg.ring_id, "edge_id": msg.edge_id, "port_id": msg.port_id}
+            if self.arena is None or msg.ring_id in self.rings:
                 return "RING_FAULT", {**ids, "reason": "ring_state_invalid", "msg": "no arena or a duplicate"}
-            spec = ObjectSpec.from_wire(msg["object_spec"])
-            ring = Ring.attach(self.arena, msg["layout"]["offset"], expected_ring_id=msg["ring_id"],
-                               expected_capacity=msg["layout"]["capacity"])
-            state = IngressState() if msg["direction"] == "ingress" else EgressState(spec)
-            self.rings[msg["ring_id"]] = Slot(msg["ring_id"], msg["edge_id"], msg["port_id"], msg["direction"], spec,
+            spec = ObjectSpec.from_wire(msg.object_spec)
+            ring = Ring.attach(self.arena, msg.layout["offset"], expected_ring_id=msg.ring_id,
+                               expected_capacity=msg.layout["capacity"])
+            state = IngressState() if msg.direction == "ingress" else EgressState(spec)
+            self.rings[msg.ring_id] = Slot(msg.ring_id, msg.edge_id, msg.port_id, msg.direction, spec,
                                               ring, state)
             return "RING_INSTALLED", ids
-        if t == "UNINSTALL_RING":
-            self.quiesce(msg["ring_id"])
-            return "RING_QUIESCED", {"ring_id": msg["ring_id"]}
-        if t == "CONFIGURE_ROLE":
-            if msg["role_id"] in self.roles or msg["config"].get("kind") != "echo":
-                return "ROLE_FAILED", {"role_id": msg["role_id"], "reason": "worker_rejected_role"}
-            self.roles.add(msg["role_id"])
-            return "ROLE_CONFIGURED", {"role_id": msg["role_id"]}
-        if t == "RELEASE_DEVICE_OBJECT":
-            handle = msg["device_handle"]
+        if isinstance(msg, UninstallRing):
+            self.quiesce(msg.ring_id)
+            return "RING_QUIESCED", {"ring_id": msg.ring_id}
+        if isinstance(msg, ConfigureRole):
+            if msg.role_id in self.roles or msg.config.get("kind") != "echo":
+                return "ROLE_FAILED", {"role_id": msg.role_id, "reason": "worker_rejected_role"}
+            self.roles.add(msg.role_id)
+            return "ROLE_CONFIGURED", {"role_id": msg.role_id}
+        if isinstance(msg, ReleaseDeviceObject):
+            handle = msg.device_handle
             if handle["worker_generation"] != self.worker.generation or self.objects.pop(handle["id"], None) is None:
                 return "RELEASE_FAILED", {"device_handle": handle, "reason": "invalid_device_handle"}
             return "DEVICE_OBJECT_RELEASED", {"device_handle": handle}
-        return "ERR", {"code": "unsupported_request", "msg": f"sim worker: no {t}"}
+        return "ERR", {"code": "unsupported_request", "msg": f"sim worker: no {msg.T}"}
 
     # --- ingress -----------------------------------------------------------------------------------
 
@@ -119,33 +118,33 @@ class SimRings:
 
     # --- steps ---------------------------------------------------------------------------------------
 
-    async def execute(self, msg: Message) -> tuple[str, dict[str, Any], None]:
-        ids = {"role_id": msg["role_id"], "step_id": msg["step_id"]}
+    async def execute(self, msg: WireMessage) -> tuple[str, dict[str, Any], None]:
+        ids = {"role_id": msg.role_id, "step_id": msg.step_id}
         self.busy, self.idle = True, trio.Event()
         try:
             reason = await self._echo(msg)
         finally:
             self.busy = False
             self.idle.set()
-            if msg["release_inputs_after"]:
-                for binding in msg["inputs"]:
+            if msg.release_inputs_after:
+                for binding in msg.inputs:
                     if binding["device_handle"]["worker_generation"] == self.worker.generation:
                         self.objects.pop(binding["device_handle"]["id"], None)
         if reason is not None:
-            return "STEP_FAILED", {"req_id": msg["req_id"], **ids, "reason": reason}, None
-        return "STEP_COMPLETED", {"req_id": msg["req_id"], **ids}, None
+            return "STEP_FAILED", {"req_id": msg.req_id, **ids, "reason": reason}, None
+        return "STEP_COMPLETED", {"req_id": msg.req_id, **ids}, None
 
-    async def _echo(self, msg: Message) -> str | None:
-        if msg["role_id"] not in self.roles:
+    async def _echo(self, msg: WireMessage) -> str | None:
+        if msg.role_id not in self.roles:
             return "role_unavailable"
         inputs = []
-        for binding in msg["inputs"]:
+        for binding in msg.inputs:
             handle = binding["device_handle"]
             buf = self.objects.get(handle["id"]) if handle["worker_generation"] == self.worker.generation else None
             if buf is None:
                 return "invalid_input_handle"
             inputs.append(buf)
-        for k, out in enumerate(msg["outputs"]):
+        for k, out in enumerate(msg.outputs):
             slot = self.rings.get(out["ring_id"])
             if slot is None or slot.direction != "egress" or not inputs:
                 return "invalid_output_ring"
@@ -162,12 +161,12 @@ class SimRings:
                 if hint:
                     await self.worker.send("RING_READABLE", {"ring_id": slot.ring_id})
                 if n:
-                    await self.worker.send("PROGRESS", {"req_id": msg["req_id"], "completed": self._tick(),
+                    await self.worker.send("PROGRESS", {"req_id": msg.req_id, "completed": self._tick(),
                                                         "phase": "inference"})
                 if not slot.state.busy:
                     break
                 await slot.wake.wait()
-            await self.worker.send("OBJECT_PRODUCED", {"req_id": msg["req_id"], "ring_id": slot.ring_id,
+            await self.worker.send("OBJECT_PRODUCED", {"req_id": msg.req_id, "ring_id": slot.ring_id,
                                                        "port_id": out["port_id"], "object_id": out["object_id"],
                                                        "sequence": out["sequence"], "extent": out["extent"]})
         return None

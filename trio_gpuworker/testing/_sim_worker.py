@@ -20,11 +20,31 @@ import cbor2
 import numpy as np
 import trio
 
-from .._proto import CLOSED, DEFAULT_MAX_FRAME, EXT_PACKED, Connection, Message, hello_fields, is_request
+from .._proto import (
+    CLOSED,
+    DEFAULT_MAX_FRAME,
+    EXT_PACKED,
+    Connection,
+    EmbedBatch,
+    ExecuteStep,
+    Generate,
+    GeneratePacked,
+    Load,
+    Ping,
+    Rerank,
+    RingReadable,
+    RingWritable,
+    Shutdown,
+    UninstallRing,
+    Unload,
+    WireMessage,
+    hello_fields,
+    is_request,
+)
 from ._plan import FaultPlan
 from ._sim_rings import SimRings
 
-SERVING = ("EMBED_BATCH", "RERANK", "GENERATE", "GENERATE_PACKED", "EXECUTE_STEP")
+SERVING = (EmbedBatch, Rerank, Generate, GeneratePacked, ExecuteStep)
 BURST = 100  # replies in one burst: more than the 64 frames the reply buffer once counted
 OVERSIZE = struct.pack("<I", 0xFFFFFFF0)  # a frame length far past any max_frame
 FLOOD = b"fake worker flood " * 7 + b"\n"  # 127 bytes, written 8257 times: ~1 MiB
@@ -79,15 +99,15 @@ class SimWorker:
         ack = await self.receive()
         if ack is None:
             return
-        self.generation = ack["generation"]
+        self.generation = ack.generation
         self.rings = SimRings(self, self._arena)
-        requests = trio.open_memory_channel[Message](1)
+        requests = trio.open_memory_channel[WireMessage](1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_loop, requests[0], nursery)
             async with requests[1]:
                 async for msg in requests[1]:
                     await self._serve(msg)
-                    if self.stopping is not None and msg.t == "SHUTDOWN":
+                    if self.stopping is not None and isinstance(msg, Shutdown):
                         await self.exit(0)
             await self.exit(0)  # the daemon closed the socket
 
@@ -107,24 +127,24 @@ class SimWorker:
             return
         await self.send("HELLO", hello)
 
-    async def _read_loop(self, send: trio.MemorySendChannel[Message], nursery: trio.Nursery) -> None:
+    async def _read_loop(self, send: trio.MemorySendChannel[WireMessage], nursery: trio.Nursery) -> None:
         assert self.rings is not None
         async with send:
             while (msg := await self.receive()) is not None:
-                if msg.t == "SHUTDOWN" and "req_id" not in msg.fields:  # abort_in_flight, out of band
+                if isinstance(msg, Shutdown) and msg.req_id is None:  # abort_in_flight, out of band
                     self.stopping = "abort_in_flight"
                     self.abort.set()
                     self.rings.close_all("worker_shutting_down")
                     nursery.start_soon(self._stop_aborted)
-                elif msg.t == "UNINSTALL_RING" and "req_id" not in msg.fields:
-                    self.rings.close(msg["ring_id"], "invalid_output_ring")
-                    nursery.start_soon(self._quiesce_later, msg["ring_id"])
-                elif is_request(msg.t):
+                elif isinstance(msg, UninstallRing) and msg.req_id is None:
+                    self.rings.close(msg.ring_id, "invalid_output_ring")
+                    nursery.start_soon(self._quiesce_later, msg.ring_id)
+                elif is_request(msg.T):
                     await send.send(msg)
-                elif msg.t == "RING_READABLE":
-                    await self.rings.drain(msg["ring_id"])
-                elif msg.t == "RING_WRITABLE":
-                    self.rings.writable(msg["ring_id"])
+                elif isinstance(msg, RingReadable):
+                    await self.rings.drain(msg.ring_id)
+                elif isinstance(msg, RingWritable):
+                    self.rings.writable(msg.ring_id)
 
     async def _stop_aborted(self) -> None:
         await self.send_all([("RING_QUIESCED", {"ring_id": r}) for r in self.rings.quiesce_all()] if self.rings else [])
@@ -141,11 +161,11 @@ class SimWorker:
     # --- I/O -------------------------------------------------------------------------------------
 
     async def send(self, t: str, fields: dict[str, Any], raw: bytes | None = None) -> None:
-        await self.write(b"".join(bytes(c) for c in self.conn.send(t, fields, raw)))
+        await self.write(b"".join(bytes(c) for c in self.conn.send_map(t, fields, raw)))
 
     async def send_all(self, messages: list[tuple[str, dict[str, Any]]]) -> None:
         if messages:
-            await self.write(b"".join(bytes(c) for t, f in messages for c in self.conn.send(t, f)))
+            await self.write(b"".join(bytes(c) for t, f in messages for c in self.conn.send_map(t, f)))
 
     async def write(self, data: bytes) -> None:
         if self.hung.is_set():
@@ -153,12 +173,12 @@ class SimWorker:
         async with self._send_lock:
             await self.stream.send_all(data)
 
-    async def receive(self) -> Message | None:
+    async def receive(self) -> WireMessage | None:
         while True:
             if self.hung.is_set():
                 await trio.sleep_forever()
             ev = self.conn.next_event()
-            if isinstance(ev, Message):
+            if isinstance(ev, WireMessage):
                 return ev
             if ev is CLOSED:
                 return None
@@ -169,27 +189,27 @@ class SimWorker:
 
     # --- requests --------------------------------------------------------------------------------
 
-    async def _serve(self, msg: Message) -> None:
-        req_id, t = msg["req_id"], msg.t
-        if self.stopping is not None and t != "SHUTDOWN":
+    async def _serve(self, msg: WireMessage) -> None:
+        req_id = msg.req_id
+        if self.stopping is not None and not isinstance(msg, Shutdown):
             await self.send("ERR", {"req_id": req_id, "code": "worker_shutting_down", "msg": "shutting down"})
             return
-        if t == "LOAD":
+        if isinstance(msg, Load):
             self.loads += 1
             await self._load(msg)
-        elif t in SERVING:
+        elif isinstance(msg, SERVING):
             self.served += 1
             fault = self.plan.request_fault(self.served, self.rng)
             await self._serve_work(msg, fault if fault is not None and self.plan.claim() else None)
-        elif t == "UNLOAD":
-            if msg["model_ref"] in self.models:
-                self.models.remove(msg["model_ref"])
+        elif isinstance(msg, Unload):
+            if msg.model_ref in self.models:
+                self.models.remove(msg.model_ref)
                 await self.send("UNLOADED", {"req_id": req_id})
             else:
-                await self.send("ERR", {"req_id": req_id, "code": "model_not_loaded", "msg": msg["model_ref"]})
-        elif t == "PING":
+                await self.send("ERR", {"req_id": req_id, "code": "model_not_loaded", "msg": msg.model_ref})
+        elif isinstance(msg, Ping):
             await self.send("PONG", {"req_id": req_id, "rss_mb": 10.0, "models_loaded": list(self.models)})
-        elif t == "SHUTDOWN":
+        elif isinstance(msg, Shutdown):
             self.stopping = "graceful"
             assert self.rings is not None
             await self.send_all([("RING_QUIESCED", {"ring_id": r}) for r in self.rings.quiesce_all()])
@@ -199,20 +219,20 @@ class SimWorker:
             reply = await self.rings.request(msg)
             await self.send(reply[0], {"req_id": req_id, **reply[1]})
 
-    async def _load(self, msg: Message) -> None:
-        req_id = msg["req_id"]
+    async def _load(self, msg: WireMessage) -> None:
+        req_id = msg.req_id
         await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "setup"})
         if self.plan.crashes_in_load(self.loads) and self.plan.claim():
             self.misbehave("crash_during_load")
             await self.exit(4)
         await trio.sleep(self.plan.load_delay(self.loads))
-        model_ref = msg.get("model_ref") or os.path.basename(msg["artifact_path"])
+        model_ref = msg.model_ref or os.path.basename(msg.artifact_path)
         if model_ref not in self.models:
             self.models.append(model_ref)
         await self.send("LOADED", {"req_id": req_id, "model_ref": model_ref, "dims": 4, "cold_load_ms": 1.0})
 
-    async def _serve_work(self, msg: Message, how: str | None) -> None:
-        req_id = msg["req_id"]
+    async def _serve_work(self, msg: WireMessage, how: str | None) -> None:
+        req_id = msg.req_id
         if how is not None:
             self.misbehave(how)
         if how == "crash_mid_request":
@@ -223,7 +243,7 @@ class SimWorker:
         if how == "regressing_progress":
             await self.send("PROGRESS", {"req_id": req_id, "completed": 2, "phase": "inference"})
             await self.send("PROGRESS", {"req_id": req_id, "completed": 1, "phase": "inference"})
-        elif self.plan.burst and msg.t == "GENERATE":  # healthy, and all at once: one write, one read
+        elif self.plan.burst and isinstance(msg, Generate):  # healthy, and all at once: one write, one read
             await self.send_all([("PROGRESS", {"req_id": req_id, "completed": k, "phase": "inference"})
                                  for k in range(1, BURST + 1)])
         else:
@@ -236,7 +256,7 @@ class SimWorker:
         if self.abort.is_set():
             await self.send("ERR", {"req_id": req_id, "code": "worker_shutting_down", "msg": "aborted"})
             return
-        if msg.t == "EXECUTE_STEP":
+        if isinstance(msg, ExecuteStep):
             assert self.rings is not None
             t, fields, raw = await self.rings.execute(msg)
         else:
@@ -247,7 +267,7 @@ class SimWorker:
             await self.write(struct.pack("<I", 8) + b"\xff" * 8 if how == "garbage" else OVERSIZE)
             await trio.sleep_forever()
         if how == "crash_between_header_and_raw" and raw is not None:
-            await self.write(bytes(self.conn.send(t, fields, raw)[0]))
+            await self.write(bytes(self.conn.send_map(t, fields, raw)[0]))
             await self.exit(6)
         if how == "flood_stderr":
             for stream in ("stderr", "stdout"):
@@ -271,48 +291,48 @@ class SimWorker:
                 completed += 1
                 await self.send("PROGRESS", {"req_id": req_id, "completed": completed, "phase": "inference"})
 
-    def packed(self, msg: Message) -> tuple[str, dict[str, Any], None]:
+    def packed(self, msg: WireMessage) -> tuple[str, dict[str, Any], None]:
         """One GENERATE_PACKED chunk: each live sequence's next tokens, written " <sum>:<n>" per token, then
         "@g<generation>", so the driver can tell a text that moved between workers or was not its own."""
         ids, at = np.frombuffer(msg.raw or b"", dtype="<i4"), 0
-        for seq in msg["leave"]:
+        for seq in msg.leave:
             self.batch.pop(seq, None)
-        failed = [{"seq": s, "code": "invalid_request", "msg": "not in this batch"} for s in msg["live"]
+        failed = [{"seq": s, "code": "invalid_request", "msg": "not in this batch"} for s in msg.live
                   if s not in self.batch]
-        for j in msg["join"]:
+        for j in msg.join:
             self.batch[j["seq"]] = [int(ids[at:at + j["n_tokens"]].sum()), j["max_tokens"], 0]
             at += j["n_tokens"]
         seqs = []
         for seq, st in list(self.batch.items()):
             total, most, done = st
-            k = min(msg["steps"], most - done)
+            k = min(msg.steps, most - done)
             st[2] = done + k
             seqs.append({"seq": seq, "text": "".join(f" {total}:{done + i + 1}" for i in range(k))
                          + f"@g{self.generation}", "n_gen": st[2], "ids": list(range(k)),
                          "finish_reason": "length" if st[2] >= most else None})
             if st[2] >= most:
                 del self.batch[seq]
-        return "TEXTS", {"req_id": msg["req_id"], "seqs": seqs, **({"failed": failed} if failed else {})}, None
+        return "TEXTS", {"req_id": msg.req_id, "seqs": seqs, **({"failed": failed} if failed else {})}, None
 
-    def answer(self, msg: Message) -> tuple[str, dict[str, Any], bytes | None]:
-        if msg.t == "GENERATE_PACKED":
+    def answer(self, msg: WireMessage) -> tuple[str, dict[str, Any], bytes | None]:
+        if isinstance(msg, GeneratePacked):
             return self.packed(msg)
-        req_id, ids = msg["req_id"], np.frombuffer(msg.raw or b"", dtype="<i4")
-        if msg.t == "EMBED_BATCH":
+        req_id, ids = msg.req_id, np.frombuffer(msg.raw or b"", dtype="<i4")
+        if isinstance(msg, EmbedBatch):
             rows, at = [], 0
-            for item in msg["items"]:
+            for item in msg.items:
                 n = item["n_tokens"]
                 rows.append([float(ids[at:at + n].sum()), float(n), float(item["id"]), float(self.generation)])
                 at += n
             out = np.asarray(rows, dtype="<f4").reshape(len(rows), 4)
             return "VECTORS", {"req_id": req_id, "dims": 4, "n": len(rows)}, out.tobytes()
-        if msg.t == "RERANK":
-            at, scores = msg["query_n_tokens"], []
-            for cand in msg["candidates"]:
+        if isinstance(msg, Rerank):
+            at, scores = msg.query_n_tokens, []
+            for cand in msg.candidates:
                 scores.append(float(ids[at:at + cand["n_tokens"]].sum()))
                 at += cand["n_tokens"]
             return "SCORES", {"req_id": req_id, "n": len(scores)}, np.asarray(scores, dtype="<f4").tobytes()
-        gen = ids[::-1][: msg["max_tokens"]].astype("<i4")
+        gen = ids[::-1][: msg.max_tokens].astype("<i4")
         return "TEXT", {"req_id": req_id, "text": f"sim {int(ids.sum())} g{self.generation}", "n_prompt": len(ids),
                         "n_gen": len(gen), "finish_reason": "length"}, gen.tobytes()
 
@@ -327,7 +347,7 @@ def _handshake_bytes(fault: str, conn: Connection, hello: dict[str, Any]) -> byt
     if fault == "frame_before_hello":
         return pong
     if fault == "frame_behind_hello":
-        return b"".join(bytes(c) for c in conn.send("HELLO", hello)) + pong
+        return b"".join(bytes(c) for c in conn.send_map("HELLO", hello)) + pong
     assert fault == "v2_hello"
     return _frame(cbor2.dumps({"t": "HELLO", **hello, "v": 2}))
 

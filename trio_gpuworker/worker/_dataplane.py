@@ -205,9 +205,9 @@ class WorkerDataPlane(IngressPlane):
             plan = self._echo_plan(msg) if in_place else await compute.run(self._prepare, msg)
             for out in plan:
                 await self._write_object(out.slot, out.binding, out.src, progress)
-                self.emit("OBJECT_PRODUCED", {"req_id": msg.req_id, "ring_id": out.slot.ring_id,
-                                              "port_id": out.binding["port_id"], "object_id": out.binding["object_id"],
-                                              "sequence": out.binding["sequence"], "extent": out.binding["extent"]})
+                self.emit(wire.ObjectProduced(req_id=msg.req_id, ring_id=out.slot.ring_id,
+                                              port_id=out.binding["port_id"], object_id=out.binding["object_id"],
+                                              sequence=out.binding["sequence"], extent=out.binding["extent"]))
         except DataPlaneError as exc:
             return wire.StepFailed(**ids, reason=exc.code, msg=str(exc))
         finally:
@@ -357,7 +357,7 @@ class WorkerDataPlane(IngressPlane):
             except (RingError, ValueError) as exc:
                 raise DataPlaneError("output_copy_failed", str(exc)) from exc
             if hint:
-                self.emit("RING_READABLE", {"ring_id": slot.ring_id})
+                self.emit(wire.RingReadable(ring_id=slot.ring_id))
             if n:
                 written += n
                 # bytes committed are completed work: PROGRESS renews the watchdog while the step waits for space;

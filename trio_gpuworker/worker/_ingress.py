@@ -18,7 +18,17 @@ import trio
 from cython_ring import Completions, DestPool, ObjectSpec, Ring, RingCorrupt, drain_batch, drain_ingress
 
 from .._errors import CodedError
-from .._proto import HANDLE_ID, OBJECT_ID, SEQUENCE  # the columns of a LoadedRow kept as a list
+from .._proto import (  # HANDLE_ID, OBJECT_ID, SEQUENCE: the columns of a LoadedRow kept as a list
+    HANDLE_ID,
+    OBJECT_ID,
+    SEQUENCE,
+    LoadedBlock,
+    ObjectFailed,
+    ObjectsLoaded,
+    RingFault,
+    RingWritable,
+    WireMessage,
+)
 from ._objects import DeviceObject, DeviceObjects, LoadedRun
 
 # ObjectFailure codes that also leave the ring unusable, mapped to RingFaultReason names
@@ -34,8 +44,8 @@ DRAIN_CALL_CHUNKS = 8
 # at most this many bytes, and it stops, with more to do, once it has copied this many (a producer refilling the ring
 # as fast as it drains would otherwise hold the loop for a whole chunk of objects).
 LOOP_DRAIN_BYTES = 8 << 20
-# queues one control message (t, fields[, raw frame]) for the control socket: WorkerServer.post
-Emit = Callable[..., None]
+# queues one control message for the control socket: WorkerServer.post
+Emit = Callable[[WireMessage], None]
 STREAM_WINDOW = 4 << 20  # bytes of host memory a large ingress object streams through off CPU
 _RING_REASON = {"sequence_violation": "sequence_violation", "device_allocation_failed": "device_out_of_memory",
                 "device_copy_failed": "device_copy_failed"}
@@ -103,7 +113,7 @@ class IngressPlane:
     _next_handle: int
     bridge: Any
     _bridge: Any  # the bridge once made (None before): `bridge` makes it
-    emit: Emit  # thread-safe: queues (t, fields[, raw]) for the control socket
+    emit: Emit  # thread-safe: queues a message for the control socket
 
     def more(self, ring_id: int) -> bool:
         """Whether the last drain of this ring stopped early with objects possibly left to drain."""
@@ -123,7 +133,7 @@ class IngressPlane:
         slot = self.rings.get(ring_id)
         return slot is not None and self.host_bridge and slot.ring.capacity <= LOOP_DRAIN_BYTES
 
-    def drain(self, ring_id: int, on_loop: bool = False) -> list[tuple[Any, ...]] | None:
+    def drain(self, ring_id: int, on_loop: bool = False) -> list[WireMessage] | None:
         """RING_READABLE: one native drain of an ingress ring (compute thread; `on_loop`: on the event loop, one
         chunk of at most about LOOP_DRAIN_BYTES). None once the ring is gone."""
         slot = self.rings.get(ring_id)
@@ -138,17 +148,17 @@ class IngressPlane:
             if not slot.more or slot.faulted:
                 return notices
             for notice in notices:  # a full chunk: its completions go out now, while the next one drains
-                self.emit(*notice)
+                self.emit(notice)
         return self._drain(slot)
 
-    def _drain(self, slot: RingSlot) -> list[tuple[Any, ...]]:
+    def _drain(self, slot: RingSlot) -> list[WireMessage]:
         return self._drain_pooled(slot) if self.bridge.direct else self._drain_staged(slot)
 
-    def _drain_pooled(self, slot: RingSlot, budget: int | None = None) -> list[tuple[Any, ...]]:
+    def _drain_pooled(self, slot: RingSlot, budget: int | None = None) -> list[WireMessage]:
         """Host-addressable device memory (CPU): the drain copies straight into pooled allocations. Each native
         call runs until the ring is empty, the chunk is full or the pool has nothing of the next object's size;
         then the pool is refilled for that size and the drain goes on, unless it has copied `budget` bytes."""
-        out: list[tuple[Any, ...]] = []
+        out: list[WireMessage] = []
         parts: list[Any] = []  # per native call: its OBJECTS_LOADED rows, or its LOADED_BLOCK bytes
         batch, pool, failed = slot.batch, slot.pool, None
         writable, loaded, copied, spent = False, 0, 0, False
@@ -182,28 +192,26 @@ class IngressPlane:
             slot.ring.fault()
             slot.faulted = True
             text = f"object {need.object_id} seq {need.sequence}: {type(failed).__name__}: {failed}"
-            out.append(("OBJECT_FAILED", {**ids, "reason": "device_allocation_failed", "msg": text,
-                                          "object_id": need.object_id, "sequence": need.sequence}))
-            out.append(("RING_FAULT", {**ids, "reason": _RING_REASON["device_allocation_failed"], "msg": text}))
+            out.append(ObjectFailed(**ids, reason="device_allocation_failed", msg=text, object_id=need.object_id,
+                                    sequence=need.sequence))
+            out.append(RingFault(**ids, reason=_RING_REASON["device_allocation_failed"], msg=text))
         elif end is not None and end.kind != "closed":
             self._drop_pending(slot)
             if end.kind == "failed":
-                fields = {**ids, "reason": end.code, "msg": end.message}
-                fields.update({k: v for k, v in (("object_id", end.object_id), ("sequence", end.sequence))
-                               if v is not None})
-                out.append(("OBJECT_FAILED", fields))
+                out.append(ObjectFailed(**ids, reason=end.code, msg=end.message, object_id=end.object_id,
+                                        sequence=end.sequence))
             if end.kind == "ring_fault" or end.code != "eof_mid_object":
-                out.append(("RING_FAULT", {**ids, "msg": end.message, "reason": end.code if end.kind == "ring_fault"
-                                           else _RING_REASON.get(end.code, "header_malformed")}))
+                out.append(RingFault(**ids, msg=end.message, reason=end.code if end.kind == "ring_fault"
+                                     else _RING_REASON.get(end.code, "header_malformed")))
         elif loaded and not slot.more:
             # A producer short of space hears RING_WRITABLE now, not after this call's return and the loop's send;
             # then one more look: what it committed meanwhile is drained at once, without waiting for its hint.
             # (The READABLE bit is not touched: a commit after the drain's clear has set it and sent a hint.)
             if writable:
-                self.emit("RING_WRITABLE", {"ring_id": slot.ring_id})
+                self.emit(RingWritable(ring_id=slot.ring_id))
             slot.more = _committed(slot.ring)
         elif writable:
-            out.append(("RING_WRITABLE", {"ring_id": slot.ring_id}))
+            out.append(RingWritable(ring_id=slot.ring_id))
         return out
 
     def _refill(self, slot: RingSlot, extent: int) -> BaseException | None:
@@ -231,14 +239,16 @@ class IngressPlane:
         pool.put_many(addresses, extent)
         return None
 
-    def _loaded_notice(self, slot: RingSlot, rows: list[list[int]], block: bytes | None = None) -> tuple[Any, ...]:
+    def _loaded_notice(self, slot: RingSlot, rows: list[list[int]], block: bytes | None = None
+                       ) -> ObjectsLoaded | LoadedBlock:
         """The message reporting `rows`: LOADED_BLOCK with `block` (the rows as little-endian u64s) on a ring
         installed with loaded_block, else OBJECTS_LOADED."""
-        fields = {"ring_id": slot.ring_id, "edge_id": slot.edge_id, "port_id": slot.port_id,
-                  "worker_generation": self.generation}
         if not slot.block:
-            return ("OBJECTS_LOADED", {**fields, "objects": rows})
-        return ("LOADED_BLOCK", fields, block if block is not None else np.asarray(rows, "<u8").tobytes())
+            return ObjectsLoaded(ring_id=slot.ring_id, edge_id=slot.edge_id, port_id=slot.port_id,
+                                 worker_generation=self.generation, objects=rows)
+        return LoadedBlock(ring_id=slot.ring_id, edge_id=slot.edge_id, port_id=slot.port_id,
+                           worker_generation=self.generation,
+                           raw=block if block is not None else np.asarray(rows, "<u8").tobytes())
 
     def _loaded_batch(self, slot: RingSlot, batch: Completions) -> list[list[int]] | bytes:
         """The batch's completions (LOADED_BLOCK bytes on a ring installed with loaded_block, else OBJECTS_LOADED's
@@ -258,11 +268,11 @@ class IngressPlane:
         del dests[:n]
         return out
 
-    def _drain_staged(self, slot: RingSlot) -> list[tuple[Any, ...]]:
+    def _drain_staged(self, slot: RingSlot) -> list[WireMessage]:
         """Every object this burst finished goes into one OBJECTS_LOADED (stream order), ahead of any failure."""
         from ._bridge import DeviceError
 
-        out: list[tuple[Any, ...]] = []
+        out: list[WireMessage] = []
         loaded: list[list[int]] = []
         rid = slot.ring_id
         ids = {"ring_id": rid, "edge_id": slot.edge_id, "port_id": slot.port_id}
@@ -286,21 +296,17 @@ class IngressPlane:
                     _, code, text, object_id, sequence = ev
                     self._drop_pending(slot)
                     self._flush(slot, loaded, out)
-                    fields = {**ids, "reason": code, "msg": text}
-                    fields.update({k: v for k, v in (("object_id", object_id), ("sequence", sequence))
-                                   if v is not None})
-                    out.append(("OBJECT_FAILED", fields))
+                    out.append(ObjectFailed(**ids, reason=code, msg=text, object_id=object_id, sequence=sequence))
                     if code != "eof_mid_object":
-                        out.append(("RING_FAULT", {**ids, "msg": text,
-                                                   "reason": _RING_REASON.get(code, "header_malformed")}))
+                        out.append(RingFault(**ids, msg=text, reason=_RING_REASON.get(code, "header_malformed")))
                 elif kind == "ring_fault":
                     self._drop_pending(slot)
                     self._flush(slot, loaded, out)
                     _, code, text = ev
-                    out.append(("RING_FAULT", {**ids, "reason": code, "msg": text}))
+                    out.append(RingFault(**ids, reason=code, msg=text))
                 elif kind == "writable":
                     self._flush(slot, loaded, out)
-                    out.append(("RING_WRITABLE", {"ring_id": rid}))
+                    out.append(RingWritable(ring_id=rid))
             self._flush(slot, loaded, out)
         except DeviceError as exc:
             # the failed object's bytes left the ring but never reached the device: the stream cannot go on
@@ -315,13 +321,13 @@ class IngressPlane:
             slot.ring.fault()
             slot.faulted = True
             self._flush(slot, loaded, out, synchronize=False)
-            out = [m for m in out if m[0] != "RING_WRITABLE"]
+            out = [m for m in out if not isinstance(m, RingWritable)]
             text = str(exc)
-            out.append(("OBJECT_FAILED", {**ids, "reason": "device_copy_failed", "msg": text, **failed}))
-            out.append(("RING_FAULT", {**ids, "reason": "device_copy_failed", "msg": text}))
+            out.append(ObjectFailed(**ids, reason="device_copy_failed", msg=text, **failed))
+            out.append(RingFault(**ids, reason="device_copy_failed", msg=text))
         return out
 
-    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[tuple[Any, ...]],
+    def _flush(self, slot: RingSlot, loaded: list[list[int]], out: list[WireMessage],
                synchronize: bool = True) -> None:
         if loaded:
             if synchronize:

@@ -65,7 +65,7 @@ class WorkerServer(EngineServer):
     async def quiesce(self) -> None:
         # rings quiesced, device objects freed
         quiesced = await self.compute.run(self.engine.dataplane.stop)
-        await self.send_many([("RING_QUIESCED", {"ring_id": r}) for r in quiesced])
+        await self.send_many([RingQuiesced(ring_id=r) for r in quiesced])
 
     def _on_uninstall(self, msg: UninstallRing) -> bool:
         # a step blocked on this ring's space must not hold the uninstall queued behind it
