@@ -124,6 +124,8 @@ async def _decode(flight: Flight[Generate, Text], wire: Generate, ids: np.ndarra
                                                              on_delta=on_delta, timing=timing)
     if out is None:
         reply = await flight.call(wire, what, timing=timing, on_progress=progress)
+        if timing is not None and reply.n_gen:
+            timing.token(reply.n_gen)  # the tokens after the last PROGRESS (a worker paces them)
         out = {"text": reply.text, "n_prompt": reply.n_prompt, "n_gen": reply.n_gen,
                "finish_reason": reply.finish_reason}
         if wire.logprobs is not None:

@@ -8,6 +8,8 @@ text that may turn out to begin a stop string. The deltas of a request, joined, 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .._proto import MAX_TOP_LOGPROBS
@@ -15,6 +17,28 @@ from ..engine import Context, GenerateRequest, Generation
 from ..models.sampling import SamplingParams
 
 REPLACEMENT = "\ufffd"
+# After a decode's first token, PROGRESS goes at most this often: the daemon's silence window is seconds long, and
+# each frame wakes the daemon, which takes a core from a decode that runs on all of them (docs/architecture.md,
+# 'Idle watchdog')
+PROGRESS_EVERY_S = 0.05
+
+
+class PacedProgress:
+    """A decode's per-token report: the first token's PROGRESS at once (the daemon times the first token by it),
+    later ones at most every PROGRESS_EVERY_S, each counting every token so far (the daemon spreads a count over
+    the time since the last one); a token without a frame still checks for a stop (CANCEL, abort)."""
+
+    def __init__(self, ctx: Context, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ctx, self.clock = ctx, clock
+        self.last: float | None = None
+
+    def __call__(self, n: int) -> None:
+        now = self.clock()
+        if self.last is None or now - self.last >= PROGRESS_EVERY_S:
+            self.ctx.progress(n)
+            self.last = now
+        else:
+            self.ctx.check()
 
 
 class TextStream:
@@ -87,6 +111,7 @@ def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
     text = TextStream(m.detokenizer, stops) if stops or stream else None
     records: list[dict[str, Any]] = []
     shown = 0  # records already sent in a TEXT_DELTA
+    progress = PacedProgress(ctx)
 
     def scored(token: int, lp: tuple[float, list[tuple[int, float]]]) -> dict[str, Any]:
         word = lambda i: m.detokenizer.decode([i])  # noqa: E731
@@ -115,12 +140,12 @@ def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
             new, shown = records[shown:] or None, len(records)
             ctx.delta(delta, n, new)  # an abort or a CANCEL stops it here, before the delta
         else:
-            ctx.progress(n)
+            progress(n)
         return hit
 
     def tokens(n: int) -> None:  # the decoder's per-token call: PROGRESS now unless on_token reports it
         if text is None:
-            ctx.progress(n)
+            progress(n)
 
     # compiled (or found compiled) before the prompt's prefill: a grammar llguidance refuses is ERR invalid_request
     constraint = m.grammars.constraint(request.grammar) if request.grammar else None
