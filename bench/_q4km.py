@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from tests.tiny_gguf import MATRICES, TOKENS
+from tests.support.tiny_gguf import MATRICES, TOKENS
 
 QK_K = 256
 

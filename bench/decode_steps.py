@@ -27,7 +27,7 @@ os.environ.setdefault("DEV", "CPU")
 import numpy as np
 from fma_peak import describe, first_cpus, fma_peak
 
-from tests.reference_llama import gguf_path
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker.models.greedy import BATCH, PREFILL_CHUNK
 from trio_gpuworker.models.llama_fused import FusedLlamaLM
 

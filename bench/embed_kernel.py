@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np
 
-from tests.ckernels import build, ptr
+from tests.support.ckernels import build, ptr
 from trio_gpuworker.models import bert_fused, ckernel
 from trio_gpuworker.models.bert import BertConfig
 from trio_gpuworker.models.bert_fused import CAP, MB, BertDims, Capacity, pack_rows, pack_weights

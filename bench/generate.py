@@ -1,7 +1,7 @@
 """Greedy generation with SmolLM2-135M-Instruct (Q4_1 GGUF), same prompts, one run: tokens/s and time
 to first token of the daemon (Supervisor -> worker process, its device's default decoder), of both decoders
 in process (fused: CPU's default; graph: tinygrad-generated kernels, what other devices run), and of the
-independent numpy reference decoder (tests/reference_llama.py); then constrained decoding's cost: greedy and
+independent numpy reference decoder (tests/support/reference_llama.py); then constrained decoding's cost: greedy and
 sampled under a JSON Schema grammar (models/constraint.py) against the same unconstrained, interleaved.
 
     .venv/bin/python bench/generate.py [--max-tokens 32] [--daemon-only | --constrained-only]
@@ -24,7 +24,7 @@ import numpy as np
 import trio
 from _common import scratch_dir
 
-from tests.reference_llama import NumpyLlama, gguf_path
+from tests.support.reference_llama import NumpyLlama, gguf_path
 from trio_gpuworker import Supervisor
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT, parse_config

@@ -31,7 +31,7 @@ import numpy as np
 from _common import scratch_dir
 from _q4km import LLAMA32_1B, QWEN25_05B, requantise, write_random
 
-from tests.reference_llama import gguf_path
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker.models.llama_fused import FusedLlamaLM
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 30, 2, 198, 1, 4093, 198, 2]  # a short chat-like prefix

@@ -10,7 +10,7 @@ worker, which answers at once and so shows what batching saves on the daemon sid
     .venv/bin/python bench/http.py --case healthz [--worker fake] [--concurrency 8] [--requests 40]
 
 /healthz latency (p50/p99/max, polled every 5 ms) while 8 MB single-input embeddings and the hostile mix of
-tests/hostile_traffic.py run from another process; the target is p99 < 50 ms. Also the daemon's peak RSS.
+tests/support/hostile_traffic.py run from another process; the target is p99 < 50 ms. Also the daemon's peak RSS.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ FAKE_SCALE = 10  # the fake worker answers at once: more requests for a stable f
 def config(listen: str, worker: str):
     lane_extra = ""
     if worker == "fake":  # a scripted worker that answers at once: what the daemon itself costs
-        from tests.fakes import fake_command
+        from tests.support.fakes import fake_command
 
         lane_extra = f"worker_command = {json.dumps(list(fake_command()))}\n"
     return minilm_daemon_config(listen, lane_extra)
@@ -179,8 +179,8 @@ async def bench_healthz(worker: str, concurrency: int, requests: int) -> None:
                 async with trio.open_nursery() as load:
                     load.start_soon(big_inputs)
                     r = await trio.run_process(
-                        [sys.executable, "-m", "tests.hostile_traffic", url, str(concurrency), str(requests), "0.3",
-                         DEFAULT_MODEL], capture_stdout=True,
+                        [sys.executable, "-m", "tests.support.hostile_traffic", url, str(concurrency), str(requests),
+                         "0.3", DEFAULT_MODEL], capture_stdout=True,
                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
                     codes.update(json.loads(r.stdout))
                 done.set()

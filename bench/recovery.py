@@ -35,7 +35,7 @@ import numpy as np
 import trio
 from _common import free_port, scratch_dir
 
-from tests.fakes import fake_command
+from tests.support.fakes import fake_command
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker.supervisor import Lane
 

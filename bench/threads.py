@@ -33,7 +33,7 @@ import numpy as np
 import trio
 from _common import STATE, scratch_dir, sentences
 
-from tests.reference_llama import gguf_path
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker import Supervisor
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DEFAULT_LM, DEFAULT_MODEL, EMBEDDED_DEFAULT, parse_config

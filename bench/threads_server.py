@@ -34,8 +34,8 @@ sys.path.append(str(ROOT / "bench"))
 import httpx
 from _common import STATE, free_port, scratch_dir
 
-from tests.daemon_process import running
-from tests.reference_llama import gguf_path
+from tests.support.daemon_process import running
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker.daemon.config import DEFAULT_LM, EMBEDDED_DEFAULT
 from trio_gpuworker.daemon.http_config import DEFAULT_LISTEN
 

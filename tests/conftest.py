@@ -1,7 +1,7 @@
 import os
 import shutil
 
-from tests.state import SESSION_CACHE, SESSION_STATE, SHORT_DIRS
+from tests.support.state import SESSION_CACHE, SESSION_STATE, SHORT_DIRS
 
 # the fixtures trio_gpuworker.testing gives its users (a supervisor with fake lanes, the simulation's clock)
 pytest_plugins = ["trio_gpuworker.testing.pytest_plugin"]

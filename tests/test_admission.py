@@ -10,9 +10,9 @@ import httpx
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import daemon_config, wait_until
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
 from trio_gpuworker import (
     AdmissionPolicy,
     EngineCrashed,

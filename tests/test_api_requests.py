@@ -12,7 +12,7 @@ import cbor2
 import numpy as np
 import pytest
 
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, REAL_WORKER, supervisor_config
 from trio_gpuworker import ModelConfig, SupervisorConfig
 from trio_gpuworker._api_requests import CompletionRequest, EmbeddingsRequest, RerankRequest
 from trio_gpuworker._errors import InvalidRequest, ModelNotFound, RequestTooLarge, UnsupportedField
@@ -43,7 +43,7 @@ NEUTRAL = {"RERANK": {"priority"}, "RERANK_TEI": {"truncation_direction"},
 def models(tmp_path: Path) -> SupervisorConfig:
     embed = ModelConfig(MODEL, tmp_path / "model.safetensors", matryoshka_dims=(2,), max_tokens=8)
     lm = ModelConfig(LM, tmp_path / "lm.gguf", kind="generate", format="gguf")
-    return SupervisorConfig(lanes=(), models=(embed, lm), state_dir=tmp_path)
+    return supervisor_config(tmp_path, models=(embed, lm), state_dir=tmp_path, **REAL_WORKER)
 
 
 def wire(msg: WireMessage) -> tuple[str, bytes, bytes | memoryview | None]:

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import daemon_config
-from tests.supervision_helpers import MODEL, expected_fake_rows, rows
-from tests.test_beam import IDS, tiny_daemon_config
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.supervision import expected_fake_rows, rows
+from tests.support.tiny_bert import IDS, tiny_daemon_config
 from trio_gpuworker._kinds import EncoderRuntime
 from trio_gpuworker.daemon.config import load_config
 from trio_gpuworker.daemon.main import run_daemon

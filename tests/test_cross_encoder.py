@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 
@@ -16,77 +15,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.support.tiny_cross_encoder import LENGTHS, TINY, pairs, tiny_model, torch_out  # noqa: E402
 from trio_gpuworker.models.bert import BertEncoder  # noqa: E402
 from trio_gpuworker.models.cross_encoder import BertCrossEncoder  # noqa: E402
 from trio_gpuworker.models.shapes import MAX_BATCH_TOKENS, plan_batches  # noqa: E402
 
-# Two buckets out of order, an uneven count that needs a padded micro-batch, a 1-token row. Every test uses the same
-# lengths, hence the same two (length, batch) shapes: tinygrad's per-shape kernel generation dominates the run time.
-LENGTHS = [5, 40, 1, 16, 64, 9, 3, 33, 12, 2, 7]
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=64,
-    max_position_embeddings=64,
-    type_vocab_size=2,
-    hidden_act="gelu",
-    layer_norm_eps=1e-12,
-)
-
-
-def _save(model: torch.nn.Module, path: pathlib.Path) -> tuple[pathlib.Path, dict]:
-    model.save_pretrained(path, safe_serialization=True)
-    return path / "model.safetensors", json.loads((path / "config.json").read_text())
-
-
-def _tiny(path: pathlib.Path, num_labels: int, seed: int) -> tuple[torch.nn.Module, pathlib.Path, dict]:
-    torch.manual_seed(seed)
-    cfg = transformers.BertConfig(**TINY, num_labels=num_labels)
-    model = transformers.BertForSequenceClassification(cfg).eval()
-    # Default init (std 0.02, LayerNorm = identity) would leave most paths untested; make every weight matter.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    return (model, *_save(model, path))
-
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, BertCrossEncoder, pathlib.Path, dict]:
-    model, art, cfg = _tiny(tmp_path_factory.mktemp("ce1"), 1, 0)
+    model, art, cfg = tiny_model(tmp_path_factory.mktemp("ce1"), 1, 0)
     return model, BertCrossEncoder.load(art, cfg), art, cfg
-
-
-def _pairs(rng: np.random.Generator, lengths: list[int]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    ids, tts = [], []
-    for n in lengths:
-        q = int(rng.integers(0, n - 1)) if n > 2 else 0
-        x = rng.integers(1, TINY["vocab_size"], n).astype(np.int32)
-        x[0] = 2
-        ids.append(x)
-        tts.append(np.r_[np.zeros(q + 1, np.int32), np.ones(n - q - 1, np.int32)])
-    return ids, tts
-
-
-def _torch_out(model: torch.nn.Module, ids: list[np.ndarray], tts: list[np.ndarray] | None) -> torch.Tensor:
-    L = max(len(x) for x in ids)
-    x, t, m = (torch.zeros(len(ids), L, dtype=torch.long) for _ in range(3))
-    for i, a in enumerate(ids):
-        x[i, : len(a)], m[i, : len(a)] = torch.from_numpy(a.astype(np.int64)), 1
-        if tts is not None:
-            t[i, : len(a)] = torch.from_numpy(tts[i].astype(np.int64))
-    with torch.no_grad():
-        return model(input_ids=x, attention_mask=m, token_type_ids=t)
 
 
 def test_scores_match_transformers(single: tuple) -> None:
     model, ce, _, _ = single
     rng = np.random.default_rng(1)
-    ids, tts = _pairs(rng, LENGTHS)
+    ids, tts = pairs(rng, LENGTHS)
     seen: list[int] = []
     got = ce.score(ids, tts, progress=seen.append)
-    want = _torch_out(model, ids, tts).logits[:, 0].numpy()
+    want = torch_out(model, ids, tts).logits[:, 0].numpy()
     assert got.dtype == np.float32 and got.shape == (len(ids),)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     assert seen == [4, 11]  # one PROGRESS per micro-batch, longest first: (64 tokens x 4), (16 x 8, one padding)
@@ -95,16 +42,16 @@ def test_scores_match_transformers(single: tuple) -> None:
         np.testing.assert_array_equal(ce.score(ids, tts), got)
     # No token types means all zeros, as in HF.
     np.testing.assert_allclose(
-        ce.score(ids, None), _torch_out(model, ids, None).logits[:, 0].numpy(), atol=1e-4, rtol=0
+        ce.score(ids, None), torch_out(model, ids, None).logits[:, 0].numpy(), atol=1e-4, rtol=0
     )
     assert ce.score([], None).shape == (0,)
 
 
 def test_multi_label_logits(tmp_path: pathlib.Path) -> None:
-    model, art, cfg = _tiny(tmp_path, 3, 2)
+    model, art, cfg = tiny_model(tmp_path, 3, 2)
     ce = BertCrossEncoder.load(art, cfg)
-    ids, tts = _pairs(np.random.default_rng(3), LENGTHS)
-    np.testing.assert_allclose(ce.logits(ids, tts), _torch_out(model, ids, tts).logits.numpy(), atol=1e-4, rtol=0)
+    ids, tts = pairs(np.random.default_rng(3), LENGTHS)
+    np.testing.assert_allclose(ce.logits(ids, tts), torch_out(model, ids, tts).logits.numpy(), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="num_labels=3"):
         ce.score(ids, tts)
 
@@ -114,8 +61,8 @@ def test_encoder_body_matches_bert_model(single: tuple) -> None:
     model, _, art, cfg = single
     enc = BertEncoder.load(art, cfg)
     assert enc.dims == TINY["hidden_size"]
-    ids, _ = _pairs(np.random.default_rng(4), LENGTHS)
-    h = _torch_out(model.bert, ids, None).last_hidden_state.double().numpy()
+    ids, _ = pairs(np.random.default_rng(4), LENGTHS)
+    h = torch_out(model.bert, ids, None).last_hidden_state.double().numpy()
     m = np.zeros(h.shape[:2])
     for i, a in enumerate(ids):
         m[i, : len(a)] = 1

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import daemon_config
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor
 from trio_gpuworker.daemon import ctl
 from trio_gpuworker.daemon.config import DEFAULT_LM, resolve_artifact

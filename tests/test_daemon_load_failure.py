@@ -16,8 +16,8 @@ pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T
 
-from tests.state import SESSION_STATE, short_dir
-from tests.tiny_gguf import write_llama
+from tests.support.state import SESSION_STATE, short_dir
+from tests.support.tiny_gguf import write_llama
 from trio_gpuworker import LaneConfig, ModelConfig, SupervisorConfig, WorkerError
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig

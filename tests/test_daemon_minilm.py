@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import trio
 
-from tests.helpers import embedded_default
-from tests.state import SESSION_STATE
+from tests.support.config import embedded_default
+from tests.support.state import SESSION_STATE
 from trio_gpuworker.daemon.config import DEFAULT_MODEL
 from trio_gpuworker.daemon.main import run_daemon
 

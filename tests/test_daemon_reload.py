@@ -3,7 +3,6 @@ without dropping requests in flight."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -11,51 +10,13 @@ from pathlib import Path
 import httpx
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import TOKENIZER, wait_until
-from tests.test_notify import FakeSystemd
+from tests.support.config import lane, write_config
+from tests.support.fake_systemd import FakeSystemd
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
 from trio_gpuworker.daemon.config import load_config
 from trio_gpuworker.daemon.main import Daemon, run_daemon
 from trio_gpuworker.supervisor import LaneState
-
-
-def write_config(tmp_path: Path, *, lanes: list[dict[str, object]], extra: str = "",
-                 models: tuple[str, ...] = ("m1", "m2")) -> Path:
-    for m in models:
-        (tmp_path / f"{m}.bin").write_bytes(f"fake weights {m}".encode())
-    text = f"""
-[daemon]
-state_dir = "{tmp_path / 'state'}"
-runtime_dir = "{tmp_path / 'run'}"
-[http]
-listen = "127.0.0.1:0"
-unix_socket = "{tmp_path / 'api.sock'}"
-[windows]
-inference_s = 5.0
-setup_s = 5.0
-control_s = 5.0
-load_s = 5.0
-kill_grace_s = 0.5
-shutdown_s = 2.0
-{extra}
-"""
-    for m in models:
-        text += f'\n[models.{m}]\npath = "{tmp_path / (m + ".bin")}"\ntokenizer_path = "{TOKENIZER}"\n'
-    for lane in lanes:  # one worker per lane table unless a test asks for replicas
-        text += "\n[[lanes]]\n" + "".join(f"{k} = {toml(v)}\n" for k, v in {"replicas": 1, **lane}.items())
-    path = tmp_path / "gpuworkerd.toml"
-    path.write_text(text)
-    return path
-
-
-def toml(value: object) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items()) + "}"
-    return json.dumps(value)  # strings and lists of strings are the same in JSON and TOML
-
-
-def lane(lane_id: str, models: list[str], command: tuple[str, ...] | None = None, **env: str) -> dict[str, object]:
-    return {"id": lane_id, "models": models, "worker_command": list(command or fake_command()), "env": env}
 
 
 def failed_reloads(daemon: Daemon) -> float:

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import daemon_config, wait_until
-from tests.supervision_helpers import FAST, MODEL
-from tests.test_notify import FakeSystemd
+from tests.support.config import FAST, MODEL, daemon_config
+from tests.support.fake_systemd import FakeSystemd
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.supervisor import MODEL_LOADING_RETRY_AFTER_S
 

@@ -16,10 +16,10 @@ import httpx
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import wait_until
-from tests.test_daemon_reload import lane, write_config
-from tests.test_notify import FakeSystemd
+from tests.support.config import lane, write_config
+from tests.support.fake_systemd import FakeSystemd
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "conf" / "gpuworkerd.service"

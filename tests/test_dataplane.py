@@ -12,7 +12,8 @@ import pytest
 import trio
 
 from cython_ring import RING_VERSION, Ring, encode_header
-from tests.supervision_helpers import SPEC, dataplane_config
+from tests.support.config import dataplane_config
+from tests.support.supervision import SPEC
 from trio_gpuworker import (
     ObjectFailed,
     RingFault,

@@ -11,8 +11,9 @@ import pytest
 import trio
 import trio.testing
 
-from tests.supervision_helpers import SPEC, dataplane_config
-from tests.test_dataplane_faults import wait_until
+from tests.support.config import dataplane_config
+from tests.support.helpers import wait_until
+from tests.support.supervision import SPEC
 from trio_gpuworker import DeadlineExceeded, Supervisor
 from trio_gpuworker.supervisor import DataPlane, RingEnd
 
@@ -129,4 +130,5 @@ async def test_a_cancelled_load_leaves_the_ring_usable_in_order(tmp_path: Path) 
         with trio.fail_after(LATE_S):
             handle = await dp.load(ingress, np.full(8, 2, np.float32), object_id=2, sequence=1)
         assert handle["worker_generation"] == ingress.generation
-        await wait_until(lambda: dp.steps.handles.count() == 1)  # the orphaned object was released, not kept
+        # the orphaned object was released, not kept
+        await wait_until(lambda: dp.steps.handles.count() == 1, within_s=10.0)

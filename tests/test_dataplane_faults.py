@@ -15,7 +15,9 @@ import pytest
 import trio
 
 from cython_ring import EgressState, ObjectSpec, write_egress
-from tests.supervision_helpers import SPEC, dataplane_config
+from tests.support.config import dataplane_config
+from tests.support.helpers import wait_until
+from tests.support.supervision import SPEC
 from trio_gpuworker import (
     ObjectFailed,
     RingFault,
@@ -26,12 +28,6 @@ from trio_gpuworker._proto import InstallRing, RingReadable
 from trio_gpuworker.supervisor import ArenaManager
 
 PROMPT_S = 10.0  # far below the inference window: an answer within it is not a watchdog's doing
-
-
-async def wait_until(pred: Any, within_s: float = PROMPT_S) -> None:
-    with trio.fail_after(within_s):
-        while not pred():  # noqa: ASYNC110
-            await trio.sleep(0.01)
 
 
 def _echo_step(handle: dict[str, int], ring_id: int, extent: int, step_id: int = 1) -> tuple[list, list]:
@@ -58,7 +54,8 @@ async def test_uninstall_stops_a_step_blocked_on_its_ring(tmp_path: Path) -> Non
         with trio.fail_after(PROMPT_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(step)
-                await wait_until(lambda: egress.ring.readable == egress.ring.capacity)  # the step is blocked
+                # the step is blocked
+                await wait_until(lambda: egress.ring.readable == egress.ring.capacity, within_s=PROMPT_S)
                 await dp.uninstall_ring(egress)
         assert [f.code for f in failures] == ["invalid_output_ring"]
         assert egress.released and egress.ring_id not in {le.ring_id for le in sup.arena.live()}
@@ -107,7 +104,8 @@ async def test_a_step_that_consumes_its_inputs_frees_them_even_when_its_caller_i
                 nursery.start_soon(functools.partial(dp.execute_step, "dp", "echo", 1,
                                                      *_echo_step(handle, egress.ring_id, data.nbytes),
                                                      release_inputs_after=True))
-                await wait_until(lambda: egress.ring.readable == egress.ring.capacity)  # written, and blocked
+                # written, and blocked
+                await wait_until(lambda: egress.ring.readable == egress.ring.capacity, within_s=PROMPT_S)
                 nursery.cancel_scope.cancel()
         assert dp.steps.handles.count() == 0
         with pytest.raises(StepFailed) as info:
@@ -136,7 +134,7 @@ async def test_step_failed_keeps_the_lanes_strikes(tmp_path: Path) -> None:
     async with Supervisor(dataplane_config(tmp_path)) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         os.kill(lane.pid, signal.SIGKILL)
-        await wait_until(lambda: lane.generation == 2)
+        await wait_until(lambda: lane.generation == 2, within_s=PROMPT_S)
         await sup.wait_ready(PROMPT_S)
         assert lane.policy.strikes == 1
         with pytest.raises(StepFailed) as info:
@@ -182,10 +180,10 @@ async def test_abort_in_flight_fails_a_blocked_step_at_once(tmp_path: Path) -> N
         with trio.fail_after(PROMPT_S):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(step)
-                await wait_until(lambda: egress.ring.readable == egress.ring.capacity)
+                await wait_until(lambda: egress.ring.readable == egress.ring.capacity, within_s=PROMPT_S)
                 lane.abort_in_flight()  # out of band: the worker must not wait for the step
         assert [f.code for f in failures] == ["worker_shutting_down"]
-        await wait_until(lambda: lane.generation == 2)
+        await wait_until(lambda: lane.generation == 2, within_s=PROMPT_S)
         await sup.wait_ready(PROMPT_S)
         assert lane.policy.strikes == 0  # an ordered stop, not a fault
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy_helpers import (
+from tests.support.deploy_helpers import (
     K8S,
     ROOT,
     config_arg,
@@ -26,7 +26,7 @@ from tests.deploy_helpers import (
     run_commands,
     stages,
 )
-from tests.kustomize_subset import render
+from tests.support.kustomize_subset import render
 from trio_gpuworker.daemon.config import parse_config
 
 # commands every Debian (and Ubuntu) base image has: dpkg's Essential packages (coreutils, passwd, ...) and apt

@@ -15,7 +15,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from tests.deploy_helpers import (
+from tests.support.deploy_helpers import (
     K8S,
     KUBERNETES_VERSION,
     VARIANTS,
@@ -34,7 +34,7 @@ from tests.deploy_helpers import (
     stages,
     workload,
 )
-from tests.kustomize_subset import Unsupported, render
+from tests.support.kustomize_subset import Unsupported, render
 from trio_gpuworker.daemon.config import DaemonConfig, parse_config
 
 GRACE_MARGIN_S = 10  # past every bound the daemon sets itself: hypercorn's last writes, reaping, the exit

@@ -1,12 +1,12 @@
 """gpuworkerd as the manifests run it: the real process with the ConfigMap's configuration and the pod's
-environment and volumes. Only the engines are fake (tests/fakes), and the TCP listener moves from all addresses
-to loopback (a test listens on no other interface). The probes are the manifest's, read from the rendered YAML,
-and act as the kubelet's do (a fresh connection each, success for 200-399); SIGTERM is what the kubelet sends
+environment and volumes. Only the engines are fake (tests/support/fakes.py), and the TCP listener moves from all
+addresses to loopback (a test listens on no other interface). The probes are the manifest's, read from the rendered
+YAML, and act as the kubelet's do (a fresh connection each, success for 200-399); SIGTERM is what the kubelet sends
 after preStop.
 
 Two ways to run it. `sandboxed` (root with CAP_SYS_ADMIN, as CI has): in a mount namespace of its own
-(tests/pod_sandbox.py) the volumes sit at the manifest's paths, everything else is read-only, and the daemon runs
-as the manifest's user and groups with no_new_privs: the pod's securityContext, enforced. Otherwise the volumes
+(tests/support/pod_sandbox.py) the volumes sit at the manifest's paths, everything else is read-only, and the daemon
+runs as the manifest's user and groups with no_new_privs: the pod's securityContext, enforced. Otherwise the volumes
 lie under a temporary directory, the configuration's and environment's paths are moved there, and the daemon runs
 as this test's user."""
 
@@ -30,11 +30,11 @@ import httpx
 import pytest
 import trio
 
-from tests.deploy_helpers import Pod, config_arg, lay_out, port_number, render_variant, stages
-from tests.fakes import fake_command
-from tests.helpers import wait_until
+from tests.support.deploy_helpers import Pod, config_arg, lay_out, port_number, render_variant, stages
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
 
-SANDBOX = Path(__file__).resolve().parent / "pod_sandbox.py"
+SANDBOX = Path(__file__).resolve().parent / "support" / "pod_sandbox.py"
 LOOPBACK = "127.0.0.1:0"
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 EMBED_MODEL = "all-MiniLM-L6-v2"
@@ -53,7 +53,7 @@ def pod_root() -> Iterator[Path]:
 
 
 def sandbox_argv(pod: Pod, spec: dict[str, Any], argv: list[str], env: dict[str, str], scratch: Path) -> list[str]:
-    """`argv` run by tests/pod_sandbox.py as the pod's container: its volumes at their mount paths, the rest
+    """`argv` run by tests/support/pod_sandbox.py as the pod's container: its volumes at their mount paths, the rest
     read-only, as runAsUser / runAsGroup with the fsGroup."""
     sc = spec["securityContext"]
     scratch.mkdir(exist_ok=True)
@@ -68,7 +68,7 @@ def sandbox_argv(pod: Pod, spec: dict[str, Any], argv: list[str], env: dict[str,
 
 
 def cannot_sandbox(tmp_path: Path) -> str | None:
-    """Why tests/pod_sandbox.py cannot run here, or None: as root it runs a probe that must import the project
+    """Why tests/support/pod_sandbox.py cannot run here, or None: as root it runs a probe that must import the project
     as the manifest's user and be refused a write outside the volumes."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         return "a mount namespace and another user need root and unshare(1)"

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 st = pytest.importorskip("sentence_transformers")
 
-from tests.tiny_encoders import ARCHS, MAX_TOKENS, POOLINGS, model_folder, st_folder  # noqa: E402
+from tests.support.tiny_encoders import ARCHS, MAX_TOKENS, POOLINGS, model_folder, st_folder  # noqa: E402
 from trio_gpuworker import WorkerError  # noqa: E402
 from trio_gpuworker import _api_checks as ck  # noqa: E402
 from trio_gpuworker._config import ModelConfig  # noqa: E402

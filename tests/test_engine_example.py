@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -13,19 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.supervision_helpers import FAST, restarted
-from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig, WorkerError
+from tests.support.config import supervisor_config
+from tests.support.engine_example import example
+from tests.support.supervision import restarted
+from trio_gpuworker import LaneConfig, ModelConfig, RestartPolicy, Supervisor, SupervisorConfig, WorkerError
 from trio_gpuworker._proto import Generate, Rerank, Scores
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "engines.md"
 DIMS = 16
-
-
-def example() -> str:
-    section = DOC.read_text().split("## A complete example", 1)[1]
-    found = re.search(r"```python\n(.*?)```", section, re.S)
-    assert found is not None, "docs/engines.md lost its example"
-    return found.group(1)
 
 
 def bag_of_words(rows: list[np.ndarray]) -> np.ndarray:
@@ -44,9 +37,8 @@ def config(tmp_path: Path) -> SupervisorConfig:
     engine.write_text(example())
     artifact = tmp_path / "bow.json"
     artifact.write_text(json.dumps({"dims": DIMS}))
-    return SupervisorConfig(lanes=(LaneConfig("bow-0", ("bow",), worker_command=(sys.executable, str(engine))),),
-                            models=(ModelConfig("bow", artifact),), state_dir=tmp_path / "state",
-                            runtime_dir=tmp_path / "run", windows=FAST)
+    lane = LaneConfig("bow-0", ("bow",), worker_command=(sys.executable, str(engine)))
+    return supervisor_config(tmp_path, lanes=(lane,), models=(ModelConfig("bow", artifact),), restart=RestartPolicy())
 
 
 async def embed(sup: Supervisor, rows: list[np.ndarray]) -> np.ndarray:

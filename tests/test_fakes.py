@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.fakes import FAKE_WORKER, fake_command
+from tests.support.fakes import FAKE_WORKER, fake_command
 from trio_gpuworker._errors import (
     FrameTooLarge,
     MalformedMessage,

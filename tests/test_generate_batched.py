@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import trio
 
-from tests.helpers import wait_until
-from tests.reference_llama import gguf_path
-from tests.state import SESSION_STATE
+from tests.support.config import REAL_WORKER, supervisor_config
+from tests.support.helpers import wait_until
+from tests.support.reference_llama import gguf_path
+from tests.support.state import SESSION_STATE
 from trio_gpuworker import DeadlineExceeded, EngineCrashed, LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker._proto import PACKED_SLOTS, Generate, GeneratePacked, Texts
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
@@ -30,10 +31,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 
 
 def config(run: str, env: dict[str, str] | None = None) -> SupervisorConfig:
-    return SupervisorConfig(lanes=(LaneConfig("gen", (LM,), env=env or {}),),
-                            models=(ModelConfig(LM, gguf_path(), kind="generate", format="gguf",
-                                                runtime_config={"max_context": 512}),),
-                            state_dir=SESSION_STATE, runtime_dir=Path(run), arena_bytes=16 << 20)
+    model = ModelConfig(LM, gguf_path(), kind="generate", format="gguf", runtime_config={"max_context": 512})
+    return supervisor_config(Path(run), lanes=(LaneConfig("gen", (LM,), env=env or {}),), models=(model,),
+                             state_dir=SESSION_STATE, runtime_dir=Path(run), arena_bytes=16 << 20, **REAL_WORKER)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Batched generation is used only where it is served (supervisor/_genbatch.py): a plain v3 worker, or one whose model
 does not batch (it advertises PACKED and answers GENERATE_PACKED unsupported_request), keeps answering every request
-one at a time with GENERATE. Scripted workers (tests/fakes): TEXT "fake <sum of the prompt's ids>"."""
+one at a time with GENERATE. Scripted workers (tests/support/fakes.py): TEXT "fake <sum of the prompt's ids>"."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import trio
 
-from tests.fakes import fake_command
-from tests.reference_llama import gguf_path
+from tests.support.config import REAL_WORKER, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 from trio_gpuworker.supervisor._genbatch import _PACKERS, Packer, packer_for
@@ -20,9 +21,8 @@ PROMPTS = ["one", "two words", "three more words", "and a fourth", "five"]
 
 
 def config(run: str, command: tuple[str, ...]) -> SupervisorConfig:
-    return SupervisorConfig(lanes=(LaneConfig("gen", (LM,), worker_command=command),),
-                            models=(ModelConfig(LM, gguf_path(), kind="generate", format="gguf"),),
-                            state_dir=Path(run) / "state", runtime_dir=Path(run) / "run")
+    return supervisor_config(Path(run), lanes=(LaneConfig("gen", (LM,), worker_command=command),),
+                             models=(ModelConfig(LM, gguf_path(), kind="generate", format="gguf"),), **REAL_WORKER)
 
 
 async def answers(command: tuple[str, ...]) -> dict[str, object]:

@@ -12,8 +12,9 @@ import openai
 import pytest
 import trio
 
-from tests.helpers import embedded_default, hang_up_mid_stream
-from tests.state import SESSION_STATE
+from tests.support.config import embedded_default
+from tests.support.helpers import hang_up_mid_stream
+from tests.support.state import SESSION_STATE
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.daemon.main import run_daemon
 

@@ -22,7 +22,7 @@ spm = pytest.importorskip("sentencepiece")
 jinja2 = pytest.importorskip("jinja2")
 pytest.importorskip("gguf")
 
-from tests.tiny_vocab import (  # noqa: E402
+from tests.support.tiny_vocab import (  # noqa: E402
     CHATML,
     LLAMA2,
     Vocab,

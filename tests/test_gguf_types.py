@@ -2,7 +2,7 @@
 
 models/quant.py's dequantiser must give the reference's float32 bits for each type; the fused decoder's packed
 layouts (kernels/quant.h) must too, for the types that pack and for float32. Tiny random llama GGUFs with
-tensors of every type, and a llama.cpp *_K_M-like mix, then decode on both decoders as tests/reference_llama.py
+tensors of every type, and a llama.cpp *_K_M-like mix, then decode on both decoders as tests/support/reference_llama.py
 (numpy on the reference's dequantised weights) does. A type the worker does not read is refused at LOAD, naming
 the tensor and the type.
 """
@@ -20,9 +20,9 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from tests.ckernels import ISAS, build, ptr, spec  # noqa: E402
-from tests.reference_llama import NumpyLlama, scored_prompt  # noqa: E402
-from tests.tiny_gguf import encode, k_m_mix, write_llama  # noqa: E402
+from tests.support.ckernels import ISAS, build, ptr, spec  # noqa: E402
+from tests.support.reference_llama import NumpyLlama, scored_prompt  # noqa: E402
+from tests.support.tiny_gguf import encode, k_m_mix, write_llama  # noqa: E402
 from trio_gpuworker import WorkerError  # noqa: E402
 from trio_gpuworker.gguf_file import GGUFFormatError, read_tensors  # noqa: E402
 from trio_gpuworker.models import quant  # noqa: E402

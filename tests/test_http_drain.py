@@ -13,9 +13,9 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from tokenizers import Tokenizer
 
-from tests.fakes import fake_command
-from tests.helpers import TOKENIZER, client_for, daemon_config, wait_until
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import TOKENIZER, client_for, wait_until
 from trio_gpuworker.daemon.main import Daemon
 
 WORDS = ["hello", "world", "drain", "ring", "lease", "a", "the"]

@@ -15,10 +15,10 @@ import pytest
 import trio
 from tokenizers import Tokenizer
 
-from tests.fakes import fake_command
-from tests.helpers import TOKENIZER, client_for, daemon_config
-from tests.reference_llama import gguf_path
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import TOKENIZER, client_for
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 

@@ -11,9 +11,9 @@ import httpx
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import client_for
 from trio_gpuworker._api_requests import CompletionRequest
 from trio_gpuworker.daemon import http_fields
 from trio_gpuworker.daemon.config import DEFAULT_LM

@@ -7,11 +7,8 @@ each case into the daemon's trio loop.
 
 from __future__ import annotations
 
-import json
-import os
 import urllib.parse
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,28 +17,15 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import client_for
+from tests.support.http_fuzz import EXAMPLES, JSON, NUMBER, PER_EXAMPLE, RAW, SAMPLING, TEXT, asgi_status, encode
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10000"))
-PER_EXAMPLE = 10  # cases drawn per hypothesis example: its per-example bookkeeping is most of a case's cost
-CASE_TIMEOUT_S = 10.0
-
-# any text, lone surrogates included (JSON can carry them as \ud800 escapes)
-TEXT = st.text(st.characters(exclude_categories=()), max_size=40)
-SCALAR = st.none() | st.booleans() | st.integers() | st.floats() | TEXT
-JSON = st.recursive(SCALAR, lambda c: st.lists(c, max_size=4) | st.dictionaries(TEXT, c, max_size=4),
-                    max_leaves=12)
 MODELS = st.sampled_from([MODEL, "nope", ""]) | JSON
 TEXTS = st.lists(TEXT, min_size=1, max_size=6)
 IDS = st.lists(st.integers(-2, 30530) | st.integers(), min_size=0, max_size=8)  # token ids, in range or not
 VALID_IDS = st.lists(st.integers(0, 30521), min_size=1, max_size=8)
-NUMBER = st.integers(-2, 3) | st.floats(-2, 3) | st.booleans()
-SAMPLING = {"temperature": NUMBER, "top_p": NUMBER, "seed": st.integers(), "stop": st.lists(TEXT, max_size=2),
-            "n": st.integers(-1, 3), "stream": st.booleans(), "logprobs": st.booleans() | st.integers(0, 5),
-            "frequency_penalty": NUMBER, "presence_penalty": NUMBER, "logit_bias": st.dictionaries(TEXT, NUMBER),
-            "user": TEXT, "top_k": st.integers(-1, 5), "stream_options": JSON}
 
 
 def shaped(fields: dict[str, st.SearchStrategy[Any]]) -> st.SearchStrategy[dict[str, Any]]:
@@ -111,32 +95,6 @@ BODIES: dict[str, st.SearchStrategy[dict[str, Any]]] = {
     "/v1/lanes/nolane/load": shaped({"model": MODELS, "path": TEXT, "stream": st.booleans()}),
     "/v1/lanes/nolane/unload": shaped({"model": MODELS}),
 }
-RAW = st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode())
-
-
-def encode(body: Any) -> bytes:
-    return json.dumps(body).encode() if not isinstance(body, bytes) else body
-
-
-async def asgi_status(app: Callable[..., Any], method: str, path: str, body: bytes, query: bytes = b"") -> int:
-    scope = {"type": "http", "method": method, "path": path, "client": ("127.0.0.1", 1), "query_string": query,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
-    sent: list[dict[str, Any]] = []
-    delivered = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal delivered
-        if delivered:
-            await trio.sleep_forever()
-        delivered = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    with trio.fail_after(CASE_TIMEOUT_S):
-        await app(scope, receive, send)
-    return sent[0]["status"]
 
 
 QUERY = st.lists(st.tuples(st.sampled_from(["model", "verbose", "", "model[]"]) | TEXT,

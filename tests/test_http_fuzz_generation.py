@@ -13,9 +13,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config
-from tests.test_http_fuzz import EXAMPLES, JSON, PER_EXAMPLE, RAW, SAMPLING, TEXT, asgi_status, encode
+from tests.support.config import daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import client_for
+from tests.support.http_fuzz import EXAMPLES, JSON, PER_EXAMPLE, RAW, SAMPLING, TEXT, asgi_status, encode
 from trio_gpuworker.daemon.config import DEFAULT_LM
 
 CASES = max(PER_EXAMPLE, EXAMPLES // 10)  # each valid case is a worker round trip, streamed or not

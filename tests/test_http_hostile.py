@@ -12,9 +12,9 @@ import httpx
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config, wait_until
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import client_for, wait_until
 from trio_gpuworker import Supervisor
 from trio_gpuworker.daemon.http_body import DISCARD_MAX_BYTES
 from trio_gpuworker.daemon.main import Daemon

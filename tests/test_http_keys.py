@@ -12,11 +12,9 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config
-from tests.supervision_helpers import MODEL
-from tests.test_config import LANE
-from tests.test_config import MODEL as MODEL_TOML
+from tests.support.config import LANE_TABLE, MINILM_TABLE, MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import client_for
 from trio_gpuworker import ConfigError
 from trio_gpuworker.daemon.config import parse_config
 from trio_gpuworker.daemon.http_auth import bearer_token, challenge, key_matches, load_api_keys
@@ -26,7 +24,7 @@ REMOTE = "[http]\nlisten = '0.0.0.0:8421'\nallow_remote = true\n"
 
 
 def parse(tmp_path: Path, text: str, env: dict[str, str] | None = None):
-    return parse_config(text + MODEL_TOML + LANE, tmp_path, env or {})
+    return parse_config(text + MINILM_TABLE + LANE_TABLE, tmp_path, env or {})
 
 
 def test_keys_from_the_file_and_the_environment(tmp_path: Path) -> None:

@@ -9,10 +9,9 @@ import openai
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import daemon_config
-from tests.reference_llama import gguf_path
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.daemon.main import run_daemon
 from trio_gpuworker.llm_tokenizer import ChatTokenizer

@@ -15,9 +15,9 @@ import pytest
 import trio
 from tokenizers import Tokenizer
 
-from tests.fakes import fake_command
-from tests.helpers import TOKENIZER, client_for, daemon_config
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import TOKENIZER, client_for
 
 DOCS = ["a", "hello world", "b", "the quick brown fox"]
 QUERY = "which one"

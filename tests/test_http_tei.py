@@ -1,7 +1,8 @@
 """text-embeddings-inference's and text-generation-inference's routes (`POST /embed`, `POST /`, `POST /generate`,
 `GET /info`, `GET /health`) driven by the real `huggingface_hub.InferenceClient(base_url)`, and /rerank's Cohere
 body driven by the real litellm (`hosted_vllm/`, `infinity/`), against a daemon with fake workers. The fakes'
-answers are functions of the token ids they were sent (tests/fakes), computed here with the real tokenizers."""
+answers are functions of the token ids they were sent (tests/support/fakes.py), computed here with the real
+tokenizers."""
 
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ import trio
 from huggingface_hub import InferenceClient
 from tokenizers import Tokenizer
 
-from tests.fakes import fake_command
-from tests.helpers import TOKENIZER, client_for, daemon_config
-from tests.reference_llama import gguf_path
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import TOKENIZER, client_for
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker._api_requests import CompletionRequest, EmbeddingsRequest
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.llm_tokenizer import ChatTokenizer

@@ -6,8 +6,6 @@ the real `openai` client and as raw JSON."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +17,16 @@ import trio
 
 pytest.importorskip("gguf")
 
-from tests.reference_llama import NumpyLlama, scored_prompt
-from tests.state import SESSION_STATE, short_dir
-from tests.tiny_gguf import EOS, Dims, write_llama
-from trio_gpuworker import LaneConfig, ModelConfig, SupervisorConfig
-from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
-from trio_gpuworker.daemon.main import run_daemon
+from tests.support.reference_llama import NumpyLlama, scored_prompt
+from tests.support.serving import serving
+from tests.support.tiny_gguf import EOS, Dims, write_llama
+from trio_gpuworker import ModelConfig
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
 CONTEXT = Dims().context  # the GGUF's context_length; the model's max_context is left at its default (2048)
 LOGPROB_TOLERANCE = 2e-3  # the worker's float32 kernels against numpy's float32, in nats
-
-
-@asynccontextmanager
-async def serving(tmp_path: Path, *models: ModelConfig) -> AsyncIterator[str]:
-    """A daemon with one generate lane serving `models`: its base URL."""
-    sup = SupervisorConfig(lanes=(LaneConfig("gen0", tuple(m.id for m in models)),), models=models,
-                           state_dir=SESSION_STATE, runtime_dir=short_dir("gw-vllm-"))
-    async with trio.open_nursery() as nursery:
-        daemon = await nursery.start(run_daemon, DaemonConfig(supervisor=sup, http=HttpConfig(listen="127.0.0.1:0")))
-        yield daemon.binds[0]
-        nursery.cancel_scope.cancel()
 
 
 @pytest.fixture(scope="module")

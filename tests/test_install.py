@@ -27,10 +27,10 @@ import pytest
 import trio
 from tokenizers import Tokenizer
 
-from tests.fakes import fake_command
-from tests.helpers import TOKENIZER, daemon_config
-from tests.supervision_helpers import MODEL
-from tests.test_engine_example import example
+from tests.support.config import MODEL, daemon_config
+from tests.support.engine_example import example
+from tests.support.fakes import fake_command
+from tests.support.helpers import TOKENIZER
 from trio_gpuworker.daemon.main import run_daemon
 
 ROOT = Path(__file__).resolve().parent.parent

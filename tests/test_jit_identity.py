@@ -1,8 +1,8 @@
 """Restored buffers get fresh identities (worker/_jitcache.py): a tinygrad BUFFER's identity includes a slot from a
 process-local counter, so a restored model must not depend on what else the restoring process allocated, before the
-restore or after it. Each model is built and stored in one process and restored in others (tests/jit_restore_child.py),
-which allocate tensors with every restored buffer's exact (slot, dtype, size) and fill them with garbage; every
-captured shape must then compute bit for bit what the freshly built model computed."""
+restore or after it. Each model is built and stored in one process and restored in others
+(tests/support/jit_restore_child.py), which allocate tensors with every restored buffer's exact (slot, dtype, size)
+and fill them with garbage; every captured shape must then compute bit for bit what the freshly built model computed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def child(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "tests.jit_restore_child", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.jit_restore_child", *args], cwd=REPO,
                           env={**os.environ, "DEV": "CPU"}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     if args[0] == "restore" and args[1].startswith("minilm"):  # restored, not built again

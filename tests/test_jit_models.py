@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import trio
 
-from tests.reference_llama import gguf_path
-from tests.state import SESSION_STATE, short_dir
+from tests.support.config import REAL_WORKER, supervisor_config
+from tests.support.reference_llama import gguf_path
+from tests.support.state import SESSION_STATE, short_dir
 from trio_gpuworker import LaneConfig, ModelConfig, Supervisor, SupervisorConfig
 from trio_gpuworker._proto import EmbedBatch, Generate
 
@@ -29,9 +30,10 @@ def config(jit_dir: Path, order: tuple[str, ...]) -> SupervisorConfig:
     models = (ModelConfig("enc", MINILM / "model.safetensors", max_tokens=16,
                           runtime_config={"warmup_shapes": [[16, 1], [16, 4]], "encoder": "graph"}),
               ModelConfig("lm", gguf_path(), kind="generate", format="gguf"))
-    return SupervisorConfig(lanes=(LaneConfig("duo", order, env={"GPUWORKER_JIT_CACHE": str(jit_dir)}),),
-                            models=models, state_dir=SESSION_STATE,  # the session's kernels; this test's JITs
-                            runtime_dir=short_dir("gw-duo-"), arena_bytes=16 << 20)
+    lane = LaneConfig("duo", order, env={"GPUWORKER_JIT_CACHE": str(jit_dir)})
+    return supervisor_config(jit_dir, lanes=(lane,), models=models,
+                             state_dir=SESSION_STATE,  # the session's kernels; this test's JITs
+                             runtime_dir=short_dir("gw-duo-"), arena_bytes=16 << 20, **REAL_WORKER)
 
 
 async def dataplane_step(sup: Supervisor) -> np.ndarray:

@@ -1,7 +1,7 @@
 """How LOAD and serving use the JIT cache (worker/_warmcache.py, _jitcache.py): replicas building together build each
 entry and each shape once and lose nothing; the writer's probe refuses an entry whose restored copy computes
 differently; every restored graph runs only on buffers its entry holds; the artifact is checked before anything
-cached runs. The toy model of tests/jit_restore_child.py keeps these fast."""
+cached runs. The toy model of tests/support/jit_restore_child.py keeps these fast."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.jit_restore_child import KEY, Toy
-from tests.test_beam import TINY, write_tiny_bert
+from tests.support.jit_restore_child import KEY, Toy
+from tests.support.tiny_bert import TINY, write_tiny_bert
 from trio_gpuworker.worker import _jitcache as jc
 from trio_gpuworker.worker import _jitfile as jf
 from trio_gpuworker.worker import _loaders

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from tests.reference_llama import gguf_path
+from tests.support.reference_llama import gguf_path
 
 pytestmark = pytest.mark.slow
 

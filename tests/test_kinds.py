@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.tiny_gguf import write_llama
+from tests.support.tiny_gguf import write_llama
 from trio_gpuworker import ConfigError, InvalidRequest
 from trio_gpuworker._config import ModelConfig
 from trio_gpuworker._kinds import (

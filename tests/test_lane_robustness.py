@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config, wait_until
-from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
+from tests.support.config import MODEL, daemon_config, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import client_for, wait_until
+from tests.support.supervision import expected_fake_rows, rows
 from trio_gpuworker import EngineCrashed, InvalidRequest, LaneState, RestartPolicy, Supervisor
 from trio_gpuworker._errors import RequestTooLarge
 from trio_gpuworker._proto import EmbedBatch
@@ -28,7 +29,7 @@ def batch_fields(n: int, pooling: str = "mean", n_tokens: int = 1) -> dict[str, 
 
 
 async def test_request_failing_the_schema_fails_alone(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command())) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command())) as sup:
         lane = sup.lanes["lane0"]
         with pytest.raises(InvalidRequest, match="pooling"):
             await lane.call(EmbedBatch(**batch_fields(1, pooling="weightedmean"), raw=np.ones(1, "<i4").tobytes()))
@@ -39,7 +40,7 @@ async def test_request_failing_the_schema_fails_alone(tmp_path: Path) -> None:
 
 
 async def test_request_larger_than_max_frame_fails_alone(tmp_path: Path) -> None:
-    cfg = dataclasses.replace(fake_config(tmp_path, fake_command()), max_frame=64 * 1024, max_batch_items=16)
+    cfg = dataclasses.replace(supervisor_config(tmp_path, fake_command()), max_frame=64 * 1024, max_batch_items=16)
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         n = 20_000  # 80 KB of token ids: one raw frame over the 64 KiB limit
@@ -55,7 +56,7 @@ async def test_request_larger_than_max_frame_fails_alone(tmp_path: Path) -> None
 async def test_stopped_worker_cannot_block_the_request_write(tmp_path: Path) -> None:
     """The watchdog is armed before the write: a worker that stops reading while a payload larger than the
     socket buffer is written is a hang (strike, kill, restart), not a lane blocked forever."""
-    cfg = fake_config(tmp_path, fake_command("stop_after_reply", on_request=1))
+    cfg = supervisor_config(tmp_path, fake_command("stop_after_reply", on_request=1))
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         await sup.embed_ids(rows(2), model=MODEL, pooling="mean", normalize=True)  # then the worker stops
@@ -70,7 +71,7 @@ async def test_stopped_worker_cannot_block_the_request_write(tmp_path: Path) -> 
 
 
 async def test_quarantine_leaves_no_queued_count_behind(tmp_path: Path) -> None:
-    cfg = dataclasses.replace(fake_config(tmp_path, fake_command("crash_mid_request", on_request=1,
+    cfg = dataclasses.replace(supervisor_config(tmp_path, fake_command("crash_mid_request", on_request=1,
                                                                 once_file=tmp_path / "once"), strikes=1,
                                           cooldown_s=0.5), health_interval_s=0.05)
     async with Supervisor(cfg) as sup:
@@ -91,7 +92,7 @@ async def test_expired_quarantine_comes_back_without_traffic(tmp_path: Path) -> 
     """lane0 is quarantined while lane1 serves; the router sends lane0 nothing, yet after the cool-down it is
     READY again on its own, with a fresh generation and zero strikes."""
     crash = fake_command("crash_mid_request", on_request=0)
-    async with Supervisor(fake_config(tmp_path, crash, fake_command(), strikes=2, cooldown_s=0.5)) as sup:
+    async with Supervisor(supervisor_config(tmp_path, crash, fake_command(), strikes=2, cooldown_s=0.5)) as sup:
         lane0, lane1 = sup.lanes["lane0"], sup.lanes["lane1"]
         for _ in range(2):
             with pytest.raises(EngineCrashed):
@@ -135,7 +136,7 @@ async def test_drain_bound_aborts_the_request_in_flight(tmp_path: Path) -> None:
 async def test_backoff_starts_over_after_a_generation_that_served(tmp_path: Path) -> None:
     """A worker killed after it served is restarted after the initial backoff every time: the backoff grows
     only across generations that served nothing (a crash loop)."""
-    cfg = dataclasses.replace(fake_config(tmp_path, fake_command(), strikes=5),
+    cfg = dataclasses.replace(supervisor_config(tmp_path, fake_command(), strikes=5),
                               restart=RestartPolicy(0.05, 30.0, 10.0))
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import wait_until
-from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
+from tests.support.config import MODEL, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
+from tests.support.supervision import expected_fake_rows, pid_alive, rows
 from trio_gpuworker import DeadlineExceeded, EngineCrashed, LaneState, Supervisor, Windows
 from trio_gpuworker._proto import Fault
 from trio_gpuworker.supervisor._spawn import kill_and_reap, spawn
@@ -23,16 +24,8 @@ async def embed(sup: Supervisor, rs: list[np.ndarray], timeout: float | None = N
     return await sup.embed_ids(rs, model=MODEL, pooling="mean", normalize=True, timeout=timeout)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 async def test_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command())) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command())) as sup:
         lane = sup.lanes["lane0"]
         assert lane.state == LaneState.READY and lane.generation == 1 and lane.models_loaded == [MODEL]
         pid = lane.pid
@@ -56,7 +49,7 @@ async def test_serves_and_shuts_down_cleanly(tmp_path: Path) -> None:
     ("crash_before_hello", "exit code 3"),
 ])
 async def test_handshake_breakers_are_killed_and_quarantined(tmp_path: Path, behavior: str, fragment: str) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command(behavior), cooldown_s=60)) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command(behavior), cooldown_s=60)) as sup:
         lane = sup.lanes["lane0"]
         with trio.fail_after(10):
             await lane.wait_state(LaneState.QUARANTINED)
@@ -71,7 +64,7 @@ async def test_handshake_breakers_are_killed_and_quarantined(tmp_path: Path, beh
 
 async def test_handshake_breaker_that_recovers_serves_the_queued_request(tmp_path: Path) -> None:
     once = tmp_path / "once"
-    async with Supervisor(fake_config(tmp_path, fake_command("wrong_nonce", once_file=once))) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command("wrong_nonce", once_file=once))) as sup:
         out = await embed(sup, rows(4))
         assert out[0, 1] == 4
         lane = sup.lanes["lane0"]
@@ -89,7 +82,7 @@ async def test_handshake_breaker_that_recovers_serves_the_queued_request(tmp_pat
 async def test_fault_mid_request_is_engine_crashed_then_restart(tmp_path: Path, behavior: str, cause: str,
                                                                 code: int | None) -> None:
     once = tmp_path / "once"
-    async with Supervisor(fake_config(tmp_path, fake_command(behavior, once_file=once))) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command(behavior, once_file=once))) as sup:
         events = sup.subscribe()
         lane = sup.lanes["lane0"]
         with pytest.raises(EngineCrashed) as info:
@@ -110,7 +103,7 @@ async def test_fault_mid_request_is_engine_crashed_then_restart(tmp_path: Path, 
 
 
 async def test_crash_carries_log_tail(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command("flood_stderr", on_request=1))) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command("flood_stderr", on_request=1))) as sup:
         lane = sup.lanes["lane0"]
         await embed(sup, rows(1))  # floods ~1 MiB to stdout and stderr then answers
         tail = lane.log.tail(1 << 20)
@@ -129,7 +122,7 @@ async def test_crash_carries_log_tail(tmp_path: Path) -> None:
 async def test_silent_hang_is_killed_by_the_watchdog(tmp_path: Path) -> None:
     windows = Windows(inference_s=0.5, setup_s=5, control_s=5, load_s=5, kill_grace_s=0.5, shutdown_s=2)
     once = tmp_path / "once"
-    async with Supervisor(fake_config(tmp_path, fake_command("hang_silent", once_file=once),
+    async with Supervisor(supervisor_config(tmp_path, fake_command("hang_silent", once_file=once),
                                       windows=windows)) as sup:
         t0 = trio.current_time()
         with pytest.raises(EngineCrashed) as info:
@@ -142,7 +135,7 @@ async def test_silent_hang_is_killed_by_the_watchdog(tmp_path: Path) -> None:
 
 async def test_sigstopped_worker_is_killed(tmp_path: Path) -> None:
     windows = Windows(inference_s=0.5, setup_s=5, control_s=5, load_s=5, kill_grace_s=0.3, shutdown_s=2)
-    async with Supervisor(fake_config(tmp_path, fake_command("hang_sigstop", once_file=tmp_path / "o"),
+    async with Supervisor(supervisor_config(tmp_path, fake_command("hang_sigstop", once_file=tmp_path / "o"),
                                       windows=windows)) as sup:
         pid = sup.lanes["lane0"].pid
         with pytest.raises(EngineCrashed) as info:
@@ -154,14 +147,14 @@ async def test_sigstopped_worker_is_killed(tmp_path: Path) -> None:
 async def test_progress_renews_the_watchdog(tmp_path: Path) -> None:
     windows = Windows(inference_s=0.6, setup_s=5, control_s=5, load_s=5, kill_grace_s=0.5, shutdown_s=2)
     cmd = fake_command("slow", delay=1.5, progress_every=0.1)
-    async with Supervisor(fake_config(tmp_path, cmd, windows=windows)) as sup:
+    async with Supervisor(supervisor_config(tmp_path, cmd, windows=windows)) as sup:
         out = await embed(sup, rows(3))  # 1.5 s of work, never 0.6 s of silence
         assert out[0, 1] == 3 and sup.lanes["lane0"].generation == 1
 
 
 async def test_deadline_drains_the_abandoned_reply(tmp_path: Path) -> None:
     """The caller gives up; the worker is neither killed nor struck; the next caller gets its own reply."""
-    async with Supervisor(fake_config(tmp_path, fake_command("slow", delay=0.8, on_request=1))) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command("slow", delay=0.8, on_request=1))) as sup:
         lane = sup.lanes["lane0"]
         first = rows(7, base=100)
         with pytest.raises(DeadlineExceeded):
@@ -173,7 +166,7 @@ async def test_deadline_drains_the_abandoned_reply(tmp_path: Path) -> None:
 
 
 async def test_cancelled_queued_request_never_reaches_the_worker(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command("slow", delay=0.5, on_request=1))) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command("slow", delay=0.5, on_request=1))) as sup:
         lane = sup.lanes["lane0"]
         first: list[np.ndarray] = []
 
@@ -192,7 +185,7 @@ async def test_cancelled_queued_request_never_reaches_the_worker(tmp_path: Path)
 
 
 async def test_two_strikes_quarantine_then_cooldown_starts_fresh_worker(tmp_path: Path) -> None:
-    cfg = fake_config(tmp_path, fake_command("crash_mid_request", on_request=0), cooldown_s=1.0)
+    cfg = supervisor_config(tmp_path, fake_command("crash_mid_request", on_request=0), cooldown_s=1.0)
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         for _ in range(2):
@@ -212,7 +205,7 @@ async def test_two_strikes_quarantine_then_cooldown_starts_fresh_worker(tmp_path
 
 
 async def test_clear_quarantine_lifts_it_at_once(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command("wrong_nonce"), cooldown_s=600)) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command("wrong_nonce"), cooldown_s=600)) as sup:
         lane = sup.lanes["lane0"]
         with trio.fail_after(10):
             await lane.wait_state(LaneState.QUARANTINED)
@@ -221,7 +214,7 @@ async def test_clear_quarantine_lifts_it_at_once(tmp_path: Path) -> None:
 
 
 async def test_stopped_worker_is_woken_to_see_sigterm(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command("ignore_sigterm"))) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command("ignore_sigterm"))) as sup:
         lane = sup.lanes["lane0"]
         await embed(sup, rows(1))
         os.kill(lane.pid, signal.SIGSTOP)  # SHUTDOWN goes unanswered until the kill path sends SIGCONT
@@ -241,7 +234,7 @@ async def test_kill_path_escalates_to_sigkill_and_reaps() -> None:
 
 
 async def test_exit_while_idle_restarts_with_new_generation(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command("exit_after_reply", on_request=1))) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command("exit_after_reply", on_request=1))) as sup:
         lane = sup.lanes["lane0"]
         events = sup.subscribe()
         await embed(sup, rows(1))
@@ -253,7 +246,7 @@ async def test_exit_while_idle_restarts_with_new_generation(tmp_path: Path) -> N
 
 async def test_reload_is_ordered_and_lifts_quarantine(tmp_path: Path) -> None:
     once = tmp_path / "once"
-    cfg = fake_config(tmp_path, fake_command("crash_mid_request", on_request=0, once_file=once), cooldown_s=600)
+    cfg = supervisor_config(tmp_path, fake_command("crash_mid_request", on_request=0, once_file=once), cooldown_s=600)
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         events = sup.subscribe()
@@ -276,7 +269,7 @@ async def test_reload_is_ordered_and_lifts_quarantine(tmp_path: Path) -> None:
 async def test_health_refresher_pings_idle_workers(tmp_path: Path) -> None:
     import dataclasses
 
-    cfg = dataclasses.replace(fake_config(tmp_path, fake_command()), health_interval_s=0.05)
+    cfg = dataclasses.replace(supervisor_config(tmp_path, fake_command()), health_interval_s=0.05)
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         await wait_until(lambda: lane.rss_mb is not None)

@@ -1,5 +1,5 @@
 """The shape of the codebase: no import cycles (not even under TYPE_CHECKING), an I/O-free core, no package reaching
-into another's private modules."""
+into another's private modules; and of its tests: shared code in tests/support/, no test file importing another."""
 
 from __future__ import annotations
 
@@ -121,3 +121,28 @@ def test_no_class_is_a_stack_of_mixins() -> None:
             if isinstance(node, ast.ClassDef) and len(node.bases) > 2:
                 stacked.append(f"{name}.{node.name}({', '.join(ast.unparse(b) for b in node.bases)})")
     assert stacked == []
+
+
+TESTS = ROOT / "tests"
+# frozen wire data, kept byte for byte where it was recorded
+FROZEN = {"proto_frozen_schemas.py", "proto_frozen_probes.py"}
+
+
+def test_the_top_of_tests_holds_only_tests() -> None:
+    """Shared test code lives in tests/support/; at the top of tests/ are test files, conftest.py and the frozen
+    wire data."""
+    stray = [p.name for p in sorted(TESTS.glob("*.py"))
+             if not p.name.startswith("test_") and p.name not in {"__init__.py", "conftest.py", *FROZEN}]
+    assert stray == []
+
+
+def test_no_test_file_imports_another() -> None:
+    """What several test files use is in tests/support/, never taken from another test file."""
+    importing = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            if any(part.startswith("test_") for name in names for part in name.split(".")):
+                importing.append(f"{path.relative_to(ROOT)}: {', '.join(names)}")
+    assert importing == []

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import wait_until
-from tests.supervision_helpers import MODEL, SPEC, dataplane_config, expected_fake_rows, fake_config, rows
-from tests.test_lane_supervision import pid_alive as alive
+from tests.support.config import MODEL, dataplane_config, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
+from tests.support.supervision import SPEC, expected_fake_rows, rows
+from tests.support.supervision import pid_alive as alive
 from trio_gpuworker import (
     GpuWorkerError,
     LaneState,
@@ -58,7 +59,7 @@ async def embed(sup: Supervisor, rs: list[np.ndarray], **kw: object) -> np.ndarr
 async def test_1_a_promoted_standby_finishes_its_load_before_it_serves(tmp_path: Path) -> None:
     """A standby still applying an admin LOAD is promoted: the next request waits for that LOAD on the same
     connection instead of going out beside it, and the healthy promoted worker is not struck."""
-    base = fake_config(tmp_path, fake_command(load_delay=1.5))
+    base = supervisor_config(tmp_path, fake_command(load_delay=1.5))
     cfg = dataclasses.replace(base, lanes=(dataclasses.replace(base.lanes[0], standby=True),))
     second = tmp_path / "second.bin"
     second.write_bytes(b"second model")
@@ -102,7 +103,7 @@ async def test_1_a_promoted_standby_finishes_its_load_before_it_serves(tmp_path:
 async def test_2_an_ordered_stop_answers_the_request_in_flight(tmp_path: Path, stop: str) -> None:
     """One request in flight, one queued, then an ordered stop: both callers get an answer (the in-flight one
     typed, or its reply), and the queued one is served by the next generation."""
-    cfg = fake_config(tmp_path, fake_command("slow", delay=1.0, on_request=0))
+    cfg = supervisor_config(tmp_path, fake_command("slow", delay=1.0, on_request=0))
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         await sup.wait_ready(10)

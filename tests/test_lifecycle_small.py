@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.supervision_helpers import SPEC, dataplane_config, fake_config
-from tests.test_dataplane_faults import wait_until
+from tests.support.config import dataplane_config, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
+from tests.support.supervision import SPEC
 from trio_gpuworker import BrokenWorkerError, DeadlineExceeded, Supervisor, Windows
 from trio_gpuworker._proto import Ping, RingWritable
 from trio_gpuworker.supervisor._exchange import silence_window
 
 
 async def test_notify_to_a_generation_that_is_gone_is_typed(tmp_path):
-    async with Supervisor(fake_config(tmp_path, fake_command())) as sup:
+    async with Supervisor(supervisor_config(tmp_path, fake_command())) as sup:
         lane = sup.lanes["lane0"]
         await sup.wait_ready(10)
         with pytest.raises(BrokenWorkerError):
@@ -40,7 +41,7 @@ async def test_a_ring_whose_installer_gave_up_leaves_no_lease(tmp_path):
             with pytest.raises(DeadlineExceeded):
                 await dp.install_ring("dp", direction="egress", capacity=4096, object_spec=SPEC, port_id="o",
                                       timeout=0)
-        await wait_until(lambda: not sup.arena.live() and not dp.ends)
+        await wait_until(lambda: not sup.arena.live() and not dp.ends, within_s=10.0)
         ring = await dp.install_ring("dp", direction="ingress", capacity=4096, object_spec=SPEC, port_id="in")
         assert [le.ring_id for le in sup.arena.live()] == [ring.ring_id]  # the lane still works
 

@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from tests.tiny_gguf import DEFAULT_VOCAB, Dims, llama3_rope_factors, write_llama  # noqa: E402
+from tests.support.tiny_gguf import DEFAULT_VOCAB, Dims, llama3_rope_factors, write_llama  # noqa: E402
 from trio_gpuworker import WorkerError  # noqa: E402
 from trio_gpuworker.models.greedy import GreedyDecoder  # noqa: E402
 from trio_gpuworker.worker import _jitfile, _loaders  # noqa: E402

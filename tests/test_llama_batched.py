@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.reference_llama import gguf_path
+from tests.support.reference_llama import gguf_path
 from trio_gpuworker import _cores
 from trio_gpuworker._cores import CoreLedger
 from trio_gpuworker._kinds import AUTO_THREADS

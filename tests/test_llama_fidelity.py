@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 gguf = pytest.importorskip("gguf")
 
-from tests.reference_llama import NumpyLlama, gguf_path  # noqa: E402
+from tests.support.reference_llama import NumpyLlama, gguf_path  # noqa: E402
 from trio_gpuworker._proto import V3_MAX_GEN_TOKENS as MAX_NEW_TOKENS  # noqa: E402
 from trio_gpuworker.llm_tokenizer import ChatTokenizer  # noqa: E402
 from trio_gpuworker.models.greedy import GreedyDecoder  # noqa: E402

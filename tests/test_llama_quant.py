@@ -4,7 +4,7 @@ The decoder's greedy output matches the float reference because its kernels comp
 float32 weights: these tests dequantise every packed block of real GGUF matrices and require bit-identical
 values against the `gguf` package's dequantiser, check the matvec tiles (one row of x, and the prefill tile)
 numerically, and RMSNorm and the softmax exp against numpy. The C runs on its own through ctypes
-(tests/ckernels.py), compiled as tinygrad compiles it; one test runs it through the tinygrad bridge.
+(tests/support/ckernels.py), compiled as tinygrad compiles it; one test runs it through the tinygrad bridge.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 
 gguf = pytest.importorskip("gguf")
 
-from tests.ckernels import ISAS, build, ptr, spec  # noqa: E402
-from tests.reference_llama import gguf_path  # noqa: E402
+from tests.support.ckernels import ISAS, build, ptr, spec  # noqa: E402
+from tests.support.reference_llama import gguf_path  # noqa: E402
 from trio_gpuworker.gguf_file import BLOCKS, F16, Q4_1, Q8_0, GGUFTensor, read_tensors  # noqa: E402
 from trio_gpuworker.models import quant  # noqa: E402
 from trio_gpuworker.models.llama_fused import BATCHED  # noqa: E402
@@ -121,7 +121,7 @@ def test_the_bridge_runs_the_same_c_in_tinygrad(raw: dict, reader: gguf.GGUFRead
     """Through ckernel.kernel (a tinygrad custom kernel), the dequantiser gives the same bits as through ctypes."""
     from tinygrad import Tensor
 
-    from tests.ckernels import TEST_KERNELS
+    from tests.support.ckernels import TEST_KERNELS
     from trio_gpuworker.models import ckernel, csource
 
     t = raw["blk.1.attn_v.weight"]

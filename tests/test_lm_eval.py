@@ -17,13 +17,14 @@ import trio
 pytest.importorskip("lm_eval")
 pytest.importorskip("gguf")
 
-from tests.reference_llama import NumpyLlama, log_softmax
-from tests.test_http_vllm import MODEL, serving
-from tests.tiny_gguf import write_llama
+from tests.support.reference_llama import NumpyLlama, log_softmax
+from tests.support.serving import serving
+from tests.support.tiny_gguf import write_llama
 from trio_gpuworker import ModelConfig
 from trio_gpuworker.llm_tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.slow
+MODEL = "tiny"  # the served model's id
 DOCS = [
     {"question": "Which is a colour?", "choices": ["red", "seven", "walk"], "answer": 0},
     {"question": "Which is a number?", "choices": ["blue", "three"], "answer": 1},

@@ -10,7 +10,8 @@ import numpy as np
 import trio
 
 from cython_ring import EgressState, ObjectSpec, write_egress
-from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig, Windows
+from tests.support.config import dataplane_config
+from trio_gpuworker import RestartPolicy, Supervisor
 from trio_gpuworker._proto import (
     EXT_LOADED_BLOCK,
     InstallRing,
@@ -24,7 +25,6 @@ from trio_gpuworker.supervisor import ArenaManager
 
 SPEC = {"kind": "tensor", "max_extent": 1 << 24, "alignment": 4, "dtype": "float32", "shape": [],
         "sequence_policy": "strict"}
-WINDOWS = Windows(inference_s=20, setup_s=30, control_s=30, load_s=30, kill_grace_s=1, shutdown_s=5)
 
 
 def test_only_a_worker_that_advertised_it_is_asked_for_the_block() -> None:
@@ -70,8 +70,7 @@ async def test_the_cpu_drain_reports_the_same_rows_in_either_form() -> None:
 
 
 async def test_the_daemon_takes_block_rows_from_a_worker_that_advertised_them(tmp_path: Path) -> None:
-    cfg = SupervisorConfig(lanes=(LaneConfig("dp", ()),), models=(), state_dir=tmp_path / "state",
-                           runtime_dir=tmp_path / "run", windows=WINDOWS, arena_bytes=64 << 20)
+    cfg = dataplane_config(tmp_path, restart=RestartPolicy())
     async with Supervisor(cfg) as sup:
         lane, dp = sup.lanes["dp"], sup.dataplane
         assert EXT_LOADED_BLOCK in advertised(lane.gens[lane.generation].wp.hello)

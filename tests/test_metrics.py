@@ -6,25 +6,12 @@ from pathlib import Path
 
 import httpx
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fakes import fake_command
-from tests.helpers import daemon_config, wait_until
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
+from tests.support.metrics import scrape, value
 from trio_gpuworker.daemon.main import run_daemon
-
-
-def scrape(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    """{sample name: {sorted labels: value}} from the exposition text (the parser rejects malformed text)."""
-    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
-    return out
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples[name][tuple(sorted(labels.items()))]
 
 
 async def test_metrics_exposition(tmp_path: Path) -> None:

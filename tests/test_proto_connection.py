@@ -8,6 +8,16 @@ from typing import Any
 import cbor2
 import pytest
 
+from tests.support.proto_connection import (
+    FEEDS,
+    ctrl,
+    daemon_side,
+    established,
+    events,
+    joined,
+    msg,
+    worker_side,
+)
 from trio_gpuworker._errors import (
     FrameTooLarge,
     LocalProtocolError,
@@ -21,86 +31,9 @@ from trio_gpuworker._proto import (
     NEED_DATA,
     WORKER,
     Connection,
-    Hello,
-    WireMessage,
-    decode,
     decode_control,
     encode_frame,
-    hello_fields,
 )
-
-ENGINE = {"engine": "fake", "version": "1", "build_flags": []}
-Event = Any  # a message class, NEED_DATA or CLOSED
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-def ctrl(t: str, **fields: Any) -> bytes:
-    """A control frame built by hand, so the receiving side can be shown anything."""
-    return encode_frame(cbor2.dumps({"t": t, **fields}))
-
-
-def msg(t: str, raw: bytes | None = None, **fields: Any) -> WireMessage:
-    """The message the receiver should produce: the class of `t` with these fields."""
-    return decode(t, {"t": t, **fields}, raw)
-
-
-def whole(data: bytes) -> Iterator[bytes]:
-    if data:
-        yield data
-
-
-def bytewise(data: bytes) -> Iterator[bytes]:
-    for i in range(len(data)):
-        yield data[i : i + 1]
-
-
-FEEDS = [whole, bytewise]
-
-
-def events(conn: Connection, data: bytes, feed: Callable[[bytes], Iterator[bytes]] = whole,
-           eof: bool = False) -> list[Event]:
-    """Feed `data` chunk by chunk (then EOF if asked); every event up to NEED_DATA or CLOSED."""
-    out: list[Event] = []
-
-    def drain() -> None:
-        while (event := conn.next_event()) is not NEED_DATA:
-            out.append(event)
-            if event is CLOSED:
-                return
-
-    for chunk in feed(data):
-        conn.receive_data(chunk)
-        drain()
-    if eof:
-        conn.receive_data(b"")
-        drain()
-    return out
-
-
-def joined(chunks: list[bytes | memoryview]) -> bytes:
-    return b"".join(bytes(c) for c in chunks)
-
-
-def established(max_frame: int = DEFAULT_MAX_FRAME) -> tuple[Connection, Connection]:
-    """A daemon and a worker connection that have completed the handshake with each other."""
-    daemon, worker = Connection(DAEMON), Connection(WORKER)
-    [hello] = events(daemon, joined(worker.send_map("HELLO", hello_fields("n0", 7, max_frame, ENGINE))))
-    assert isinstance(hello, Hello)
-    ack = {"v": 3, "accept": True, "max_frame": max_frame, "generation": 1}
-    assert events(worker, joined(daemon.send_map("HELLO_ACK", ack))) == [msg("HELLO_ACK", **ack)]
-    assert daemon.handshake_done and worker.handshake_done
-    return daemon, worker
-
-
-def daemon_side() -> Connection:
-    return established()[0]
-
-
-def worker_side() -> Connection:
-    return established()[1]
-
 
 # --- decode_control -----------------------------------------------------------------------------
 

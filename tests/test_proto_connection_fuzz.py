@@ -10,7 +10,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_proto_connection import ENGINE, Event, ctrl, daemon_side, established, events, joined, msg, worker_side
+from tests.support.proto_connection import (
+    ENGINE,
+    Event,
+    ctrl,
+    daemon_side,
+    established,
+    events,
+    joined,
+    msg,
+    worker_side,
+)
 from trio_gpuworker._errors import LocalProtocolError, RemoteProtocolError
 from trio_gpuworker._proto import (
     CLOSED,

@@ -3,11 +3,10 @@ the version check, and the daemon's acceptance rules; fed whole, byte by byte, w
 
 from __future__ import annotations
 
-from typing import Any
-
-import cbor2
 import pytest
 
+from tests.support.proto_connection import ctrl
+from tests.support.proto_handshake import ACK, ENGINE, hello, hello_message, receive, rules
 from trio_gpuworker._errors import (
     HandshakeError,
     LocalProtocolError,
@@ -16,56 +15,20 @@ from trio_gpuworker._errors import (
 from trio_gpuworker._proto import (
     DAEMON,
     DEFAULT_MAX_FRAME,
-    NEED_DATA,
     PROTOCOL_VERSION,
     RING_ABI,
     TRANSITIONS,
     WORKER,
     Connection,
     Handshake,
-    HandshakeRules,
     HandshakeState,
     Hello,
     HelloAck,
     RingReadable,
-    WireMessage,
     encode_frame,
     hello_fields,
 )
 from trio_gpuworker._proto._handshake import Direction
-
-ENGINE = {"engine": "fake", "version": "1", "build_flags": ["cpu"]}
-NONCE = "9f" * 16
-PID = 4242
-ACK = {"v": 3, "accept": True, "max_frame": DEFAULT_MAX_FRAME, "generation": 1}
-
-
-def ctrl(t: str, **fields: Any) -> bytes:
-    return encode_frame(cbor2.dumps({"t": t, **fields}))
-
-
-def hello(**overrides: Any) -> dict[str, Any]:
-    return {**hello_fields(NONCE, PID, DEFAULT_MAX_FRAME, ENGINE), **overrides}
-
-
-def receive(conn: Connection, data: bytes, bytewise: bool = False) -> list[WireMessage]:
-    out: list[WireMessage] = []
-    for chunk in [data[i : i + 1] for i in range(len(data))] if bytewise else [data]:
-        conn.receive_data(chunk)
-        while (event := conn.next_event()) is not NEED_DATA:
-            assert isinstance(event, WireMessage)
-            out.append(event)
-    return out
-
-
-def rules(**overrides: Any) -> HandshakeRules:
-    return HandshakeRules(**{"nonce": NONCE, "pid": PID, "max_frame": DEFAULT_MAX_FRAME, "generation": 3,
-                             **overrides})
-
-
-def hello_message(**overrides: Any) -> Hello:
-    return Hello(**hello(**overrides))
-
 
 # --- the whole exchange -------------------------------------------------------------------------
 

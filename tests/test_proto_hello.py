@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_proto_handshake import ACK, ENGINE, NONCE, PID, ctrl, hello, hello_message, receive, rules
+from tests.support.proto_connection import ctrl
+from tests.support.proto_handshake import ACK, ENGINE, NONCE, PID, hello, hello_message, receive, rules
 from trio_gpuworker._errors import (
     HandshakeError,
     LocalProtocolError,

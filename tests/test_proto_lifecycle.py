@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.lifecycle_world import World
+from tests.support.lifecycle_world import World
 from trio_gpuworker._proto import PlainSettings
 from trio_gpuworker._proto._lifecycle_parts import Outcome, Send, Ticket
 from trio_gpuworker._proto._lifecycle_table import (

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import tests.proto_frozen_schemas as frozen
 from tests.proto_frozen_probes import ENGINE, HANDLE, PROBES, STEP_INPUT, STEP_OUTPUT
-from tests.test_proto_connection import FEEDS, established, events, joined
+from tests.support.proto_connection import FEEDS, established, events, joined
 from trio_gpuworker import _proto as p
 from trio_gpuworker._errors import LocalProtocolError, MalformedMessage
 from trio_gpuworker._proto import (

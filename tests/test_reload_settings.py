@@ -14,10 +14,10 @@ import pytest
 import trio
 import trio.testing
 
-from tests.fakes import fake_command
-from tests.helpers import wait_until
-from tests.lifecycle_world import World
-from tests.test_daemon_reload import lane, write_config
+from tests.support.config import lane, write_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
+from tests.support.lifecycle_world import World
 from trio_gpuworker._errors import DeadlineExceeded
 from trio_gpuworker._proto import Outcome, PlainSettings
 from trio_gpuworker.daemon.config import load_config

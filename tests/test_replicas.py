@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.supervision_helpers import MODEL, fake_config, rows
+from tests.support.config import MODEL, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.supervision import rows
 from trio_gpuworker import BatchPolicy, EngineCrashed, LaneState, Supervisor
 from trio_gpuworker.supervisor._dispatch import (
     MIN_ROWS_PER_REPLICA,
@@ -43,7 +44,7 @@ def test_a_job_is_worth_a_replica_per_eight_rows_or_per_bucket_of_tokens() -> No
 
 
 async def test_one_request_is_spread_over_idle_replicas(tmp_path: Path) -> None:
-    async with Supervisor(fake_config(tmp_path, fake_command(), fake_command()),
+    async with Supervisor(supervisor_config(tmp_path, fake_command(), fake_command()),
                           batching=BatchPolicy(256, 0.0)) as sup:
         with trio.fail_after(30):
             while not all(ln.state == LaneState.READY for ln in sup.lanes.values()):  # noqa: ASYNC110
@@ -68,7 +69,7 @@ async def test_one_request_is_spread_over_idle_replicas(tmp_path: Path) -> None:
 
 async def test_a_failing_replica_fails_the_request_with_its_own_error(tmp_path: Path) -> None:
     crash = fake_command("crash_mid_request", once_file=str(tmp_path / "crashed"))
-    async with Supervisor(fake_config(tmp_path, fake_command("slow", delay=2.0, on_request=0), crash),
+    async with Supervisor(supervisor_config(tmp_path, fake_command("slow", delay=2.0, on_request=0), crash),
                           batching=BatchPolicy(256, 0.0)) as sup:
         with trio.fail_after(10):
             while not all(ln.state == LaneState.READY for ln in sup.lanes.values()):  # noqa: ASYNC110

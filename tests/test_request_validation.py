@@ -4,7 +4,6 @@ micro-batches once its caller is gone, and admitted bytes are held until the lan
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,9 +11,10 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import TOKENIZER, wait_until
-from tests.supervision_helpers import MODEL, fake_config, rows
+from tests.support.config import MODEL, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import TOKENIZER, wait_until
+from tests.support.supervision import rows
 from trio_gpuworker import (
     AdmissionPolicy,
     ConfigError,
@@ -24,22 +24,15 @@ from trio_gpuworker import (
     LaneState,
     RequestTooLarge,
     Supervisor,
-    SupervisorConfig,
 )
 
 MiB = 1 << 20
 WORDS = " ".join(f"word{i % 97}" for i in range(200))  # 200 words: well over max_tokens (256) ids
 
 
-def config(tmp_path: Path, *commands: tuple[str, ...], **kw: object) -> SupervisorConfig:
-    sup = fake_config(tmp_path, *(commands or (fake_command(),)))
-    models = tuple(dataclasses.replace(m, tokenizer_path=TOKENIZER) for m in sup.models)
-    return dataclasses.replace(sup, models=models, **kw)
-
-
 @pytest.fixture
 async def sup(tmp_path: Path) -> AsyncIterator[Supervisor]:
-    async with Supervisor(config(tmp_path, max_frame=1 * MiB)) as s:
+    async with Supervisor(supervisor_config(tmp_path, fake_command(), tokenizer=TOKENIZER, max_frame=1 * MiB)) as s:
         await s.wait_ready(10)
         yield s
 
@@ -112,8 +105,10 @@ async def test_one_embed_batch_over_the_frame_is_request_too_large(sup: Supervis
 
 def test_config_refuses_batches_that_cannot_fit(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_batch_items"):
-        config(tmp_path, max_frame=1 * MiB, max_batch_items=2048)  # 2048 x 256 x 4 = 2 MiB
-    assert config(tmp_path, max_frame=1 * MiB, max_batch_items=1024).max_batch_items == 1024
+        supervisor_config(tmp_path, fake_command(), tokenizer=TOKENIZER, max_frame=1 * MiB,
+                          max_batch_items=2048)  # 2048 x 256 x 4 = 2 MiB
+    cfg = supervisor_config(tmp_path, fake_command(), tokenizer=TOKENIZER, max_frame=1 * MiB, max_batch_items=1024)
+    assert cfg.max_batch_items == 1024
 
 
 async def test_generate_arguments_are_checked_before_any_work(sup: Supervisor) -> None:
@@ -125,7 +120,8 @@ async def test_generate_arguments_are_checked_before_any_work(sup: Supervisor) -
 async def test_long_rerank_stops_between_micro_batches_once_its_caller_left(tmp_path: Path) -> None:
     """8 micro-batches of 0.4 s each; the caller leaves after 0.5 s: the lane drains the one in flight and
     is idle long before the 3.2 s the whole rerank would take. The admitted bytes are held until then."""
-    cfg = config(tmp_path, fake_command("slow", delay=0.4, on_request=0), max_batch_items=32)
+    cfg = supervisor_config(tmp_path, fake_command("slow", delay=0.4, on_request=0), tokenizer=TOKENIZER,
+                            max_batch_items=32)
     async with Supervisor(cfg, admission=AdmissionPolicy(queue_bytes=64 * MiB)) as sup:
         await sup.wait_ready(10)
         assert sup.scheduler is not None

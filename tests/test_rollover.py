@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
-from tests.test_lane_supervision import pid_alive
+from tests.support.config import MODEL, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.supervision import expected_fake_rows, pid_alive, rows
 from trio_gpuworker import Supervisor, SupervisorConfig
 from trio_gpuworker._kinds import EncoderRuntime
 
@@ -45,7 +45,7 @@ async def test_an_untuned_lane_rolls_over_under_steady_load_and_fails_no_request
     record = tmp_path / "loads.jsonl"
     load_s = 1.2  # each LOAD; a request that waited for one would take at least this long
     cmd = fake_command(record_loads=record, delay=0.005, load_delay=load_s)
-    cfg = graph_model(fake_config(tmp_path, cmd, cmd), standby=standby)
+    cfg = graph_model(supervisor_config(tmp_path, cmd, cmd), standby=standby)
     served, failed, took = 0, [], []
     async with Supervisor(cfg, untuned=frozenset({MODEL})) as sup:
         old = {ln.id: (ln.generation, ln.pid) for ln in sup.lanes.values()}
@@ -91,7 +91,7 @@ async def test_an_untuned_lane_rolls_over_under_steady_load_and_fails_no_request
 
 
 async def test_a_lane_without_the_model_is_left_alone_and_a_closing_lane_rolls_nothing(tmp_path: Path) -> None:
-    cfg = graph_model(fake_config(tmp_path, fake_command()), standby=False)
+    cfg = graph_model(supervisor_config(tmp_path, fake_command()), standby=False)
     async with Supervisor(cfg, untuned=frozenset({MODEL})) as sup:
         lane = sup.lanes["lane0"]
         gen = lane.generation

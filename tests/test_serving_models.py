@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import trio
 
-from tests.helpers import embedded_default
-from tests.state import SESSION_STATE, short_dir
+from tests.support.config import embedded_default
+from tests.support.state import SESSION_STATE, short_dir
 from trio_gpuworker import InvalidRequest, Supervisor
 from trio_gpuworker._proto import Generate
 from trio_gpuworker.daemon.config import DEFAULT_LM, DEFAULT_MODEL

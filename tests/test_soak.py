@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from tests.fakes import fake_command
-from tests.supervision_helpers import MODEL, fake_config
+from tests.support.config import MODEL, supervisor_config
+from tests.support.fakes import fake_command
 from trio_gpuworker import GpuWorkerError, Supervisor, Windows
 
 LANES, CALLERS, REQUESTS, TIMEOUT_S = 3, 12, 20, 3.0
@@ -41,7 +41,7 @@ def open_fds() -> int:
 async def test_soak_with_random_faults(tmp_path: Path) -> None:
     windows = Windows(inference_s=0.5, setup_s=5, control_s=5, load_s=5, kill_grace_s=0.2, shutdown_s=2)
     commands = [fake_command(fault_rate=0.1, seed=lane) for lane in range(LANES)]
-    cfg = fake_config(tmp_path, *commands, windows=windows, cooldown_s=0.5, backoff_s=0.02)
+    cfg = supervisor_config(tmp_path, *commands, windows=windows, cooldown_s=0.5, backoff_s=0.02)
     fds_before, kids_before = open_fds(), children_of(os.getpid())
     outcomes: dict[str, int] = {}
     worst = 0.0
@@ -88,10 +88,11 @@ def rss_mb() -> float:
 
 
 async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
-    """Normal embeddings and reranks with hostile requests mixed in (tests/hostile_traffic.py, from its own
+    """Normal embeddings and reranks with hostile requests mixed in (tests/support/hostile_traffic.py, from its own
     process), over real HTTP: no untyped error, no 500, no strike, bounded daemon RSS, and /healthz answering
     fast throughout."""
-    from tests.helpers import client_for, daemon_config
+    from tests.support.config import daemon_config
+    from tests.support.helpers import client_for
 
     cfg = daemon_config(tmp_path, fake_command(), fake_command(),
                         http={"max_body_bytes": 4 << 20, "body_timeout_s": 5.0})
@@ -116,8 +117,8 @@ async def test_soak_http_with_hostile_inputs(tmp_path: Path) -> None:
 
             async with trio.open_nursery() as polling:  # the poller ends before its client closes
                 polling.start_soon(poll_health)
-                proc = await trio.run_process([sys.executable, "-m", "tests.hostile_traffic", str(http.base_url),
-                                               str(SOAK_HTTP_CALLERS), str(SOAK_HTTP_REQUESTS)],
+                proc = await trio.run_process([sys.executable, "-m", "tests.support.hostile_traffic",
+                                               str(http.base_url), str(SOAK_HTTP_CALLERS), str(SOAK_HTTP_REQUESTS)],
                                               capture_stdout=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
                 done.set()
             codes = json.loads(proc.stdout)

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import daemon_config, wait_until
-from tests.supervision_helpers import MODEL, expected_fake_rows, fake_config, rows
-from tests.test_metrics import scrape, value
+from tests.support.config import MODEL, daemon_config, supervisor_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import wait_until
+from tests.support.metrics import scrape, value
+from tests.support.supervision import expected_fake_rows, rows
 from trio_gpuworker import EngineCrashed, LaneState, Supervisor, SupervisorConfig
 from trio_gpuworker._errors import ConfigError
 from trio_gpuworker.daemon.config import parse_config
@@ -51,7 +52,7 @@ async def standby_ready(sup: Supervisor) -> None:
 
 async def test_active_crash_promotes_the_standby(tmp_path: Path) -> None:
     once = tmp_path / "once"
-    cfg = with_standby(fake_config(tmp_path, fake_command("crash_mid_request", once_file=once)))
+    cfg = with_standby(supervisor_config(tmp_path, fake_command("crash_mid_request", once_file=once)))
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         await standby_ready(sup)
@@ -77,7 +78,7 @@ async def test_active_crash_promotes_the_standby(tmp_path: Path) -> None:
 
 
 async def test_standby_crash_while_idle_counts_a_strike_and_respawns(tmp_path: Path) -> None:
-    async with Supervisor(with_standby(fake_config(tmp_path, fake_command()))) as sup:
+    async with Supervisor(with_standby(supervisor_config(tmp_path, fake_command()))) as sup:
         lane = sup.lanes["lane0"]
         await standby_ready(sup)
         keeper = lane.standby
@@ -96,7 +97,7 @@ async def test_standby_crash_while_idle_counts_a_strike_and_respawns(tmp_path: P
 
 
 async def test_two_strikes_quarantine_even_with_a_standby(tmp_path: Path) -> None:
-    cfg = with_standby(fake_config(tmp_path, fake_command("crash_mid_request", on_request=0), cooldown_s=60))
+    cfg = with_standby(supervisor_config(tmp_path, fake_command("crash_mid_request", on_request=0), cooldown_s=60))
     async with Supervisor(cfg) as sup:
         lane = sup.lanes["lane0"]
         keeper = lane.standby
@@ -115,7 +116,7 @@ async def test_two_strikes_quarantine_even_with_a_standby(tmp_path: Path) -> Non
 
 
 async def test_load_and_unload_reach_both_workers(tmp_path: Path) -> None:
-    async with Supervisor(with_standby(fake_config(tmp_path, fake_command()))) as sup:
+    async with Supervisor(with_standby(supervisor_config(tmp_path, fake_command()))) as sup:
         lane = sup.lanes["lane0"]
         await standby_ready(sup)
         keeper = lane.standby
@@ -137,7 +138,7 @@ async def test_load_and_unload_reach_both_workers(tmp_path: Path) -> None:
 
 
 async def test_nothing_is_left_after_shutdown(tmp_path: Path) -> None:
-    async with Supervisor(with_standby(fake_config(tmp_path, fake_command()))) as sup:
+    async with Supervisor(with_standby(supervisor_config(tmp_path, fake_command()))) as sup:
         lane = sup.lanes["lane0"]
         await standby_ready(sup)
         assert lane.standby is not None and lane.standby.gen is not None

@@ -14,9 +14,9 @@ import openai
 import pytest
 import trio
 
-from tests.fakes import fake_command
-from tests.helpers import client_for, daemon_config, hang_up_mid_stream
-from tests.supervision_helpers import MODEL
+from tests.support.config import MODEL, daemon_config
+from tests.support.fakes import fake_command
+from tests.support.helpers import client_for, hang_up_mid_stream
 from trio_gpuworker.daemon.config import DEFAULT_LM
 from trio_gpuworker.daemon.main import Daemon
 

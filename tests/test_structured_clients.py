@@ -17,7 +17,7 @@ from instructor.core.exceptions import InstructorError
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
-from tests.daemon_process import TINY_LM, tiny_daemon
+from tests.support.daemon_process import TINY_LM, tiny_daemon
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 300

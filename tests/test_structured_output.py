@@ -4,7 +4,7 @@ the engine cannot compile is a 400 before any token (docs/http-api.md, 'Structur
 
 A random model left alone writes anything; under a constraint its every answer must parse and validate, which
 `jsonschema` (an independent validator) and Python's `re` check. Constrained greedy decoding is also replayed by
-the independent numpy decoder (tests/reference_llama.py) with the grammar's allowed set computed by brute force
+the independent numpy decoder (tests/support/reference_llama.py) with the grammar's allowed set computed by brute force
 over a finite language, token for token."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.daemon_process import CONTEXT, TINY_LM, TOOLS_TEMPLATE, tiny_daemon
-from tests.reference_llama import NumpyLlama
+from tests.support.daemon_process import CONTEXT, TINY_LM, TOOLS_TEMPLATE, tiny_daemon
+from tests.support.reference_llama import NumpyLlama
 from trio_gpuworker import _structured as structured
 from trio_gpuworker._structured import TOOL_CALL_TAG
 from trio_gpuworker.llm_tokenizer import ChatTokenizer

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from tests.helpers import embedded_default
-from tests.state import SESSION_STATE, short_dir
+from tests.support.config import embedded_default
+from tests.support.state import SESSION_STATE, short_dir
 from trio_gpuworker import Supervisor, WorkerError
 from trio_gpuworker._proto import EmbedBatch
 from trio_gpuworker.daemon.config import DEFAULT_MODEL

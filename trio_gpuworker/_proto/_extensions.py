@@ -32,10 +32,7 @@ lacks fails before a byte is written (InvalidRequest, HTTP 400), never silently 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._messages import Hello  # which imports this module
+from typing import Any, Protocol
 
 STREAM = "gpuworker.stream"
 SAMPLING = "gpuworker.sampling"
@@ -57,7 +54,13 @@ MAX_TOP_LOGPROBS = 5  # GENERATE `logprobs`: alternatives per token, as OpenAI a
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "logprobs")
 
 
-def advertised(hello: Hello | None) -> frozenset[str]:
+class Advertiser(Protocol):
+    """What a HELLO (the class in _messages.py, which imports this module) says of its engine."""
+
+    engine: dict[str, Any]
+
+
+def advertised(hello: Advertiser | None) -> frozenset[str]:
     """The extensions a worker's HELLO advertised (none before HELLO)."""
     if hello is None:
         return frozenset()

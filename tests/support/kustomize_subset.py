@@ -71,7 +71,7 @@ def _load(directory: Path, kind: str) -> dict[str, Any]:
         raise Unsupported(f"{path}: expected kind {kind}, found {spec.get('kind')}")
     extra = set(spec) - FIELDS[kind]
     if extra:
-        raise Unsupported(f"{path}: {', '.join(sorted(extra))} not implemented by tests/kustomize_subset.py")
+        raise Unsupported(f"{path}: {', '.join(sorted(extra))} not implemented by tests/support/kustomize_subset.py")
     return spec
 
 

@@ -17,11 +17,11 @@ import pytest
 
 from trio_gpuworker.models import ckernel, csource
 
-TEST_KERNELS = resources.files("tests") / "kernels"
+TEST_KERNELS = resources.files("tests.support") / "kernels"
 
 
 def build(name: str, *specs: Any, cpu: str | None = None) -> ctypes.CDLL:
-    """Kernel file `name` (tests/kernels first, then the package's) with the defines of `specs`, as a library;
+    """Kernel file `name` (tests/support/kernels first, then the package's) with the defines of `specs`, as a library;
     `cpu` as in ckernel.compile_object (this host's by default)."""
     src = csource.source(name, *specs, dirs=(TEST_KERNELS,))
     obj = ckernel.compile_object(src, cpu)

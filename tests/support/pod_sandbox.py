@@ -1,6 +1,6 @@
 """Run a command with the filesystem a Kubernetes container with `readOnlyRootFilesystem` sees, as its user.
 
-    unshare --mount --propagation private -- python tests/pod_sandbox.py SPEC.json
+    unshare --mount --propagation private -- python tests/support/pod_sandbox.py SPEC.json
 
 SPEC is JSON: {"volumes": [{"source", "target", "read_only"}], "uid", "gid", "groups", "argv", "env", "cwd",
 "scratch"}. In the new mount namespace (nothing changes outside it) each volume's directory is bound at its

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from tests.tiny_vocab import Vocab
+from tests.support.tiny_vocab import Vocab
 
 MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

@@ -1,7 +1,8 @@
 """Normal requests with hostile ones mixed in, from their own process, so the daemon under test does not share
 its CPU with the client's work (the soak test and bench/http.py measure the daemon's /healthz under it).
 
-    python -m tests.hostile_traffic URL CALLERS REQUESTS [HOSTILE_SHARE [MODEL]]  ->  one JSON line: {code: count}
+    python -m tests.support.hostile_traffic URL CALLERS REQUESTS [HOSTILE_SHARE [MODEL]]
+        ->  one JSON line: {code: count}
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A real `gpuworkerd` process serving a tiny random-weight llama GGUF (tests/tiny_gguf.py), for sync tests that
-drive it with the real client libraries over HTTP: one daemon per test module (a module-scoped fixture)."""
+"""A real `gpuworkerd` process serving a tiny random-weight llama GGUF (tests/support/tiny_gguf.py), for sync tests
+that drive it with the real client libraries over HTTP: one daemon per test module (a module-scoped fixture)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.state import SESSION_STATE, short_dir
-from tests.tiny_gguf import CHATML, DEFAULT_VOCAB, Dims, write_llama
+from tests.support.state import SESSION_STATE, short_dir
+from tests.support.tiny_gguf import CHATML, DEFAULT_VOCAB, Dims, write_llama
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY_LM = "tiny-lm"
 # ChatML, with the tools described in a system turn first, as tool-calling models' templates do
 TOOLS_TEMPLATE = ("{% if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}{% endif %}"

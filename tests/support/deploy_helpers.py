@@ -15,9 +15,9 @@ from typing import Any
 
 import yaml
 
-from tests.kustomize_subset import render
+from tests.support.kustomize_subset import render
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 CONTAINERFILE = DEPLOY / "Containerfile"
@@ -219,7 +219,7 @@ class PodFs:
 class Pod:
     """The daemon's container laid out on this machine: its volumes under `fs.root`, the files the ConfigMap and
     the Secret put there, the environment the image and the manifest give it (paths moved under the root unless
-    the pod's paths are mounted where the manifest says: tests/pod_sandbox.py)."""
+    the pod's paths are mounted where the manifest says: tests/support/pod_sandbox.py)."""
 
     pod: dict[str, Any]
     container: dict[str, Any]
