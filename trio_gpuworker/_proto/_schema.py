@@ -28,8 +28,6 @@ def _by_request(attr: str) -> dict[str, set[str]]:
 
 TERMINAL = _by_request("ENDS")  # every request and the replies that end it (ERR ends any request)
 SERVING = frozenset(t for t, cls in MESSAGES.items() if cls.SERVES)  # requests whose success clears strikes
-WAKE_HINTS = frozenset(t for t, cls in MESSAGES.items() if cls.HINT)  # notifications, never replies
-FAILED_REPLIES = frozenset(t for t, cls in MESSAGES.items() if cls.FAILS)  # replies that clear no strike
 INTERMEDIATE = _by_request("PRECEDES")  # replies that precede the terminal one (OBJECT_PRODUCED of EXECUTE_STEP)
 assert len(MESSAGES) == len(CONTROL_MESSAGES) + len(RING_MESSAGES), "two message classes share a wire name"
 
@@ -54,5 +52,5 @@ def check_fields(t: str, fields: dict[str, Any], error: type[ProtocolError]) -> 
     return spec
 
 
-__all__ = ["BOTH", "DAEMON", "FAILED_REPLIES", "INTERMEDIATE", "MESSAGES", "PHASES", "POOLINGS", "PROTOCOL_VERSION",
-           "SCHEMAS", "SERVING", "TERMINAL", "WAKE_HINTS", "WORKER", "Spec", "WireMessage", "check_fields"]
+__all__ = ["BOTH", "DAEMON", "INTERMEDIATE", "MESSAGES", "PHASES", "POOLINGS", "PROTOCOL_VERSION",
+           "SCHEMAS", "SERVING", "TERMINAL", "WORKER", "Spec", "WireMessage", "check_fields"]

@@ -14,7 +14,7 @@ frame that follows the control map. `ends=` names the requests a reply is termin
 for, `precedes=` those it is an intermediate reply of, `serves=True` marks a request that serves a caller (its
 success clears the lane's strikes), `hint=True` a wake-up hint that is never a reply, `fails=True` a reply saying
 its request failed (it clears no strike), `last=` fields a sender has always written after the others.
-Everything else, the schemas, TERMINAL, INTERMEDIATE, SERVING, WAKE_HINTS, FAILED_REPLIES and the sender
+Everything else, the schemas, TERMINAL, INTERMEDIATE, SERVING and the sender
 direction, is derived from the classes (_schema.py); nothing registers itself anywhere at import.
 """
 
