@@ -16,11 +16,12 @@ pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T
 
+from tests.support.config import REAL_WORKER, daemon_config
 from tests.support.state import SESSION_STATE, short_dir
 from tests.support.tiny_gguf import write_llama
-from trio_gpuworker import LaneConfig, ModelConfig, SupervisorConfig, WorkerError
+from trio_gpuworker import LaneConfig, ModelConfig, WorkerError
 from trio_gpuworker._proto import Generate
-from trio_gpuworker.daemon.config import DaemonConfig, HttpConfig
+from trio_gpuworker.daemon.config import DaemonConfig
 from trio_gpuworker.daemon.main import run_daemon
 
 pytestmark = pytest.mark.slow
@@ -30,10 +31,9 @@ WHY = "blk.0.attn_k.weight: tensor type Q2_K (GGML type 10) is not supported"
 
 def _config(tmp_path: Path) -> DaemonConfig:
     path = write_llama(tmp_path / "tiny-q2k.gguf", lambda name: T.Q2_K if name == "blk.0.attn_k.weight" else T.Q8_0)
-    sup = SupervisorConfig(lanes=(LaneConfig("gen0", (MODEL,)),),
-                           models=(ModelConfig(MODEL, path, kind="generate", format="gguf"),),
-                           state_dir=SESSION_STATE, runtime_dir=short_dir("gw-loadfail-"))
-    return DaemonConfig(supervisor=sup, http=HttpConfig(listen="127.0.0.1:0"))
+    return daemon_config(tmp_path, lanes=(LaneConfig("gen0", (MODEL,)),),
+                         models=(ModelConfig(MODEL, path, kind="generate", format="gguf"),),
+                         state_dir=SESSION_STATE, runtime_dir=short_dir("gw-loadfail-"), **REAL_WORKER)
 
 
 async def test_a_model_that_failed_to_load_is_refused_with_its_error(tmp_path: Path,

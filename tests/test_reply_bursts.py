@@ -11,7 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from trio_gpuworker import LaneConfig, Supervisor, SupervisorConfig, Windows
+from tests.support.config import dataplane_config
+from trio_gpuworker import RestartPolicy, Supervisor, Windows
 from trio_gpuworker._errors import UnexpectedFrame
 from trio_gpuworker._proto import ObjectProduced, ReplyKind, RequestTracker, Vectors, Verdict
 from trio_gpuworker.supervisor._worker import MESSAGE_BYTES, Replies
@@ -23,8 +24,7 @@ OUTPUTS = 200  # the old 64-frame buffer faulted the worker past about 64
 
 
 async def test_an_echo_step_with_many_outputs_is_served_by_the_same_worker(tmp_path: Path) -> None:
-    cfg = SupervisorConfig(lanes=(LaneConfig("dp", ()),), models=(), state_dir=tmp_path / "state",
-                           runtime_dir=tmp_path / "run", windows=WINDOWS, arena_bytes=16 << 20)
+    cfg = dataplane_config(tmp_path, windows=WINDOWS, arena_bytes=16 << 20, restart=RestartPolicy())
     async with Supervisor(cfg) as sup:
         dp, lane = sup.dataplane, sup.lanes["dp"]
         generation = lane.generation
