@@ -71,7 +71,7 @@ async def test_the_example_advertises_and_serves_only_what_it_implements(tmp_pat
         lane = sup.lanes["bow-0"]
         hello = lane.gens[lane.generation].wp.hello
         assert hello is not None
-        assert hello["engine"] == {"engine": "bag-of-words", "version": "1.0", "build_flags": []}
+        assert hello.engine == {"engine": "bag-of-words", "version": "1.0", "build_flags": []}
         with pytest.raises(WorkerError) as info:
             await lane.call(Generate(model_ref="bow", max_tokens=4, raw=np.array([1, 2], "<i4").tobytes()))
         assert info.value.code == "unsupported_request"
