@@ -1,5 +1,6 @@
 """The shape of the codebase: no import cycles (not even under TYPE_CHECKING), an I/O-free core, no package reaching
-into another's private modules; and of its tests: shared code in tests/support/, no test file importing another."""
+into another's private modules, no stack of mixins, short functions; and of its tests: shared code in
+tests/support/, no test file importing another."""
 
 from __future__ import annotations
 
@@ -121,6 +122,31 @@ def test_no_class_is_a_stack_of_mixins() -> None:
             if isinstance(node, ast.ClassDef) and len(node.bases) > 2:
                 stacked.append(f"{name}.{node.name}({', '.join(ast.unparse(b) for b in node.bases)})")
     assert stacked == []
+
+
+# a function's body, its docstring aside: what reads on one screen. The longest today (the ASGI entry point
+# daemon/http.py's `handle`, metrics `collect`, the fused decoder's `__init__`, `parse_config`) sit at 78-87.
+MAX_FUNCTION_LINES = 90
+
+
+def body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from the first statement after the docstring to the function's end."""
+    first = fn.body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+        isinstance(first.value.value, str) and len(fn.body) > 1
+    start = fn.body[1].lineno if docstring else first.lineno
+    assert fn.end_lineno is not None
+    return fn.end_lineno - start + 1
+
+
+def test_functions_stay_short() -> None:
+    """Whole classes, composed; the functions in them short enough to read (no cap on a module's length)."""
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and body_lines(node) > MAX_FUNCTION_LINES:
+                long.append(f"{name}.{node.name}: {body_lines(node)} lines")
+    assert long == []
 
 
 TESTS = ROOT / "tests"
