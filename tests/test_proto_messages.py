@@ -173,6 +173,18 @@ def test_round_trip_with_trailing_bytes(msg: WireMessage) -> None:
     assert receiver.next_event() is NEED_DATA
 
 
+def test_a_numbered_request_writes_its_req_id_last() -> None:
+    """The daemon's request maps end with req_id (after GENERATE's `last` fields), the bytes workers have always
+    read: checked on the decoded map's key order, independently of the class's own field order."""
+    daemon, _ = established()
+    wire = joined(daemon.send(p.Generate(req_id=9, model_ref="m", max_tokens=4, grammar="g", stream=True,
+                                         raw=b"\x01\x00\x00\x00")))
+    control = cbor2.loads(wire[4:4 + int.from_bytes(wire[:4], "little")])
+    assert list(control)[-5:] == ["grammar", "stream", "req_id", "t", "raw_len"]
+    ping = joined(daemon.send(p.Ping(req_id=3)))
+    assert list(cbor2.loads(ping[4:])) == ["req_id", "t"]
+
+
 def test_absent_optionals_stay_absent() -> None:
     assert p.Generate(req_id=1, model_ref="m", max_tokens=4).to_fields() == {"req_id": 1, "model_ref": "m",
                                                                               "max_tokens": 4}
