@@ -20,6 +20,7 @@ third of a step even at one kernel per layer half.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 from tinygrad import Tensor, TinyJit, dtypes
 
+from .. import _hugepages
 from .._kinds import DEFAULT_CONTEXT
 from ..gguf_file import GGUFTensor, read_tensors
 from . import ckernel, csource, quant
@@ -80,6 +82,15 @@ PARTS = (("q", "qkv", ("attn_q",)), ("k", "qkv", ("attn_k",)), ("v", "qkv", ("at
          ("o", "o", ("attn_output",)), ("gu", "gu", ("ffn_gate", "ffn_up")), ("d", "d", ("ffn_down",)))
 
 
+def _resident(a: np.ndarray, pages: list[Any]) -> Tensor:
+    """Packed weights (bytes) as a CPU tensor on huge pages (_hugepages.py), whose mapping joins `pages`: a decode
+    step streams them whole."""
+    mm, at = _hugepages.mapping(a.nbytes)
+    np.frombuffer(mm, np.uint8, a.nbytes)[:] = a.reshape(-1).view(np.uint8)
+    pages.append(mm)
+    return Tensor.from_blob(at, a.shape, dtype=dtypes.uint8, device="CPU")
+
+
 class FusedLlamaLM(GreedyDecoder):
     batches = True
 
@@ -96,6 +107,9 @@ class FusedLlamaLM(GreedyDecoder):
             parts = [quant.pack(raw[n].typ, raw[n].data, raw[n].shape[0], typ) for n in names]
             return quant.group(typ, np.stack(parts, 1).reshape(-1, parts[0].shape[1]) if interleave
                                else np.concatenate(parts))
+
+        self._pages = _hugepages.Pages()  # the mappings the weights live in (resident)
+        resident = functools.partial(_resident, pages=self._pages)
 
         def vec(name: str) -> np.ndarray:
             return quant.f32(raw[name].typ, raw[name].data)
@@ -118,7 +132,7 @@ class FusedLlamaLM(GreedyDecoder):
                     self.layouts[part].append(typ)
                     table[i, p] = typ, sum(c.nbytes for c in chunks[kind])
                     chunks[kind].append(mat(typ, *tensors, interleave=len(tensors) > 1))
-            return {k: Tensor(np.concatenate(c)) for k, c in chunks.items()}, table.reshape(-1)
+            return {k: resident(np.concatenate(c)) for k, c in chunks.items()}, table.reshape(-1)
 
         self.layouts: dict[str, list[int]] = {part: [] for part, _, _ in PARTS}
         self.embd_type = quant.kernel_type(raw["token_embd.weight"].typ)
@@ -129,8 +143,8 @@ class FusedLlamaLM(GreedyDecoder):
             out = mat(self.out_type, "output.weight")
         else:
             self.out_type, out = self.embd_type, embd
-        self.tok_embd = Tensor(embd)
-        self.output = Tensor(out) if out is not embd else self.tok_embd
+        self.tok_embd = resident(embd)
+        self.output = resident(out) if out is not embd else self.tok_embd
         self.out_norm = Tensor(vec("output_norm.weight"))
         self.attn_norm = Tensor(np.concatenate([vec(f"blk.{i}.attn_norm.weight") for i in range(self.n_layers)]))
         self.ffn_norm = Tensor(np.concatenate([vec(f"blk.{i}.ffn_norm.weight") for i in range(self.n_layers)]))

@@ -20,7 +20,9 @@ may be indices, variables at their minimum),
 and stores the entry only when every output is bit for bit the same; the digests go in the header.
 
 Device buffers are regions of the entry, restored as CPU buffers over a private copy-on-write mapping of the file
-(weights are mapped, not copied). The cache directory is the daemon's state directory (GPUWORKER_JIT_CACHE);
+(weights are mapped, not copied), but for memory the model placed itself (a buffer stored with an external pointer:
+the fused decoder's weights on huge pages, _hugepages.py), which is copied into a mapping of the same kind. The cache
+directory is the daemon's state directory (GPUWORKER_JIT_CACHE);
 unpickling trusts it as much as the daemon trusts its own state directory.
 """
 
@@ -42,6 +44,7 @@ from tinygrad.engine.realize import get_call_arg_uops, get_runtime
 from tinygrad.nn.state import get_parameters
 from tinygrad.uop.ops import Ops, ParamArg, UOp, UOpMetaClass, buffers
 
+from .. import _hugepages
 from ._jitfile import CacheEntryInvalid, Mapped, open_entry, write_entry
 
 
@@ -92,6 +95,9 @@ def _runnable(prg: UOp) -> tuple[UOp, ...]:
     sink, lin, source, binary = prg.src
     params = tuple(u for u in lin.src if u.op is Ops.PARAM)
     return UOp(Ops.SINK, sink.dtype, (), sink.arg), UOp(Ops.LINEAR, lin.dtype, params, lin.arg), source, binary
+
+
+_RESIDENT: list[Any] = []  # restored buffers copied to huge pages: they live as long as the process, as mappings do
 
 
 class _Pickler(pickle.Pickler):
@@ -170,7 +176,13 @@ class _Unpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"unknown persistent id {tag!r}")
         if (buf := self.mine.bufs.get(i)) is None:
             device, size, dtype, options, refcount = rest
-            spec = dataclasses.replace(options or BufferSpec(), external_ptr=self.entry.addresses[i])
+            at = self.entry.addresses[i]
+            if options is not None and options.external_ptr is not None:
+                # memory of the model's own (a fused decoder's weights on huge pages, _hugepages.py) is copied
+                # into a mapping like it, not left on the file's pages
+                mm, at = _hugepages.copied(at, size * dtype.itemsize)
+                _RESIDENT.append(mm)
+            spec = dataclasses.replace(options or BufferSpec(), external_ptr=at)
             buf = Buffer(device, size, dtype, options=spec, uop_refcount=refcount, preallocate=True)
             self.mine.add_buf(i, buf)
         return buf

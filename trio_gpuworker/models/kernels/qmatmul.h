@@ -21,7 +21,10 @@
 #define QMM_SUBS SUBS(QMM_TYPE)
 _Static_assert(QMM_NT >= 1 && QMM_NT <= 4, "qmatmul.h: a last tile takes at most 3 rows, so QMM_NT is 1 to 4");
 
-#ifdef __AVX512F__
+#if defined(__AVX512VNNI__) && QMM_SPLIT && (QMM_TYPE == 12 || QMM_TYPE == 14)
+/* a decode step's K-quant matmul in integers (kernels/qmatmul_vnni.h) */
+#include "qmatmul_vnni.h"
+#elif defined(__AVX512F__)
 /* rows x[t..t+k) against W rows r0..r0+GR of the group at g (k a constant wherever this is inlined): a tile of
    GR x k accumulators (x2 with QMM_SPLIT), each dequantised block used for all k rows */
 INL void CAT(QMM_NAME, _tile)(float *restrict y, int ys, const float *restrict x, int xs,
