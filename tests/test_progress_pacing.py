@@ -1,5 +1,6 @@
 """A decode's PROGRESS is paced in the worker: the first token's at once, then at most one per PROGRESS_EVERY_S,
-each counting every token so far; every token still checks for a stop. Time is injected."""
+each counting every token so far; every token still checks for a stop. GENERATE_PACKED's chunk paces its reports
+the same way (PacedReport, over a handler's reporter). Time is injected."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from trio_gpuworker._errors import WorkerError
 from trio_gpuworker.engine import Context
-from trio_gpuworker.worker._generate import PROGRESS_EVERY_S, PacedProgress
+from trio_gpuworker.worker._generate import PROGRESS_EVERY_S, PacedProgress, PacedReport
 
 
 class Recorder:
@@ -52,3 +53,17 @@ def test_a_stop_is_seen_at_the_next_token_even_between_frames() -> None:
     with pytest.raises(WorkerError, match="CANCEL"):
         paced(2)  # within the period: no frame, but the stop is raised
     assert rec.posted == [1]
+
+
+def test_a_packed_chunk_reports_at_once_then_once_a_period_and_checks_between() -> None:
+    now = [0.0]
+    rec = Recorder()
+    paced = PacedReport(rec, clock=lambda: now[0])
+    for n in range(1, 10):
+        paced(n, "inference")
+        now[0] += PROGRESS_EVERY_S / 2 * 1.001  # a little over two steps a period
+    assert rec.posted == [1, 3, 5, 7, 9]
+    assert rec.checks == 4
+    rec.stop = True
+    with pytest.raises(WorkerError, match="CANCEL"):
+        paced(10, "inference")

@@ -53,7 +53,10 @@ class Batch:
         ids = self.lm.check_prompt(prompt_ids, max_tokens)
         if self.full:
             raise RuntimeError(f"all {BATCH} sequences of the batch are in use")
-        seq = Sequence(self._free.pop(), len(ids), max_tokens, sampling, ignore_eos, on_token, constraint)
+        # the free slot holding the longest part of this prompt already (the most recently freed on a tie)
+        slot = max(reversed(self._free), key=lambda s: self.lm.reused(ids, s))
+        self._free.remove(slot)
+        seq = Sequence(slot, len(ids), max_tokens, sampling, ignore_eos, on_token, constraint)
         self.live.append(seq)
         self._take(seq, self.lm.prefill(ids, seq.slot), 0)
         return seq

@@ -82,12 +82,30 @@ class GreedyDecoder(abc.ABC):
         raise TypeError(f"{type(self).__name__} does not batch sequences (batches is False)")
 
     def prefill(self, ids: np.ndarray, slot: int = 0) -> int:
-        """Run prompt `ids` (checked) through the chunked prefill into cache `slot`: the greedy next id."""
+        """Run prompt `ids` (checked) through the chunked prefill into cache `slot`: the greedy next id. The
+        positions `reused(ids, slot)` counts are already there and are not run again."""
         n, nxt = len(ids), 0
-        for s in range(0, n, PREFILL_CHUNK):
+        for s in range(self.reused(ids, slot), n, PREFILL_CHUNK):
             chunk = ids[s : s + PREFILL_CHUNK].astype(np.int32)
             nxt = self._prefill_step(chunk, s, len(chunk) - 1, slot)
+        self._prefilled(ids, slot)
         return nxt
+
+    def reused(self, ids: np.ndarray, slot: int) -> int:
+        """How many first positions of prompt `ids` cache `slot` already holds as their prefill computed them (all
+        but the last at most: its row gives the next id). 0 here; a decoder that keeps a record of its slots'
+        prompts says more (models/llama_fused.py)."""
+        return 0
+
+    def _prefilled(self, ids: np.ndarray, slot: int) -> None:
+        """Prompt `ids` was prefilled into cache `slot` (for `reused`): nothing to note for a decoder that keeps no
+        record."""
+        return None
+
+    def forget_prompts(self) -> None:
+        """Something ran the graphs outside the steps (the JIT cache's probe replays them on zeros): what cache slots
+        hold is unknown from now on. Nothing to forget for a decoder that keeps no record."""
+        return None
 
     def score_prompt(self, prompt_ids: np.ndarray, n_top: int,
                      each: Callable[[], None] | None = None) -> list[tuple[float, list[tuple[int, float]]]]:

@@ -82,6 +82,14 @@ PARTS = (("q", "qkv", ("attn_q",)), ("k", "qkv", ("attn_k",)), ("v", "qkv", ("at
          ("o", "o", ("attn_output",)), ("gu", "gu", ("ffn_gate", "ffn_up")), ("d", "d", ("ffn_down",)))
 
 
+class HeldPrompts(dict):  # type: ignore[type-arg]
+    """Cache slot -> the prompt its positions 0.. hold as a prefill computed them (FusedLlamaLM.reused). Pickled
+    empty: a restored cache's contents are unknown (the JIT cache's probe replays the graphs on zeros)."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (HeldPrompts, ())
+
+
 def _resident(a: np.ndarray, pages: list[Any]) -> Tensor:
     """Packed weights (bytes) as a CPU tensor on huge pages (_hugepages.py), whose mapping joins `pages`: a decode
     step streams them whole."""
@@ -109,6 +117,7 @@ class FusedLlamaLM(GreedyDecoder):
                                else np.concatenate(parts))
 
         self._pages = _hugepages.Pages()  # the mappings the weights live in (resident)
+        self._held = HeldPrompts()  # each cache slot's prefilled prompt, while its positions still hold it
         resident = functools.partial(_resident, pages=self._pages)
 
         def vec(name: str) -> np.ndarray:
@@ -199,6 +208,23 @@ class FusedLlamaLM(GreedyDecoder):
         nqkv, qd = (self.n_heads + 2 * self.n_kv) * self.head_dim, self.n_heads * self.head_dim
         return step.t * 2 * self.dim + step.t * max(nqkv + qd, 3 * self.ff) + step.heads * self.vocab_size
 
+    def reused(self, ids: np.ndarray, slot: int) -> int:
+        """The prompt's first positions that slot `slot`'s last prefill left there: a prefill chunk computes each
+        row bit for bit as in any other chunk (kernels/qmatmul.h; attention reads the cache), so a prompt sharing
+        a prefix with the last one (a chat's system prompt and earlier turns) runs only from where they part."""
+        held = self._held.get(slot)
+        if held is None:
+            return 0
+        m = min(len(held), len(ids) - 1)
+        differ = np.flatnonzero(held[:m] != np.asarray(ids[:m]))
+        return int(differ[0]) if len(differ) else m
+
+    def _prefilled(self, ids: np.ndarray, slot: int) -> None:
+        self._held[slot] = np.array(ids, np.int32)
+
+    def forget_prompts(self) -> None:
+        self._held.clear()
+
     def _prefill_step(self, tokens: np.ndarray, start: int, last: int, slot: int = 0) -> int:
         n = len(tokens)
         return self._step(PREFILL_CHUNK, tokens, np.arange(start, start + n), [slot] * n, last + 1)[0]
@@ -214,6 +240,9 @@ class FusedLlamaLM(GreedyDecoder):
         """One replay of the T = `t` graph: `tokens` at `positions` in cache `slots`; the first `used` rows are
         real (a prefill chunk predicts after the last of them, a batched step after each)."""
         self._last_t = t
+        for pos, sl in zip(positions, slots, strict=True):  # a row written over a held prompt's position ends it
+            if (held := self._held.get(sl)) is not None and pos < len(held):
+                del self._held[sl]
         ids = self._ids[t]
         view = np.frombuffer(ids.uop.buffer.as_memoryview(force_zero_copy=True), np.int32)
         view[:] = 0

@@ -19,7 +19,7 @@ from .._errors import WorkerError
 from .._proto import PACKED_SLOTS, GeneratePacked, Texts
 from ..models.batched import Batch, Sequence
 from ..models.sampling import SamplingParams
-from ._generate import TextStream
+from ._generate import PacedReport, TextStream
 
 Progress = Callable[..., None]
 
@@ -92,6 +92,7 @@ class PackedGeneration:
             raise ValueError("the joining sequences' n_tokens do not add up to the ids sent")
         if len(seqs) + len(msg.join) > PACKED_SLOTS:
             raise ValueError(f"more sequences than the batch's {PACKED_SLOTS} slots")
+        progress = PacedReport(progress)
         done, at, failed = 0, 0, []
         out: list[_Seq] = list(seqs.values())
         for j in msg.join:

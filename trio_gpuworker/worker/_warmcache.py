@@ -72,7 +72,10 @@ def load_or_build(key: dict[str, Any], build: Callable[[], Any], log: Log) -> tu
         if (got := _restore(path, key, None, log)) is not None:  # another worker built it meanwhile
             return got[0], got[1], "waited"
         model = build()
-        return model, _store(path, key, model, None, log), "rebuilt" if bad else "miss"
+        stored = _store(path, key, model, None, log)
+        if hasattr(model, "forget_prompts"):  # a decoder: the store's probe replayed its graphs over its cache
+            model.forget_prompts()
+        return model, stored, "rebuilt" if bad else "miss"
 
 
 class ShapeCache:
