@@ -1,6 +1,7 @@
 """The fused decoder's weights on transparent huge pages (trio_gpuworker/_hugepages.py): the mapping gets them where
 the kernel's policy allows, a built model's packed weights live in such mappings, and a model restored from the JIT
-cache has them copied into mappings of its own rather than left on the cache file's pages."""
+cache has them copied into mappings of its own rather than left on the cache file's pages, and no record of its
+cache slots' prompts."""
 
 from __future__ import annotations
 
@@ -71,13 +72,15 @@ def test_built_and_restored_weights_live_on_mappings_of_their_own(tmp_path: Path
     weights = (lm.wqkv, lm.wo, lm.wgu, lm.wd, lm.tok_embd)
     assert all(_within(_address(w), lm._pages) for w in weights)
     want, _ = lm.generate(np.array([3, 17, 101], np.int32), 4, ignore_eos=True)
+    assert lm._held  # slot 0's prompt (models/llama_fused.py reused)
 
     key = {"test": "hugepages"}
     _jitcache.save(tmp_path / "e.jit", key, lm)
     loaded = _jitcache.load(tmp_path / "e.jit", key)
     assert loaded is not None
     twin = loaded[0]
-    assert twin._pages == []  # pickled empty: the copies below hold the weights
+    # this process's own state is not stored: the copies below hold the weights, and the cache's contents are unknown
+    assert twin._pages == [] and twin._held == {}
     restored = (twin.wqkv, twin.wo, twin.wgu, twin.wd, twin.tok_embd)
     assert all(_within(_address(w), _jitcache._RESIDENT) for w in restored)
     got, _ = twin.generate(np.array([3, 17, 101], np.int32), 4, ignore_eos=True)

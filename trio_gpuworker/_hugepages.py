@@ -21,15 +21,6 @@ import ctypes
 import mmap
 
 HUGE_PAGE = 2 << 20
-WORTH_IT = HUGE_PAGE  # smaller buffers would not fill one huge page: they stay where they are
-
-class Pages(list):  # type: ignore[type-arg]
-    """The mappings a model's buffers live in, kept with the model. Pickled empty: a model restored from the JIT
-    cache has its buffers in the cache's own copies (worker/_jitcache.py)."""
-
-    def __reduce__(self) -> tuple[type, tuple[()]]:
-        return (Pages, ())
-
 
 def mapping(size: int) -> tuple[mmap.mmap, int]:
     """A private anonymous mapping of at least `size` bytes, advised huge pages, and its address. The caller keeps

@@ -82,14 +82,6 @@ PARTS = (("q", "qkv", ("attn_q",)), ("k", "qkv", ("attn_k",)), ("v", "qkv", ("at
          ("o", "o", ("attn_output",)), ("gu", "gu", ("ffn_gate", "ffn_up")), ("d", "d", ("ffn_down",)))
 
 
-class HeldPrompts(dict):  # type: ignore[type-arg]
-    """Cache slot -> the prompt its positions 0.. hold as a prefill computed them (FusedLlamaLM.reused). Pickled
-    empty: a restored cache's contents are unknown (the JIT cache's probe replays the graphs on zeros)."""
-
-    def __reduce__(self) -> tuple[type, tuple[()]]:
-        return (HeldPrompts, ())
-
-
 def _resident(a: np.ndarray, pages: list[Any]) -> Tensor:
     """Packed weights (bytes) as a CPU tensor on huge pages (_hugepages.py), whose mapping joins `pages`: a decode
     step streams them whole."""
@@ -116,8 +108,8 @@ class FusedLlamaLM(GreedyDecoder):
             return quant.group(typ, np.stack(parts, 1).reshape(-1, parts[0].shape[1]) if interleave
                                else np.concatenate(parts))
 
-        self._pages = _hugepages.Pages()  # the mappings the weights live in (resident)
-        self._held = HeldPrompts()  # each cache slot's prefilled prompt, while its positions still hold it
+        self._pages: list[Any] = []  # the mappings the weights live in (resident)
+        self._held: dict[int, np.ndarray] = {}  # each cache slot's prefilled prompt, while its positions hold it
         resident = functools.partial(_resident, pages=self._pages)
 
         def vec(name: str) -> np.ndarray:
@@ -207,6 +199,15 @@ class FusedLlamaLM(GreedyDecoder):
         their product, then the logits."""
         nqkv, qd = (self.n_heads + 2 * self.n_kv) * self.head_dim, self.n_heads * self.head_dim
         return step.t * 2 * self.dim + step.t * max(nqkv + qd, 3 * self.ff) + step.heads * self.vocab_size
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What the JIT cache stores, less this process's own: the mappings its weights live in (a restored model's
+        are the cache's copies, worker/_jitcache.py) and the slots' prompts (a restored cache's contents are unknown:
+        the cache's probe replays the graphs on zeros)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pages", "_held")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _pages=[], _held={})
 
     def reused(self, ids: np.ndarray, slot: int) -> int:
         """The prompt's first positions that slot `slot`'s last prefill left there: a prefill chunk computes each

@@ -10,6 +10,7 @@ daemon then fails every one of its sequences, so neither side keeps one the othe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,11 +18,10 @@ import numpy as np
 
 from .._errors import WorkerError
 from .._proto import PACKED_SLOTS, GeneratePacked, Texts
+from ..engine import Context
 from ..models.batched import Batch, Sequence
 from ..models.sampling import SamplingParams
-from ._generate import PacedReport, TextStream
-
-Progress = Callable[..., None]
+from ._generate import PacedProgress, TextStream
 
 
 class _Seq:
@@ -60,16 +60,17 @@ def _sampling(j: dict[str, Any]) -> SamplingParams:
 class PackedGeneration:
     """Every served model's batch in this worker (one batch per model: it owns the decoder's batch cache slots)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.batches: dict[str, tuple[Any, Batch, dict[int, _Seq]]] = {}
+        self.clock = clock  # PROGRESS pacing's
 
     def drop(self, model_ref: str) -> None:
         self.batches.pop(model_ref, None)
 
-    def run(self, m: Any, msg: GeneratePacked, progress: Progress) -> Texts:
-        """One chunk on served model `m`. ValueError for a request that does not fit the batch (ERR
-        invalid_request); WorkerError unsupported_request when `m`'s decoder does not batch (the graph decoder):
-        the daemon then sends that lane plain GENERATEs."""
+    def run(self, m: Any, msg: GeneratePacked, progress: Any) -> Texts:
+        """One chunk on served model `m`, reporting through `progress` (the request's Reporter). ValueError for a
+        request that does not fit the batch (ERR invalid_request); WorkerError unsupported_request when `m`'s
+        decoder does not batch (the graph decoder): the daemon then sends that lane plain GENERATEs."""
         if not getattr(m.impl, "batches", False):
             raise WorkerError("unsupported_request", f"model {msg.model_ref!r}'s decoder does not batch sequences")
         held = self.batches.get(msg.model_ref)
@@ -81,7 +82,7 @@ class PackedGeneration:
             self.drop(msg.model_ref)  # the daemon fails every sequence of the batch on an ERR: so do we
             raise
 
-    def _chunk(self, m: Any, batch: Batch, seqs: dict[int, _Seq], msg: GeneratePacked, progress: Progress) -> Texts:
+    def _chunk(self, m: Any, batch: Batch, seqs: dict[int, _Seq], msg: GeneratePacked, progress: Any) -> Texts:
         for sid in msg.leave:
             if (s := seqs.pop(sid, None)) is not None and s.seq is not None:
                 batch.leave(s.seq)
@@ -92,7 +93,9 @@ class PackedGeneration:
             raise ValueError("the joining sequences' n_tokens do not add up to the ids sent")
         if len(seqs) + len(msg.join) > PACKED_SLOTS:
             raise ValueError(f"more sequences than the batch's {PACKED_SLOTS} slots")
-        progress = PacedReport(progress)
+        # a PROGRESS at once, then at most one every PROGRESS_EVERY_S (each wakes the daemon, whose turn on a core a
+        # step's threads would wait for), as a GENERATE's
+        paced = PacedProgress(Context(msg.req_id, progress), self.clock)
         done, at, failed = 0, 0, []
         out: list[_Seq] = list(seqs.values())
         for j in msg.join:
@@ -114,12 +117,12 @@ class PackedGeneration:
             seqs[s.id] = s
             out.append(s)
             done += 1
-            progress(done, "inference")  # a prefill is completed work: it renews the inference window
+            paced(done)  # a prefill is completed work: it renews the inference window
         for _ in range(msg.steps):
             if not batch.live:
                 break
             done += len(batch.step())
-            progress(done, "inference")
+            paced(done)
         results = [s.result() for s in out]
         for s in out:
             if s.seq is not None and s.seq.finish is not None:

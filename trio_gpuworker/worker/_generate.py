@@ -41,24 +41,6 @@ class PacedProgress:
             self.ctx.check()
 
 
-class PacedReport:
-    """PacedProgress for a request handler's reporter (`report(completed, phase, post=True)`, as GENERATE_PACKED's
-    chunk gets it): a report at once, later ones at most every PROGRESS_EVERY_S, a stop check in between. A chunk's
-    steps would otherwise send a PROGRESS frame a token, and each wakes the daemon, whose turn on a core the
-    decode's threads then wait for."""
-
-    def __init__(self, report: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> None:
-        self.report, self.clock = report, clock
-        self.last: float | None = None
-
-    def __call__(self, n: int, phase: str) -> None:
-        now = self.clock()
-        post = self.last is None or now - self.last >= PROGRESS_EVERY_S
-        self.report(n, phase, post=post)
-        if post:
-            self.last = now
-
-
 class TextStream:
     """The text of the ids generated so far, released as it becomes final."""
 
@@ -178,4 +160,4 @@ def generate(m: Any, request: GenerateRequest, ctx: Context) -> Generation:
                       prompt_logprobs=prompt_records)
 
 
-__all__ = ["PacedReport", "TextStream", "generate", "sampling_params"]
+__all__ = ["PacedProgress", "TextStream", "generate", "sampling_params"]
