@@ -7,7 +7,9 @@ does, so both give the same float32 bits (tests/test_gguf_types.py). The kernels
 (LAYOUTS; kernels/quant.h decodes each): three of 32 weights, Q4_1 {f32 d, f32 m, 16 nibble bytes}, Q8_0 {f32 d,
 32 int8} and F32 {32 floats}, and the K-quants' 256-weight blocks with their f16 scales widened to f32, Q4_K {f32 d,
 f32 dmin, 8 sub-block scales, 8 mins, 128 nibble bytes}, Q5_K (the same, then the 32 fifth-bit bytes before the
-nibbles) and Q6_K {f32 d, 16 int8 scales, 128 low-nibble bytes, 64 high-bit bytes}. Q4_0 and Q5_0 pack as Q8_0
+nibbles) and Q6_K {f32 d, 16 int8 scales, 128 low-nibble bytes, 64 high-bit bytes}; Q4_K's and Q6_K's integers in an
+order of their own, where each 4-byte lane of a 64-byte load holds one sub-block's (Q4_K) or group's (Q6_K) weights
+(kernels/quant.h). Q4_0 and Q5_0 pack as Q8_0
 with the same scale; every integer keeps its bits, so the kernels compute with the type's exact weights (q*d is
 exact in float32 and q*d + m rounds once, as the dequantiser's does). F16, BF16 and Q5_1 are dequantised at load
 and packed as F32.
@@ -150,14 +152,33 @@ def _f32(b: np.ndarray) -> np.ndarray:
     return _f16(b).view(np.uint8)
 
 
+def _lanes_q4_k(b: np.ndarray) -> np.ndarray:
+    """Q4_K's 128 nibble bytes (n, 128) -> the kernels' order: byte 8s + e of half h holds weights 16h + e (low
+    nibble) and 16h + 8 + e (high) of sub-block s, so each 4-byte lane of a 64-byte load stays in one sub-block."""
+    q = _k_low(b).reshape(-1, 8, 2, 2, 8)  # sub-block s, half h, nibble, e
+    return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(0, 2, 1, 3).reshape(-1, 128)
+
+
+def _lanes_q6_k(b: np.ndarray) -> np.ndarray:
+    """Q6_K's 192 integer bytes (n, 210) -> the kernels' order: weight 4c + k of group g has its low 4 bits in
+    byte 4g + k of half c / 2 (low nibble for even c) and its high 2 in bits 2c, 2c + 1 of byte 4g + k of qh."""
+    q = (_q6_k(b).q + 32).astype(np.uint8).reshape(-1, 16, 4, 4)  # group g, chunk c, k
+    ql = np.stack([q[:, :, 0] & 15 | (q[:, :, 1] & 15) << 4, q[:, :, 2] & 15 | (q[:, :, 3] & 15) << 4], axis=1)
+    qh = sum((q[:, :, c] >> 4) << (2 * c) for c in range(4)).astype(np.uint8)
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64)], axis=1)
+
+
 def _native_k(typ: int, b: np.ndarray) -> np.ndarray:
     """GGUF K-quant blocks (n, bytes) -> the kernels' layout of the same type (module docstring): the f16 scales
-    as f32, Q4_K / Q5_K's 6-bit scales and mins one byte each; the integers' bytes as they are."""
+    as f32, Q4_K / Q5_K's 6-bit scales and mins one byte each; Q4_K's and Q6_K's integers reordered for the
+    integer kernel (kernels/quant.h), Q5_K's bytes as they are."""
     if typ == Q6_K:
-        return np.concatenate([_f32(b[:, 208:210]), b[:, 192:208], b[:, :192]], axis=1)
+        return np.concatenate([_f32(b[:, 208:210]), b[:, 192:208], _lanes_q6_k(b)], axis=1)
     sc, mn = _k_scales(b[:, 4:16])
     head = [_f32(b[:, 0:2]), _f32(b[:, 2:4]), sc.astype(np.uint8), mn.astype(np.uint8)]
-    return np.concatenate([*head, b[:, 16:]], axis=1)  # Q5_K: qh (32 bytes) then qs; Q4_K: qs
+    if typ == Q4_K:
+        return np.concatenate([*head, _lanes_q4_k(b[:, 16:])], axis=1)
+    return np.concatenate([*head, b[:, 16:]], axis=1)  # Q5_K: qh (32 bytes) then qs
 
 
 def pack(typ: int, raw: np.ndarray, rows: int, to: int | None = None) -> np.ndarray:

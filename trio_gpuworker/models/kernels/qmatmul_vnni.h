@@ -3,49 +3,64 @@
 
    The float instance dequantises each weight to float32 (about 5 vector operations per 16 Q4_K weights, 11 per 16
    Q6_K). Here the weights stay the integers they are packed as, and each row of x is read as integers too: every
-   256-weight block of x is scaled by a power of two e (its largest |x| just under 2^22 e) and rounded, X = x / e
-   (22 significant bits against float32's 24: the error of one x is at most 2^-23 of its block's largest |x|), then
-   split into three signed bytes, X = l0 + 2^8 l1 + 2^16 l2. One vpdpbusd multiplies 64 unsigned weight integers q
-   by 64 signed bytes and sums them four at a time into 16 int32 lanes; three of them, with two shifts between
-   (Horner's rule), give each lane's sum of q * X exactly (|q * X| four at a time stays below 2^31). The lanes of a
-   64-weight chunk fall in whole sub-blocks (Q4_K, 32 weights) or 16-weight groups (Q6_K), so each lane's exact
-   sum is turned into float32 once and multiplied by its sub-block's scale (d * sc, exact in float32), and a
-   block's sum by its e. What the scales leave out is a sum of x per 16 weights, taken once per row of x: Q4_K's
-   offsets -(dmin * mn) and Q6_K's -32 each multiply it.
+   256-weight block of x is scaled by a power of two e (its largest |x| just under 2^B e, B = XQ_BITS: 22 for Q4_K,
+   21 for Q6_K) and rounded, X = x / e (float32 keeps 24 bits: the error of one x is at most 2^-(B+1) of its
+   block's largest |x|), then split into three signed bytes, X = l0 + 2^8 l1 + 2^16 l2. One vpdpbusd multiplies 64
+   unsigned weight integers q by 64 signed bytes and adds them four at a time to 16 int32 lanes. The packed layout
+   (kernels/quant.h) keeps each lane in one sub-block (Q4_K, 32 weights: lanes 2s and 2s + 1) or 16-weight group
+   (Q6_K: lane g) in all four 64-weight chunks of a block, so each of the three bytes of X sums its products over
+   the whole block in a lane of its own, and one combination, (l2 sums << 16) + (l1 sums << 8) + l0 sums, gives
+   each lane's sum of q * X exactly (in int32 arithmetic, which wraps: the true sum of 16 products fits, 16 * 15 *
+   2^22 and 16 * 63 * 2^21 both under 2^31). That sum is turned into float32 once a block, multiplied by its lane's
+   scale (d * sc, exact in float32) and its block's e. What the scales leave out is a sum of x per 16 weights,
+   taken once per row of x: Q4_K's offsets -(dmin * mn) and Q6_K's -32 each multiply it.
    So every product of a weight and an x is exact, as in the float instance; what differs from the float32
-   reference is the rounding of x to 22 bits in its block and where the sums round: about 7 operations per 64
-   weights besides unpacking them. A row's arithmetic never depends on the other rows in its tile, so a batched
-   step computes every row bit for bit as a one-row call does (the test of kernels/qmatmul.h holds here too).
+   reference is the rounding of x to B bits in its block and where the sums round: three vpdpbusd per 64 weights
+   besides unpacking them, and about 8 operations a block. A row's arithmetic never depends on the other rows in
+   its tile, so a batched step computes every row bit for bit as a one-row call does (the test of
+   kernels/qmatmul.h holds here too).
    Needs: G, QMM_NAME, QMM_TYPE (12 or 14), QMM_NT. */
 
 #ifndef TG_QMATMUL_VNNI_H
 #define TG_QMATMUL_VNNI_H
 typedef int vsi __attribute__((vector_size(64)));
-typedef short vhi __attribute__((vector_size(64)));
 typedef long long vdi __attribute__((vector_size(64)));
 typedef unsigned char vub __attribute__((vector_size(64), aligned(1)));
-typedef unsigned char vub32 __attribute__((vector_size(32), aligned(1)));
 typedef signed char vsb __attribute__((vector_size(64), aligned(1)));
 
 
 #define XQ_ROWS 4  /* rows of x quantised at once (on the stack): a split instance's tile takes at most 4 */
 
 /* one 256-weight block of a row of x: its e, e * (sum of X) of each 16 x in order, and the three bytes of each
-   X, in the byte order of the weights' layout (xq_at) */
-typedef struct { float e, gs[16]; signed char l[3][256]; } xqb;
+   X, in the byte order of the weights' layout (kernels/quant.h): 64 c + 8 s + e for x 32 s + 16 h + 8 n + e of
+   Q4_K (c = 2 h + n), 64 c + 4 g + k for x 16 g + 4 c + k of Q6_K */
+typedef struct { signed char l[3][256]; float gs[16], e; } __attribute__((aligned(64))) xqb;  /* one cache line a load */
 
-/* where the 32 x of sub-block s go in a block's bytes: Q4_K packs sub-blocks s and s + 1 as the low and high
-   nibbles of the same 32 bytes, so a 64-byte load holds sub-blocks (0, 2) in its low nibbles and (1, 3) in its
-   high ones; Q6_K's 64-byte chunks hold weights in order */
-INL int xq_at(int t, int s) { return t == 12 ? (s >> 2) * 128 + (s & 1) * 64 + ((s >> 1) & 1) * 32 : 32 * s; }
+typedef signed char sb8 __attribute__((ext_vector_type(8), aligned(1)));
+typedef signed char sb4 __attribute__((ext_vector_type(4), aligned(1)));
 
 INL unsigned fbits(float f) { union { float f; unsigned u; } c = {f}; return c.u; }
 INL float bitsf(unsigned u) { union { unsigned u; float f; } c = {u}; return c.f; }
 INL int isum(i16 a) { i8 b = a.lo + a.hi; return b[0] + b[1] + b[2] + b[3] + b[4] + b[5] + b[6] + b[7]; }
 
+/* the bytes of 16 X (x 16 i .. 16 i + 15 of a block) into level l of q, in layout t's order */
+INL void xq_put(signed char *l, s16 b, int t, int i) {
+  if (t == 12) {
+    int at = 128 * (i & 1) + 8 * (i >> 1);
+    *(sb8 *)(l + at) = b.lo; *(sb8 *)(l + at + 64) = b.hi;
+  } else {
+    *(sb4 *)(l + 4 * i) = b.lo.lo; *(sb4 *)(l + 64 + 4 * i) = b.lo.hi;
+    *(sb4 *)(l + 128 + 4 * i) = b.hi.lo; *(sb4 *)(l + 192 + 4 * i) = b.hi.hi;
+  }
+}
+
+/* the bits of X: a lane sums 16 products q X in int32, q < 16 (Q4_K) or < 64 (Q6_K) */
+#define XQ_BITS(t) ((t) == 12 ? 22 : 21)
+
 /* nblk blocks of one row of x, for layout t. A block whose largest |x| is under 2^-105 reads as zeros; one with
    an infinity or NaN gets e = NaN, so its rows' sums are NaN as the float instance's are */
 INL void xq_row(xqb *restrict q, const float *restrict x, int nblk, int t) {
+  const unsigned bits = XQ_BITS(t);
   for (int b = 0; b < nblk; b++, q++, x += 256) {
     v16 m = (v16)0, z = (v16)0;  /* z: NaN where an x is an infinity or NaN (max() passes over a NaN) */
     for (int i = 0; i < 16; i++) {
@@ -60,34 +75,27 @@ INL void xq_row(xqb *restrict q, const float *restrict x, int nblk, int t) {
     float inv = 0;
     q->e = 0;
     if (hsum(z) != 0) q->e = __builtin_nanf("");
-    else if (ex > 21) { q->e = bitsf((ex - 21) << 23); inv = bitsf((275 - ex) << 23); }
+    else if (ex > bits - 1) { q->e = bitsf((ex + 1 - bits) << 23); inv = bitsf((253 + bits - ex) << 23); }
     for (int i = 0; i < 16; i++) {
-      /* |X| <= 2^22, so l2 stays within [-65, 65] */
+      /* |X| <= 2^bits, so l2 stays within [-65, 65] */
       i16 X = (i16)__builtin_ia32_cvtps2dq512_mask(*(const v16 *)(x + 16 * i) * inv, (vsi){0}, 0xffff, 4);
       i16 l0 = ((X + 128) & 255) - 128, X1 = (X - l0) >> 8;
       i16 l1 = ((X1 + 128) & 255) - 128, l2 = (X1 - l1) >> 8;
-      int at = xq_at(t, i >> 1) + 16 * (i & 1);
-      *(s16 *)(q->l[0] + at) = __builtin_convertvector(l0, s16);
-      *(s16 *)(q->l[1] + at) = __builtin_convertvector(l1, s16);
-      *(s16 *)(q->l[2] + at) = __builtin_convertvector(l2, s16);
+      xq_put(q->l[0], __builtin_convertvector(l0, s16), t, i);
+      xq_put(q->l[1], __builtin_convertvector(l1, s16), t, i);
+      xq_put(q->l[2], __builtin_convertvector(l2, s16), t, i);
       q->gs[i] = (float)isum(X) * q->e;
     }
   }
 }
 
-/* sum of q * X in each int32 lane: four u8 weights against four x, three bytes of X at a time */
-INL vsi vdot(vub w, const signed char *l0, const signed char *l1, const signed char *l2) {
-  vsi v = __builtin_ia32_vpdpbusd512((vsi){0}, (vsi)w, (vsi)*(const vsb *)l2);
-  v = __builtin_ia32_vpdpbusd512(v << 8, (vsi)w, (vsi)*(const vsb *)l1);
-  return __builtin_ia32_vpdpbusd512(v << 8, (vsi)w, (vsi)*(const vsb *)l0);
-}
-
-/* a block's scales (a: d * sc per sub-block or group) and the vector that multiplies x's sums per 16 weights (m) */
+/* a block's scales per lane (a: d * sc of the lane's sub-block or group) and the vector that multiplies x's sums
+   per 16 weights (m) */
 INL void vprep12(const unsigned char *p, v16 *a, v16 *m) {
   float d = ((const float *)p)[0], dmin = ((const float *)p)[1];
   v8 sc = __builtin_convertvector(*(const u8 *)(p + 8), v8) * d;
   v8 mn = -(__builtin_convertvector(*(const u8 *)(p + 16), v8) * dmin);
-  *a = __builtin_shufflevector(sc, sc, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+  *a = __builtin_shufflevector(sc, sc, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   *m = __builtin_shufflevector(mn, mn, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
 }
 INL void vprep14(const unsigned char *p, v16 *a, v16 *m) {
@@ -95,68 +103,62 @@ INL void vprep14(const unsigned char *p, v16 *a, v16 *m) {
   *m = *a * -32.f;
 }
 
-/* chunk c's 64 weight integers, and the scale of each of its 16 lanes */
+/* chunk c's 64 weight integers: lane i holds 4 weights of sub-block i / 2 (Q4_K) or group i (Q6_K) */
 INL vub vw12(const unsigned char *p, int c) {
   vub raw = *(const vub *)(p + 24 + 64 * (c >> 1));
   return c & 1 ? (vub)((vdi)raw >> 4) & 15 : raw & 15;
 }
-INL v16 vs12(v16 a, int c) {
-  /* lanes 0-7: sub-block 4 (c / 2) + c % 2; lanes 8-15: the one two after it */
-  return c == 0 ? __builtin_shufflevector(a, a, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)
-       : c == 1 ? __builtin_shufflevector(a, a, 1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3)
-       : c == 2 ? __builtin_shufflevector(a, a, 4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6)
-                : __builtin_shufflevector(a, a, 5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
-}
 INL vub vw14(const unsigned char *p, int c) {
-  int h = c >> 1;
-  vub ql = *(const vub *)(p + 20 + 64 * h);
-  vub32 qh32 = *(const vub32 *)(p + 148 + 32 * h);
-  vub qh = __builtin_shufflevector(qh32, qh32, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-                                   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                   11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-  /* bits 2k, 2k+1 of qh are the top two of quarter k: the low half of the chunk takes k = 2 (c % 2), the high
-     half k + 1; each brought to bits 4-5 by a shift of its own (16-bit lanes: what crosses a byte is masked off) */
-  const vhi up = {4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
-  const vhi down = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
-  if (c & 1) return (((vub)((vdi)ql >> 4)) & 15) | ((vub)__builtin_ia32_psrlv32hi((vhi)qh, down) & 48);
-  return (ql & 15) | ((vub)__builtin_ia32_psllv32hi((vhi)qh, up) & 48);
-}
-INL v16 vs14(v16 a, int c) {
-  /* lanes 4i..4i+3: group 4c + i */
-  return c == 0 ? __builtin_shufflevector(a, a, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
-       : c == 1 ? __builtin_shufflevector(a, a, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7)
-       : c == 2 ? __builtin_shufflevector(a, a, 8, 8, 8, 8, 9, 9, 9, 9, 10, 10, 10, 10, 11, 11, 11, 11)
-                : __builtin_shufflevector(a, a, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15);
+  vub ql = *(const vub *)(p + 20 + 64 * (c >> 1)), qh = *(const vub *)(p + 148);
+  vub low = c & 1 ? (vub)((vdi)ql >> 4) & 15 : ql & 15;
+  /* bits 2c, 2c + 1 of each qh byte to bits 4-5 (64-bit shifts: what crosses a byte lands outside the mask) */
+  vdi h = (vdi)qh;
+  vub high = (vub)(c == 0 ? h << 4 : c == 1 ? h << 2 : c == 2 ? h : h >> 2) & 48;
+  return low | high;
 }
 #endif
 
-/* rows of W per tile: 4 rows of x against a whole group would need 32 accumulators */
-#define QMV_GR (QMM_NT > 2 ? G / 2 : G)
+/* rows of W per tile: each takes 3 int32 accumulators per row of x, so a tile of 4 rows of W fits one row of x */
+#define QMV_GR (QMM_NT == 1 ? G : QMM_NT == 2 ? G / 2 : 1)
+/* A tile prefetches the weights QMV_AHEAD bytes ahead into L2 (prefetcht2). The hardware prefetcher alone falls
+   behind the stream, worst where a row of x is wide (an FF-wide matrix's, 28 KB quantised, shares L1 with it):
+   one thread streaming 2048 x 8192 Q4_K rows (out of cache) ran at 17 G weights/s without, 37 with, 16384 x 2048
+   rows 42 and 44 (Q6_K: 12 and 29, 26 and 34); 2-4 KiB ahead, or into L1, gained a third as much */
+#define QMV_AHEAD 16384
 
-/* the k rows of x quantised at xq (nblk blocks each) against W rows r0..r0+QMV_GR of the group at g */
+/* the k rows of x quantised at xq (nblk blocks each) against W rows r0..r0+QMV_GR of the group at g. For each
+   block: each lane's sums of q times the three bytes of X (level 2 the top byte), over the block's 4 chunks; then
+   their exact sum q X (mod 2^32, and the true sum fits: 16 q X in a lane, |X| <= 2^XQ_BITS), to float32 once */
 INL void CAT(QMM_NAME, _vtile)(float *restrict y, int ys, const xqb *restrict xq, int nblk,
                                const unsigned char *restrict g, int r0, int k) {
-  v16 acc[QMV_GR][QMM_NT], ba[QMV_GR][QMM_NT];
+  v16 acc[QMV_GR][QMM_NT];
   for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) acc[r][j] = (v16)0;
   for (int b = 0; b < nblk; b++) {
     const unsigned char *gb = g + (long)(b * G + r0) * BS(QMM_TYPE);
-    v16 a[QMV_GR], m[QMV_GR];
-    for (int r = 0; r < QMV_GR; r++) CAT(vprep, QMM_TYPE)(gb + r * BS(QMM_TYPE), &a[r], &m[r]);
+    for (int i = 0; i < QMV_GR * BS(QMM_TYPE); i += 64) __builtin_prefetch(gb + QMV_AHEAD + i, 0, 1);
+    vsi s0[QMV_GR][QMM_NT], s1[QMV_GR][QMM_NT], s2[QMV_GR][QMM_NT];
+    for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) s0[r][j] = s1[r][j] = s2[r][j] = (vsi){0};
     for (int c = 0; c < 4; c++) {
-      vub w[QMV_GR]; v16 s[QMV_GR];
-      for (int r = 0; r < QMV_GR; r++) { w[r] = CAT(vw, QMM_TYPE)(gb + r * BS(QMM_TYPE), c); s[r] = CAT(vs, QMM_TYPE)(a[r], c); }
+      vub w[QMV_GR];
+      for (int r = 0; r < QMV_GR; r++) w[r] = CAT(vw, QMM_TYPE)(gb + r * BS(QMM_TYPE), c);
       for (int j = 0; j < k; j++) {
         const signed char *l = xq[j * nblk + b].l[0] + 64 * c;
         for (int r = 0; r < QMV_GR; r++) {
-          v16 f = __builtin_convertvector((i16)vdot(w[r], l, l + 256, l + 512), v16);
-          ba[r][j] = c == 0 ? f * s[r] : f * s[r] + ba[r][j];
+          s0[r][j] = __builtin_ia32_vpdpbusd512(s0[r][j], (vsi)w[r], (vsi)*(const vsb *)l);
+          s1[r][j] = __builtin_ia32_vpdpbusd512(s1[r][j], (vsi)w[r], (vsi)*(const vsb *)(l + 256));
+          s2[r][j] = __builtin_ia32_vpdpbusd512(s2[r][j], (vsi)w[r], (vsi)*(const vsb *)(l + 512));
         }
       }
     }
-    for (int j = 0; j < k; j++) {
-      const xqb *q = xq + j * nblk + b;
-      v16 gs = *(const v16 *)q->gs;
-      for (int r = 0; r < QMV_GR; r++) acc[r][j] = m[r] * gs + (ba[r][j] * q->e + acc[r][j]);
+    for (int r = 0; r < QMV_GR; r++) {
+      v16 a, m;
+      CAT(vprep, QMM_TYPE)(gb + r * BS(QMM_TYPE), &a, &m);
+      for (int j = 0; j < k; j++) {
+        const xqb *q = xq + j * nblk + b;
+        vsi v = (((s2[r][j] << 8) + s1[r][j]) << 8) + s0[r][j];
+        v16 f = __builtin_convertvector((i16)v, v16) * a;
+        acc[r][j] = m * *(const v16 *)q->gs + (f * q->e + acc[r][j]);
+      }
     }
   }
   for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) y[j * ys + r0 + r] = hsum(acc[r][j]);
@@ -183,3 +185,4 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
   }
 }
 #undef QMV_GR
+#undef QMV_AHEAD

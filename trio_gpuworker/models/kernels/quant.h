@@ -3,12 +3,15 @@
    scales, widened once per block), then DQ(t)(p, &st, s, &lo, &hi) gives the 32 weights of sub-block s.
    Q4_1 (type 3): {f32 d, f32 m, 16 nibble bytes}; Q8_0 (type 8): {f32 d, 32 int8}; F32 (type 0): the 32 weights,
    dequantised at load from a type with no packed layout of its own. The K-quants, 256 weights a block:
-   Q4_K (type 12) {f32 d, f32 dmin, u8 sc[8], u8 mn[8], qs[128]}: sub-block s is d*sc[s] * q - dmin*mn[s], its
-   nibbles the low (s even) or high (s odd) halves of qs[32 (s/2) ..][0..32);
-   Q5_K (type 13) the same with qh[32] before qs: bit s of qh[i] is the fifth bit of weight i of sub-block s;
-   Q6_K (type 14) {f32 d, s8 sc[16], ql[128], qh[64]}: group g of 16 weights is d*sc[g] * (q - 32); sub-block s
-   (half s/4, quarter k = s%4) takes its low 4 bits from ql[64 half + 32 (k%2) ..] (low nibbles for k < 2) and
-   its high 2 from bits 2k, 2k+1 of qh[32 half ..].
+   Q4_K (type 12) {f32 d, f32 dmin, u8 sc[8], u8 mn[8], qs[128]}: sub-block s is d*sc[s] * q - dmin*mn[s]; byte
+   8s + e of qs's half h (64 bytes) holds its weights 16h + e (low nibble) and 16h + 8 + e (high), so the 4-byte
+   lanes of a 64-byte load each hold one sub-block's weights (kernels/qmatmul_vnni.h sums a lane in integers);
+   Q5_K (type 13) {f32 d, f32 dmin, u8 sc[8], u8 mn[8], qh[32], qs[128]}, its integers in GGUF's order: sub-block
+   s's nibbles the low (s even) or high (s odd) halves of qs[32 (s/2) ..][0..32), bit s of qh[i] the fifth bit of
+   its weight i;
+   Q6_K (type 14) {f32 d, s8 sc[16], ql[128], qh[64]}: group g of 16 weights is d*sc[g] * (q - 32); its weight
+   4c + k takes its low 4 bits from byte 4g + k of ql's half c/2 (the low nibble for even c) and its high 2 from
+   bits 2c, 2c+1 of qh[4g + k]: lane g of a 64-byte load holds group g's weights.
    Every weight comes out as the reference's float32 (models/quant.py dequantize): each product of integers and
    f16-derived scales is exact in float32, so a fused multiply-add rounds where the reference's add does. */
 #ifndef TG_QUANT_H
@@ -91,10 +94,16 @@ INL v16 nib16(i16 q, float a, float b) {
 #endif
 }
 
+/* 16 nibbles from 8 bytes: the low nibbles, then the high ones (the value of each lane's low 4 bits) */
+INL i16 nibbles8(const unsigned char *p) {
+  i8 b = __builtin_convertvector(*(const u8 *)p, i8);
+  const i16 sh = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+  return __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7) >> sh;
+}
+
 INL void dq12(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
-  const unsigned char *q = p + 24 + (s >> 1) * 32;
-  int sh = (s & 1) * 4;
-  *lo = nib16(bytes16(q) >> sh, st->a[s], st->b[s]); *hi = nib16(bytes16(q + 16) >> sh, st->a[s], st->b[s]);
+  const unsigned char *q = p + 24 + 8 * s;
+  *lo = nib16(nibbles8(q), st->a[s], st->b[s]); *hi = nib16(nibbles8(q + 64), st->a[s], st->b[s]);
 }
 
 INL void dq13(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
@@ -112,12 +121,22 @@ INL void prep14(const unsigned char *p, dqs *st) {
   *(v16 *)st->a = __builtin_convertvector(*(const s16 *)(p + 4), v16) * *(const float *)p;
 }
 
+/* the 16 weights of group g: weight 4c + k from byte 4g + k of ql's half c / 2 (its nibble c % 2) and bits 2c, 2c + 1
+   of byte 4g + k of qh */
+INL i16 q6group(const unsigned char *p, int g) {
+  i8 l0 = __builtin_convertvector(*(const u8 *)(p + 20 + 4 * (g & ~1)), i8);
+  i8 l1 = __builtin_convertvector(*(const u8 *)(p + 84 + 4 * (g & ~1)), i8);
+  i8 h = __builtin_convertvector(*(const u8 *)(p + 148 + 4 * (g & ~1)), i8);
+  const i16 lsh = {0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4}, hsh = {0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6};
+  i16 low = g & 1 ? __builtin_shufflevector(l0, l1, 4, 5, 6, 7, 4, 5, 6, 7, 12, 13, 14, 15, 12, 13, 14, 15)
+                  : __builtin_shufflevector(l0, l1, 0, 1, 2, 3, 0, 1, 2, 3, 8, 9, 10, 11, 8, 9, 10, 11);
+  i16 high = g & 1 ? __builtin_shufflevector(h, h, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7)
+                   : __builtin_shufflevector(h, h, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  return ((low >> lsh) & 15) | (((high >> hsh) & 3) << 4);
+}
+
 INL void dq14(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
-  int half = s >> 2, k = s & 3, sl = (k >> 1) * 4;
-  const unsigned char *ql = p + 20 + half * 64 + (k & 1) * 32, *qh = p + 148 + half * 32;
-  i16 q0 = ((bytes16(ql) >> sl) & 15) | (((bytes16(qh) >> (2 * k)) & 3) << 4);
-  i16 q1 = ((bytes16(ql + 16) >> sl) & 15) | (((bytes16(qh + 16) >> (2 * k)) & 3) << 4);
-  *lo = fv(q0 - 32) * st->a[2 * s]; *hi = fv(q1 - 32) * st->a[2 * s + 1];
+  *lo = fv(q6group(p, 2 * s) - 32) * st->a[2 * s]; *hi = fv(q6group(p, 2 * s + 1) - 32) * st->a[2 * s + 1];
 }
 
 /* Runtime-typed helpers, for code that reads few weights (an embedding row, a test): a constant t folds each
