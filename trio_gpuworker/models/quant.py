@@ -4,12 +4,13 @@ dequantises those). Numpy only.
 Every quantised type is blocks of small integers q with a float32 scale (and for some an offset) per group of
 weights, w = scale * q (+ offset): `dequantize` computes exactly that, rounding as the `gguf` package's dequantiser
 does, so both give the same float32 bits (tests/test_gguf_types.py). The kernels read packed layouts of their own
-(LAYOUTS; kernels/quant.h decodes each): three of 32 weights, Q4_1 {f32 d, f32 m, 16 nibble bytes}, Q8_0 {f32 d,
-32 int8} and F32 {32 floats}, and the K-quants' 256-weight blocks with their f16 scales widened to f32, Q4_K {f32 d,
+(LAYOUTS; kernels/quant.h decodes each): two of 32 weights, Q8_0 {f32 d, 32 int8} and F32 {32 floats}; Q4_1 in
+256-weight blocks {f16 d[8], f16 m[8], 128 nibble bytes}, a row's last blocks, where it is not whole 256-weight
+blocks, as GGUF's own 20 bytes (TAIL); and the K-quants' 256-weight blocks with their f16 scales widened to f32, Q4_K {f32 d,
 f32 dmin, 8 sub-block scales, 8 mins, 128 nibble bytes}, Q5_K (the same, then the 32 fifth-bit bytes before the
 nibbles) and Q6_K {f32 d, 16 int8 scales, 128 low-nibble bytes, 64 high-bit bytes}; Q4_K's and Q6_K's integers in an
-order of their own, where each 4-byte lane of a 64-byte load holds one sub-block's (Q4_K) or group's (Q6_K) weights
-(kernels/quant.h). Q4_0 and Q5_0 pack as Q8_0
+order of their own (Q4_1's as Q4_K's), where each 4-byte lane of a 64-byte load holds one sub-block's (Q4_1, Q4_K)
+or group's (Q6_K) weights (kernels/quant.h). Q4_0 and Q5_0 pack as Q8_0
 with the same scale; every integer keeps its bits, so the kernels compute with the type's exact weights (q*d is
 exact in float32 and q*d + m rounds once, as the dequantiser's does). F16, BF16 and Q5_1 are dequantised at load
 and packed as F32.
@@ -24,7 +25,10 @@ import numpy as np
 from ..gguf_file import BF16, BLOCKS, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, type_name
 
 # the kernels' packed layouts, named by GGML type: (weights, bytes) per block (kernels/quant.h BW_t and BS_t)
-LAYOUTS = {F32: (32, 128), Q4_1: (32, 24), Q8_0: (32, 36), Q4_K: (256, 152), Q5_K: (256, 184), Q6_K: (256, 212)}
+LAYOUTS = {F32: (32, 128), Q4_1: (256, 160), Q8_0: (32, 36), Q4_K: (256, 152), Q5_K: (256, 184), Q6_K: (256, 212)}
+# bytes of each 32-weight block after a row's whole blocks, by layout (kernels/quant.h TBS_t): a Q4_1 row that is not
+# whole 256-weight blocks ends in GGUF's own Q4_1 blocks
+TAIL = {Q4_1: 20}
 G = 4  # rows per kernel tile, and per interleaved group of packed rows
 # the packed layout each GGML type takes in the kernels; a type not here is dequantised to F32
 KERNEL_TYPE = {Q4_1: Q4_1, Q4_K: Q4_K, Q5_K: Q5_K, Q6_K: Q6_K, Q8_0: Q8_0, Q4_0: Q8_0, Q5_0: Q8_0}
@@ -152,11 +156,28 @@ def _f32(b: np.ndarray) -> np.ndarray:
     return _f16(b).view(np.uint8)
 
 
-def _lanes_q4_k(b: np.ndarray) -> np.ndarray:
-    """Q4_K's 128 nibble bytes (n, 128) -> the kernels' order: byte 8s + e of half h holds weights 16h + e (low
-    nibble) and 16h + 8 + e (high) of sub-block s, so each 4-byte lane of a 64-byte load stays in one sub-block."""
-    q = _k_low(b).reshape(-1, 8, 2, 2, 8)  # sub-block s, half h, nibble, e
+def _lanes4(q: np.ndarray) -> np.ndarray:
+    """4-bit weights (n, 8 sub-blocks, 32) -> 128 bytes in the kernels' order: byte 8s + e of half h holds weights
+    16h + e (low nibble) and 16h + 8 + e (high) of sub-block s, so each 4-byte lane of a 64-byte load stays in one
+    sub-block."""
+    q = q.reshape(-1, 8, 2, 2, 8)  # sub-block s, half h, nibble, e
     return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(0, 2, 1, 3).reshape(-1, 128)
+
+
+def _lanes_q4_k(b: np.ndarray) -> np.ndarray:
+    """Q4_K's 128 nibble bytes (n, 128) -> the kernels' order (_lanes4)."""
+    return _lanes4(_k_low(b))
+
+
+def _native_q4_1(raw: np.ndarray, rows: int) -> np.ndarray:
+    """GGUF Q4_1 rows -> the kernels' layout (module docstring): each 8 blocks {f16 d[8], f16 m[8], 128 nibble bytes
+    in _lanes4's order}, then the row's last blocks, if it is not whole 256-weight blocks, as they are."""
+    b = raw.reshape(rows, -1, 20)
+    whole = b.shape[1] // 8 * 8
+    sb = b[:, :whole].reshape(-1, 8, 20)
+    q = _nibbles(sb[:, :, 4:].reshape(-1, 16)).reshape(-1, 8, 32)
+    head = [sb[:, :, 0:2].reshape(-1, 16), sb[:, :, 2:4].reshape(-1, 16), _lanes4(q)]
+    return np.concatenate([np.concatenate(head, axis=1).reshape(rows, -1), b[:, whole:].reshape(rows, -1)], axis=1)
 
 
 def _lanes_q6_k(b: np.ndarray) -> np.ndarray:
@@ -192,23 +213,30 @@ def pack(typ: int, raw: np.ndarray, rows: int, to: int | None = None) -> np.ndar
                          f"{type_name(kernel_type(typ))})")
     if to in (Q4_K, Q5_K, Q6_K):
         return _native_k(typ, raw.reshape(-1, BLOCKS[typ][1])).reshape(rows, -1)
+    if to == Q4_1:
+        return _native_q4_1(raw, rows)
     g = groups(typ, raw)
     q = g.q.astype(np.int8).view(np.uint8)
-    if to == Q4_1:
-        assert g.offset is not None
-        return np.concatenate([g.scale.view(np.uint8), g.offset.view(np.uint8), q[:, :16] | q[:, 16:] << 4],
-                              axis=1).reshape(rows, -1)
     return np.concatenate([g.scale.view(np.uint8), q], axis=1).reshape(rows, -1)
 
 
 def group(typ: int, rows: np.ndarray) -> np.ndarray:
     """(rows, row bytes) in packed layout `typ` -> flat bytes with the blocks of each G consecutive rows side by
-    side: a kernel working on G rows at once then reads one sequential stream (G separate row streams ran 3x
-    slower)."""
-    if rows.shape[0] % G:
-        raise ValueError(f"matrix rows ({rows.shape[0]}) must be a multiple of {G}")
+    side (a row's whole blocks, then its tail's: TAIL): a kernel working on G rows at once then reads one
+    sequential stream (G separate row streams ran 3x slower)."""
+    n, width = rows.shape
+    if n % G:
+        raise ValueError(f"matrix rows ({n}) must be a multiple of {G}")
     block = LAYOUTS[typ][1]
-    return np.ascontiguousarray(rows.reshape(rows.shape[0] // G, G, -1, block).transpose(0, 2, 1, 3)).reshape(-1)
+    whole = width // block * block  # a tail is under one block's bytes (7 Q4_1 blocks: 140 < 160)
+
+    def side_by_side(part: np.ndarray, size: int) -> np.ndarray:
+        return part.reshape(n // G, G, -1, size).transpose(0, 2, 1, 3).reshape(n // G, -1)
+
+    parts = [side_by_side(rows[:, :whole], block)]
+    if whole < width:
+        parts.append(side_by_side(rows[:, whole:], TAIL[typ]))
+    return np.ascontiguousarray(np.concatenate(parts, axis=1)).reshape(-1)
 
 
 def f32(typ: int, raw: np.ndarray) -> np.ndarray:

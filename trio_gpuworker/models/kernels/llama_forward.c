@@ -78,7 +78,7 @@
 
 /* rows [o0, o1) of a layer matrix of layout t (nb sub-blocks a row, packed from w) times the n rows of x: one
    out-of-line copy, emitted after the kernel's entry point (tinygrad runs the first code of the image) */
-#define MM_CASE(t) case t: CAT(mml, t)(y + o0, ys, x, xs, w + (long)o0 * (nb / SUBS(t)) * BS(t), o1 - o0, nb, n); break;
+#define MM_CASE(t) case t: CAT(mml, t)(y + o0, ys, x, xs, w + o0 * ROWB(t, nb), o1 - o0, nb, n); break;
 static __attribute__((noinline)) void mm_layer(int t, float *restrict y, int ys, const float *restrict x, int xs,
                                                const unsigned char *restrict w, int o0, int o1, int nb, int n) {
   switch (t) {
@@ -144,7 +144,7 @@ INL void part_mm(const long *lay, int l, int p, const unsigned char *w, float *y
 }
 
 /* Threads split each matmul by output rows (each row's sums unchanged, so the result is bit for bit one thread's),
-   the attention by rows of the chunk; the row-wise rest runs on thread 0. Barriers between the phases. */
+   the attention by query heads; the row-wise rest runs on thread 0. Barriers between the phases. */
 INL void run(job *j, team_t *tm, int tid) {
   int *restrict out = j->out; float *restrict scr = j->scr, *restrict cache = j->cache; const int *restrict ids = j->ids;
   const unsigned char *restrict embd = j->embd, *restrict wqkv = j->wqkv, *restrict wo = j->wo, *restrict wgu = j->wgu;
@@ -190,34 +190,36 @@ INL void run(job *j, team_t *tm, int tid) {
       }
     }
     SYNC;  /* a prefill chunk's rows attend to the rows cached before them */
-    /* the H / KV query heads sharing a KV head go together: each cached K and V row is read once */
-    for (int tg = tid; tg < n * KV; tg += nt) {
-      int t = tg / KV, g = tg % KV;
+    /* each thread takes an equal share of the n * H query heads (row t, KV head g, query head r of g in order);
+       the heads of one KV head in a share go together, so each cached K and V row is read once a share */
+    const int hq0 = n * H * tid / nt, hq1 = n * H * (tid + 1) / nt;
+    for (int tg = hq0 / GQ; tg * GQ < hq1; tg++) {
+      int t = tg / KV, g = tg % KV, r0 = hq0 - tg * GQ > 0 ? hq0 - tg * GQ : 0, r1 = hq1 - tg * GQ < GQ ? hq1 - tg * GQ : GQ;
       int pos = ps[t]; const float *kc = KC(t), *vc = VC(t), *q = qkv + t * NQKV + g * GQ * HD;
       /* the reference divides float32 scores by a float64 sqrt, so its softmax runs in float64 */
       double mx[GQ], sum[GQ], o[GQ][HD];
-      for (int r = 0; r < GQ; r++) { mx[r] = -__builtin_inf(); sum[r] = 0; for (int i = 0; i < HD; i++) o[r][i] = 0; }
+      for (int r = r0; r < r1; r++) { mx[r] = -__builtin_inf(); sum[r] = 0; for (int i = 0; i < HD; i++) o[r][i] = 0; }
       for (int j = 0; j <= pos; j++) {
         const float *k = kc + ((long)g * S + j) * HD;
-        for (int r = 0; r < GQ; r++) {
+        for (int r = r0; r < r1; r++) {
           v16 d = (v16)0;
           for (int i = 0; i < HD; i += 16) d += *(const v16 *)(q + r * HD + i) * *(const v16 *)(k + i);
           sc[r][j] = hsum(d) / SQRT_HD; mx[r] = sc[r][j] > mx[r] ? sc[r][j] : mx[r];
         }
       }
-      for (int r = 0; r < GQ; r++) {
+      for (int r = r0; r < r1; r++) {
         for (int j = pos + 1; j < pos + 8; j++) sc[r][j] = mx[r];
         for (int j = 0; j <= pos; j += 8) *(v8d *)(sc[r] + j) = vexp(*(v8d *)(sc[r] + j) - mx[r]);
         for (int j = 0; j <= pos; j++) sum[r] += sc[r][j];
       }
       for (int j = 0; j <= pos; j++) {
         const float *vv = vc + ((long)g * S + j) * HD;
-        for (int r = 0; r < GQ; r++) {
+        for (int r = r0; r < r1; r++) {
           double p = sc[r][j] / sum[r];
           for (int i = 0; i < HD; i++) o[r][i] += p * vv[i];
         }
       }
-      for (int r = 0; r < GQ; r++) for (int i = 0; i < HD; i++) ao[t * QD + (g * GQ + r) * HD + i] = (float)o[r][i];
+      for (int r = r0; r < r1; r++) for (int i = 0; i < HD; i++) ao[t * QD + (g * GQ + r) * HD + i] = (float)o[r][i];
     }
     SYNC;
     part_mm(lay, l, PART_O, wo, h, D, ao, QD, D, QD / 32, n, tid, nt, &o0, &o1);
@@ -242,7 +244,7 @@ INL void run(job *j, team_t *tm, int tid) {
   if (tid == 0) for (int t = 0; t < nh; t++) rmsnorm(h + t * D, x + (first + t) * D, on, D, EPS);
   SYNC;
   share(V, tid, nt, &o0, &o1);
-  mmh(lg + o0, V, h, D, wout + (long)o0 * (D / 32 / SUBS(TYPE_OUT)) * BS(TYPE_OUT), o1 - o0, D / 32, nh);
+  mmh(lg + o0, V, h, D, wout + o0 * ROWB(TYPE_OUT, D / 32), o1 - o0, D / 32, nh);
   SYNC;
   if (tid == 0) for (int t = 0; t < (HEADS == 1 ? 1 : n); t++) {
     const float *l = lg + (long)t * V;

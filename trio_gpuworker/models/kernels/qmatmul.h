@@ -21,7 +21,7 @@
 #define QMM_SUBS SUBS(QMM_TYPE)
 _Static_assert(QMM_NT >= 1 && QMM_NT <= 4, "qmatmul.h: a last tile takes at most 3 rows, so QMM_NT is 1 to 4");
 
-#if defined(__AVX512VNNI__) && QMM_SPLIT && (QMM_TYPE == 12 || QMM_TYPE == 14)
+#if defined(__AVX512VNNI__) && QMM_SPLIT && (QMM_TYPE == 3 || QMM_TYPE == 12 || QMM_TYPE == 14)
 /* a decode step's K-quant matmul in integers (kernels/qmatmul_vnni.h) */
 #include "qmatmul_vnni.h"
 #elif defined(__AVX512F__)
@@ -35,7 +35,7 @@ INL void CAT(QMM_NAME, _tile)(float *restrict y, int ys, const float *restrict x
     const unsigned char *gb = g + (long)(b * G + r0) * BS(QMM_TYPE);
     /* a prefetch 4 groups ahead pays in a multi-row tile (bench/decode_steps.py on a Zen 4: 4 rows 7% faster, the
        prefill 1.6%), not in a one-row pass (9% slower in one run) */
-    if (QMM_NT > 1) __builtin_prefetch(gb + (long)4 * G * (nb / QMM_SUBS) * BS(QMM_TYPE));
+    if (QMM_NT > 1) __builtin_prefetch(gb + 4 * G * ROWB(QMM_TYPE, nb));
     dqs st[QMM_GR];
     for (int r = 0; r < QMM_GR; r++) PREP(QMM_TYPE)(gb + r * BS(QMM_TYPE), &st[r]);
     for (int s = 0; s < QMM_SUBS; s++) {
@@ -49,13 +49,26 @@ INL void CAT(QMM_NAME, _tile)(float *restrict y, int ys, const float *restrict x
       }
     }
   }
+#if TBS(QMM_TYPE)
+  /* the rows' tails */
+  const unsigned char *tg = g + (long)(nb / QMM_SUBS) * G * BS(QMM_TYPE);
+  for (int u = 0; u < nb % QMM_SUBS; u++) {
+    v16 wl[QMM_GR], wh[QMM_GR];
+    for (int r = 0; r < QMM_GR; r++) DQT(QMM_TYPE)(tg + (long)(u * G + r0 + r) * TBS(QMM_TYPE), &wl[r], &wh[r]);
+    for (int j = 0; j < k; j++) {
+      const float *xp = x + j * xs + (nb / QMM_SUBS * QMM_SUBS + u) * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
+      for (int r = 0; r < QMM_GR; r++) if (QMM_SPLIT) { acc[r][j] += wl[r] * xl; acc2[r][j] += wh[r] * xh; }
+                                       else { acc[r][j] += wl[r] * xl; acc[r][j] += wh[r] * xh; }
+    }
+  }
+#endif
   for (int r = 0; r < QMM_GR; r++) for (int j = 0; j < k; j++) y[j * ys + r0 + r] = hsum(acc[r][j] + acc2[r][j]);
 }
 
 INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
                   const unsigned char *restrict w, int O, int nb, int n) {
   for (int o = 0; o < O; o += G) {
-    const unsigned char *g = w + (long)o * (nb / QMM_SUBS) * BS(QMM_TYPE);
+    const unsigned char *g = w + o * ROWB(QMM_TYPE, nb);
     for (int r0 = 0; r0 < G; r0 += QMM_GR) {
       int t = 0;
       for (; t + QMM_NT <= n; t += QMM_NT) CAT(QMM_NAME, _tile)(y + t * ys + o, ys, x + t * xs, xs, g, r0, nb, QMM_NT);
@@ -68,9 +81,10 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
   }
 }
 #else
-/* rows x[t..t+k) against W row wr: k (1 to 4) a constant wherever this is inlined */
+/* rows x[t..t+k) against W row r of the group at g: k (1 to 4) a constant wherever this is inlined */
 INL void CAT(QMM_NAME, _rows)(float *restrict y, int ys, const float *restrict x, int xs,
-                              const unsigned char *restrict wr, int nb, int k) {
+                              const unsigned char *restrict g, int r, int nb, int k) {
+  const unsigned char *restrict wr = g + (long)r * BS(QMM_TYPE);
   v16 acc[4], acc2[4];
   for (int j = 0; j < k; j++) acc[j] = acc2[j] = (v16)0;
   /* 4 rows x 2 accumulators would spill: with QMM_SPLIT and k > 2, the low halves of every block, then the high
@@ -78,7 +92,7 @@ INL void CAT(QMM_NAME, _rows)(float *restrict y, int ys, const float *restrict x
   const int passes = QMM_SPLIT && k > 2 ? 2 : 1;
   for (int pass = 0; pass < passes; pass++) for (int b = 0; b < nb / QMM_SUBS; b++) {
     const unsigned char *p = wr + (long)b * G * BS(QMM_TYPE);
-    if (pass == 0) __builtin_prefetch(p + (long)4 * G * (nb / QMM_SUBS) * BS(QMM_TYPE));
+    if (pass == 0) __builtin_prefetch(p + 4 * G * ROWB(QMM_TYPE, nb));
     dqs st;
     PREP(QMM_TYPE)(p, &st);
     for (int s = 0; s < QMM_SUBS; s++) {
@@ -92,19 +106,32 @@ INL void CAT(QMM_NAME, _rows)(float *restrict y, int ys, const float *restrict x
       }
     }
   }
+#if TBS(QMM_TYPE)
+  /* the row's tail */
+  for (int pass = 0; pass < passes; pass++) for (int u = 0; u < nb % QMM_SUBS; u++) {
+    v16 wl, wh;
+    DQT(QMM_TYPE)(g + (long)(nb / QMM_SUBS) * G * BS(QMM_TYPE) + (long)(u * G + r) * TBS(QMM_TYPE), &wl, &wh);
+    for (int j = 0; j < k; j++) {
+      const float *xp = x + j * xs + (nb / QMM_SUBS * QMM_SUBS + u) * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
+      if (passes == 2) { if (pass == 0) acc[j] += wl * xl; else acc2[j] += wh * xh; }
+      else if (QMM_SPLIT) { acc[j] += wl * xl; acc2[j] += wh * xh; }
+      else { acc[j] += wl * xl; acc[j] += wh * xh; }
+    }
+  }
+#endif
   for (int j = 0; j < k; j++) y[j * ys] = hsum(acc[j] + acc2[j]);
 }
 
 INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
                   const unsigned char *restrict w, int O, int nb, int n) {
   for (int o = 0; o < O; o += G) for (int r = 0; r < G; r++) {
-    const unsigned char *wr = w + ((long)o * (nb / QMM_SUBS) + r) * BS(QMM_TYPE);
+    const unsigned char *g = w + o * ROWB(QMM_TYPE, nb);
     int t = 0;
-    for (; t + 4 <= n; t += 4) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 4);
-    /* the tail in one pass, so each W row is dequantised once for it */
-    if (n - t == 3) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 3);
-    if (n - t == 2) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 2);
-    if (n - t == 1) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, wr, nb, 1);
+    for (; t + 4 <= n; t += 4) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, g, r, nb, 4);
+    /* the rows of x left in one pass, so each W row is dequantised once for them */
+    if (n - t == 3) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, g, r, nb, 3);
+    if (n - t == 2) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, g, r, nb, 2);
+    if (n - t == 1) CAT(QMM_NAME, _rows)(y + t * ys + o + r, ys, x + t * xs, xs, g, r, nb, 1);
   }
 }
 #endif

@@ -45,7 +45,7 @@ INL int isum(i16 a) { i8 b = a.lo + a.hi; return b[0] + b[1] + b[2] + b[3] + b[4
 
 /* the bytes of 16 X (x 16 i .. 16 i + 15 of a block) into level l of q, in layout t's order */
 INL void xq_put(signed char *l, s16 b, int t, int i) {
-  if (t == 12) {
+  if (t != 14) {
     int at = 128 * (i & 1) + 8 * (i >> 1);
     *(sb8 *)(l + at) = b.lo; *(sb8 *)(l + at + 64) = b.hi;
   } else {
@@ -54,8 +54,8 @@ INL void xq_put(signed char *l, s16 b, int t, int i) {
   }
 }
 
-/* the bits of X: a lane sums 16 products q X in int32, q < 16 (Q4_K) or < 64 (Q6_K) */
-#define XQ_BITS(t) ((t) == 12 ? 22 : 21)
+/* the bits of X: a lane sums 16 products q X in int32, q < 16 (Q4_1, Q4_K) or < 64 (Q6_K) */
+#define XQ_BITS(t) ((t) == 14 ? 21 : 22)
 
 /* nblk blocks of one row of x, for layout t. A block whose largest |x| is under 2^-105 reads as zeros; one with
    an infinity or NaN gets e = NaN, so its rows' sums are NaN as the float instance's are */
@@ -98,16 +98,23 @@ INL void vprep12(const unsigned char *p, v16 *a, v16 *m) {
   *a = __builtin_shufflevector(sc, sc, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   *m = __builtin_shufflevector(mn, mn, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
 }
+INL void vprep3(const unsigned char *p, v16 *a, v16 *m) {
+  v8 d = f16x8(p), mn = f16x8(p + 16);
+  *a = __builtin_shufflevector(d, d, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  *m = __builtin_shufflevector(mn, mn, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+}
 INL void vprep14(const unsigned char *p, v16 *a, v16 *m) {
   *a = __builtin_convertvector(*(const s16 *)(p + 4), v16) * *(const float *)p;
   *m = *a * -32.f;
 }
 
-/* chunk c's 64 weight integers: lane i holds 4 weights of sub-block i / 2 (Q4_K) or group i (Q6_K) */
-INL vub vw12(const unsigned char *p, int c) {
-  vub raw = *(const vub *)(p + 24 + 64 * (c >> 1));
+/* chunk c's 64 weight integers: lane i holds 4 weights of sub-block i / 2 (Q4_1, Q4_K) or group i (Q6_K) */
+INL vub vnib(const unsigned char *q, int c) {
+  vub raw = *(const vub *)(q + 64 * (c >> 1));
   return c & 1 ? (vub)((vdi)raw >> 4) & 15 : raw & 15;
 }
+INL vub vw3(const unsigned char *p, int c) { return vnib(p + 32, c); }
+INL vub vw12(const unsigned char *p, int c) { return vnib(p + 24, c); }
 INL vub vw14(const unsigned char *p, int c) {
   vub ql = *(const vub *)(p + 20 + 64 * (c >> 1)), qh = *(const vub *)(p + 148);
   vub low = c & 1 ? (vub)((vdi)ql >> 4) & 15 : ql & 15;
@@ -129,13 +136,15 @@ INL vub vw14(const unsigned char *p, int c) {
 /* the k rows of x quantised at xq (nblk blocks each) against W rows r0..r0+QMV_GR of the group at g. For each
    block: each lane's sums of q times the three bytes of X (level 2 the top byte), over the block's 4 chunks; then
    their exact sum q X (mod 2^32, and the true sum fits: 16 q X in a lane, |X| <= 2^XQ_BITS), to float32 once */
-INL void CAT(QMM_NAME, _vtile)(float *restrict y, int ys, const xqb *restrict xq, int nblk,
-                               const unsigned char *restrict g, int r0, int k) {
+INL void CAT(QMM_NAME, _vtile)(float *restrict y, int ys, const xqb *restrict xq, const float *restrict x, int xs,
+                               int nb, const unsigned char *restrict g, int r0, int k) {
+  const int nblk = nb / 8;
+  /* the group's bytes QMV_AHEAD on (a tile over its first rows: the tiles over the rest follow it) */
+  if (r0 == 0) for (long i = 0; i < G * ROWB(QMM_TYPE, nb); i += 64) __builtin_prefetch(g + QMV_AHEAD + i, 0, 1);
   v16 acc[QMV_GR][QMM_NT];
   for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) acc[r][j] = (v16)0;
   for (int b = 0; b < nblk; b++) {
     const unsigned char *gb = g + (long)(b * G + r0) * BS(QMM_TYPE);
-    for (int i = 0; i < QMV_GR * BS(QMM_TYPE); i += 64) __builtin_prefetch(gb + QMV_AHEAD + i, 0, 1);
     vsi s0[QMV_GR][QMM_NT], s1[QMV_GR][QMM_NT], s2[QMV_GR][QMM_NT];
     for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) s0[r][j] = s1[r][j] = s2[r][j] = (vsi){0};
     for (int c = 0; c < 4; c++) {
@@ -161,6 +170,18 @@ INL void CAT(QMM_NAME, _vtile)(float *restrict y, int ys, const xqb *restrict xq
       }
     }
   }
+#if TBS(QMM_TYPE)
+  /* the rows' tails (Q4_1 blocks after the whole ones), in float32 against x itself, as the float instance does */
+  const unsigned char *tg = g + (long)nblk * G * BS(QMM_TYPE);
+  for (int u = 0; u < nb % 8; u++) {
+    v16 wl[QMV_GR], wh[QMV_GR];
+    for (int r = 0; r < QMV_GR; r++) DQT(QMM_TYPE)(tg + (long)(u * G + r0 + r) * TBS(QMM_TYPE), &wl[r], &wh[r]);
+    for (int j = 0; j < k; j++) {
+      const float *xp = x + j * xs + (nblk * 8 + u) * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
+      for (int r = 0; r < QMV_GR; r++) acc[r][j] += wl[r] * xl + wh[r] * xh;
+    }
+  }
+#endif
   for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) y[j * ys + r0 + r] = hsum(acc[r][j]);
 }
 
@@ -169,18 +190,21 @@ INL void QMM_NAME(float *restrict y, int ys, const float *restrict x, int xs,
   const int nblk = nb / 8;
   for (int t0 = 0; t0 < n; t0 += XQ_ROWS) {
     const int rows = n - t0 < XQ_ROWS ? n - t0 : XQ_ROWS;
-    xqb xq[XQ_ROWS * nblk];
+    xqb xq[XQ_ROWS * nblk + 1];  /* + 1: a row of only a tail has no whole block */
     for (int j = 0; j < rows; j++) xq_row(xq + j * nblk, x + (long)(t0 + j) * xs, nblk, QMM_TYPE);
+    const float *xt = x + (long)t0 * xs;
     for (int o = 0; o < O; o += G) {
-      const unsigned char *g = w + (long)o * nblk * BS(QMM_TYPE);
+      const unsigned char *g = w + o * ROWB(QMM_TYPE, nb);
       float *yo = y + (long)t0 * ys + o;
+      #define VT(t, k) CAT(QMM_NAME, _vtile)(yo + (t) * ys, ys, xq + (t) * nblk, xt + (long)(t) * xs, xs, nb, g, r0, k)
       for (int r0 = 0; r0 < G; r0 += QMV_GR) {
         int t = 0;
-        for (; t + QMM_NT <= rows; t += QMM_NT) CAT(QMM_NAME, _vtile)(yo + t * ys, ys, xq + t * nblk, nblk, g, r0, QMM_NT);
-        if (QMM_NT > 3 && rows - t == 3) CAT(QMM_NAME, _vtile)(yo + t * ys, ys, xq + t * nblk, nblk, g, r0, 3);
-        if (QMM_NT > 2 && rows - t == 2) CAT(QMM_NAME, _vtile)(yo + t * ys, ys, xq + t * nblk, nblk, g, r0, 2);
-        if (QMM_NT > 1 && rows - t == 1) CAT(QMM_NAME, _vtile)(yo + t * ys, ys, xq + t * nblk, nblk, g, r0, 1);
+        for (; t + QMM_NT <= rows; t += QMM_NT) VT(t, QMM_NT);
+        if (QMM_NT > 3 && rows - t == 3) VT(t, 3);
+        if (QMM_NT > 2 && rows - t == 2) VT(t, 2);
+        if (QMM_NT > 1 && rows - t == 1) VT(t, 1);
       }
+      #undef VT
     }
   }
 }

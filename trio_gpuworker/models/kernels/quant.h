@@ -1,8 +1,10 @@
 /* Packed GGUF blocks (models/quant.py LAYOUTS) dequantised in registers. A block of layout t holds BW(t) weights in
    BS(t) bytes, SUBS(t) sub-blocks of 32: PREP(t)(p, &st) unpacks what the block's sub-blocks share (the K-quants'
    scales, widened once per block), then DQ(t)(p, &st, s, &lo, &hi) gives the 32 weights of sub-block s.
-   Q4_1 (type 3): {f32 d, f32 m, 16 nibble bytes}; Q8_0 (type 8): {f32 d, 32 int8}; F32 (type 0): the 32 weights,
-   dequantised at load from a type with no packed layout of its own. The K-quants, 256 weights a block:
+   Q8_0 (type 8): {f32 d, 32 int8}; F32 (type 0): the 32 weights, dequantised at load from a type with no packed
+   layout of its own. Q4_1 (type 3), 256 weights a block: {f16 d[8], f16 m[8], qs[128]}: sub-block s is d[s] * q +
+   m[s], its nibbles as Q4_K's below; a row that is not whole blocks ends in a tail of GGUF's own 20-byte Q4_1
+   blocks (TBS: DQT(t)(p, &lo, &hi) gives one's 32 weights). The K-quants, 256 weights a block:
    Q4_K (type 12) {f32 d, f32 dmin, u8 sc[8], u8 mn[8], qs[128]}: sub-block s is d*sc[s] * q - dmin*mn[s]; byte
    8s + e of qs's half h (64 bytes) holds its weights 16h + e (low nibble) and 16h + 8 + e (high), so the 4-byte
    lanes of a 64-byte load each hold one sub-block's weights (kernels/qmatmul_vnni.h sums a lane in integers);
@@ -19,20 +21,30 @@
 #include "vec.h"
 
 #define BS_0 128  /* packed bytes per block, by layout */
-#define BS_3 24
+#define BS_3 160
 #define BS_8 36
 #define BS_12 152
 #define BS_13 184
 #define BS_14 212
 #define BW_0 32  /* weights per block */
-#define BW_3 32
+#define BW_3 256
 #define BW_8 32
 #define BW_12 256
 #define BW_13 256
 #define BW_14 256
+#define TBS_0 0  /* bytes per 32-weight block of a row's tail (the sub-blocks after its whole blocks), by layout */
+#define TBS_3 20
+#define TBS_8 0
+#define TBS_12 0
+#define TBS_13 0
+#define TBS_14 0
 #define BS(t) CAT(BS_, t)
+#define TBS(t) CAT(TBS_, t)
 #define SUBS(t) (CAT(BW_, t) / 32)
+/* bytes of a row of nb sub-blocks: its whole blocks, then its tail */
+#define ROWB(t, nb) ((long)(nb) / SUBS(t) * BS(t) + (long)(nb) % SUBS(t) * TBS(t))
 #define DQ(t) CAT(dq, t)
+#define DQT(t) CAT(dqt, t)
 #define PREP(t) CAT(prep, t)
 
 /* what a block's sub-blocks share: per sub-block (or 16-weight group) scales a and offsets b */
@@ -42,25 +54,45 @@ INL i16 bytes16(const unsigned char *p) { return __builtin_convertvector(*(const
 INL v16 fv(i16 q) { return __builtin_convertvector(q, v16); }
 
 INL void prep0(const unsigned char *p, dqs *st) { (void)p; (void)st; }
-INL void prep3(const unsigned char *p, dqs *st) { (void)p; (void)st; }
 INL void prep8(const unsigned char *p, dqs *st) { (void)p; (void)st; }
 
-INL void dq3(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
-  (void)st; (void)s;
-  float d = ((const float *)p)[0], m = ((const float *)p)[1];
+typedef short hs8 __attribute__((vector_size(16), aligned(1)));
+typedef short hs4 __attribute__((vector_size(8), aligned(1)));
+/* 8 f16 values at p, as float32 (F16C; exact) */
+INL v8 f16x8(const unsigned char *p) { return (v8)__builtin_ia32_vcvtph2ps256(*(const hs8 *)p); }
+
+/* weights q*a + b of 16 nibbles (AVX-512: looked up in the sub-block's table of 16; q*a is exact in float32, a
+   4-bit q times an f16-derived a, so with or without FMA this is the reference's weight) */
+INL v16 nib16(i16 q, float a, float b) {
 #ifdef __AVX512F__
-  /* the block's 16 possible weights, looked up by nibble (vpermps reads the low 4 bits of each index) */
   const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  v16 tab = iota * d + m;  /* q*d is exact in float32 (4-bit q, f16 d): with or without FMA, the reference's weights */
-  i16 q = bytes16(p + 8);
-  *lo = __builtin_ia32_permvarsf512(tab, q); *hi = __builtin_ia32_permvarsf512(tab, q >> 4);
+  return __builtin_ia32_permvarsf512(iota * a + b, q);  /* vpermps reads the low 4 bits of each index */
 #else
-  /* each nibble byte widened to its own 32-bit lane first: masks and shifts of bytes would cost shuffles */
-  i16 q = __builtin_shufflevector(__builtin_convertvector(*(const u8 *)(p + 8), i8),
-                                  __builtin_convertvector(*(const u8 *)(p + 16), i8),
-                                  0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  *lo = fv(q & 15) * d + m; *hi = fv(q >> 4) * d + m;
+  return fv(q & 15) * a + b;
 #endif
+}
+
+/* 16 nibbles from 8 bytes: the low nibbles, then the high ones (the value of each lane's low 4 bits) */
+INL i16 nibbles8(const unsigned char *p) {
+  i8 b = __builtin_convertvector(*(const u8 *)p, i8);
+  const i16 sh = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
+  return __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7) >> sh;
+}
+
+/* Q4_1: a 256-weight block's 8 scales d and offsets m */
+INL void prep3(const unsigned char *p, dqs *st) { *(v8 *)st->a = f16x8(p); *(v8 *)st->b = f16x8(p + 16); }
+
+INL void dq3(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
+  const unsigned char *q = p + 32 + 8 * s;
+  *lo = nib16(nibbles8(q), st->a[s], st->b[s]); *hi = nib16(nibbles8(q + 64), st->a[s], st->b[s]);
+}
+
+/* a Q4_1 row's tail block, GGUF's {f16 d, f16 m, 16 nibble bytes: weights 0-15 low, 16-31 high} */
+INL void dqt3(const unsigned char *p, v16 *lo, v16 *hi) {
+  hs4 h = *(const hs4 *)p;
+  v4 dm = (v4)__builtin_ia32_vcvtph2ps(__builtin_shufflevector(h, h, 0, 1, 2, 3, 0, 1, 2, 3));
+  i16 q = bytes16(p + 4);
+  *lo = nib16(q, dm.x, dm.y); *hi = nib16(q >> 4, dm.x, dm.y);
 }
 
 INL void dq0(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
@@ -84,22 +116,6 @@ INL void prep_k(const unsigned char *p, dqs *st) {
 INL void prep12(const unsigned char *p, dqs *st) { prep_k(p, st); }
 INL void prep13(const unsigned char *p, dqs *st) { prep_k(p, st); }
 
-/* weights q*a + b of 16 nibbles (AVX-512: looked up in the sub-block's table, as dq3 does) */
-INL v16 nib16(i16 q, float a, float b) {
-#ifdef __AVX512F__
-  const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return __builtin_ia32_permvarsf512(iota * a + b, q);
-#else
-  return fv(q & 15) * a + b;
-#endif
-}
-
-/* 16 nibbles from 8 bytes: the low nibbles, then the high ones (the value of each lane's low 4 bits) */
-INL i16 nibbles8(const unsigned char *p) {
-  i8 b = __builtin_convertvector(*(const u8 *)p, i8);
-  const i16 sh = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
-  return __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7) >> sh;
-}
 
 INL void dq12(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
   const unsigned char *q = p + 24 + 8 * s;
@@ -141,16 +157,21 @@ INL void dq14(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
 
 /* Runtime-typed helpers, for code that reads few weights (an embedding row, a test): a constant t folds each
    switch away. Sub-block b (32 weights) of row r of a matrix of layout t in G-row groups (models/quant.py
-   group()), nb sub-blocks a row. */
+   group(): a group's whole blocks, then its rows' tails), nb sub-blocks a row. */
 #define LAYOUT_CASE(t, stmt) case t: { stmt; } break;
+/* a tail block: only Q4_1 rows have them */
+#define DQT_AT(T) if (TBS(T)) dqt3(gr + (long)(nb / SUBS(T)) * g * BS(T) + ((long)(b % SUBS(T)) * g + r % g) * TBS(T), lo, hi)
 INL void dq_at(int t, const unsigned char *w, long r, int nb, int b, int g, v16 *lo, v16 *hi) {
   dqs st;
   switch (t) {
-#define DQ_AT(T) const unsigned char *p = w + ((r / g * (nb / SUBS(T)) + b / SUBS(T)) * g + r % g) * BS(T); \
+#define DQ_AT(T) const unsigned char *gr = w + r / g * g * ROWB(T, nb); \
+                 if (b >= nb / SUBS(T) * SUBS(T)) { DQT_AT(T); break; } \
+                 const unsigned char *p = gr + ((long)(b / SUBS(T)) * g + r % g) * BS(T); \
                  PREP(T)(p, &st); DQ(T)(p, &st, b % SUBS(T), lo, hi)
     LAYOUT_CASE(0, DQ_AT(0)) LAYOUT_CASE(3, DQ_AT(3)) LAYOUT_CASE(8, DQ_AT(8)) LAYOUT_CASE(12, DQ_AT(12))
     LAYOUT_CASE(13, DQ_AT(13)) LAYOUT_CASE(14, DQ_AT(14))
 #undef DQ_AT
+#undef DQT_AT
   }
 }
 #endif
