@@ -6,14 +6,13 @@ weights, w = scale * q (+ offset): `dequantize` computes exactly that, rounding 
 does, so both give the same float32 bits (tests/test_gguf_types.py). The kernels read packed layouts of their own
 (LAYOUTS; kernels/quant.h decodes each): two of 32 weights, Q8_0 {f32 d, 32 int8} and F32 {32 floats}; Q4_1 in
 256-weight blocks {f16 d[8], f16 m[8], 128 nibble bytes}, a row's last blocks, where it is not whole 256-weight
-blocks, as GGUF's own 20 bytes (TAIL); and the K-quants' 256-weight blocks with their f16 scales widened to f32, Q4_K {f32 d,
-f32 dmin, 8 sub-block scales, 8 mins, 128 nibble bytes}, Q5_K (the same, then the 32 fifth-bit bytes before the
-nibbles) and Q6_K {f32 d, 16 int8 scales, 128 low-nibble bytes, 64 high-bit bytes}; Q4_K's and Q6_K's integers in an
-order of their own (Q4_1's as Q4_K's), where each 4-byte lane of a 64-byte load holds one sub-block's (Q4_1, Q4_K)
-or group's (Q6_K) weights (kernels/quant.h). Q4_0 and Q5_0 pack as Q8_0
-with the same scale; every integer keeps its bits, so the kernels compute with the type's exact weights (q*d is
-exact in float32 and q*d + m rounds once, as the dequantiser's does). F16, BF16 and Q5_1 are dequantised at load
-and packed as F32.
+blocks, as GGUF's own 20 bytes (TAIL); and the K-quants' 256-weight blocks with their f16 scales widened to f32,
+Q4_K {f32 d, f32 dmin, 8 sub-block scales, 8 mins, 128 nibble bytes}, Q5_K (the same, then the 32 fifth-bit bytes
+before the nibbles) and Q6_K {f32 d, 16 int8 scales, 128 low-nibble bytes, 64 high-bit bytes}. Q4_1's, Q4_K's and
+Q6_K's integers are in an order of their own, where each 4-byte lane of a 64-byte load holds one sub-block's (Q4_1,
+Q4_K) or group's (Q6_K) weights (kernels/quant.h). Q4_0 and Q5_0 pack as Q8_0 with the same scale; every integer
+keeps its bits, so the kernels compute with the type's exact weights (q*d is exact in float32 and q*d + m rounds
+once, as the dequantiser's does). F16, BF16 and Q5_1 are dequantised at load and packed as F32.
 """
 
 from __future__ import annotations
@@ -158,10 +157,10 @@ def _f32(b: np.ndarray) -> np.ndarray:
 
 def _lanes4(q: np.ndarray) -> np.ndarray:
     """4-bit weights (n, 8 sub-blocks, 32) -> 128 bytes in the kernels' order: byte 8s + e of half h holds weights
-    16h + e (low nibble) and 16h + 8 + e (high) of sub-block s, so each 4-byte lane of a 64-byte load stays in one
-    sub-block."""
-    q = q.reshape(-1, 8, 2, 2, 8)  # sub-block s, half h, nibble, e
-    return (q[:, :, :, 0] | q[:, :, :, 1] << 4).transpose(0, 2, 1, 3).reshape(-1, 128)
+    8h + e (low nibble) and 16 + 8h + e (high) of sub-block s, so each 4-byte lane of a 64-byte load stays in one
+    sub-block, and a sub-block's 8 bytes of each half, side by side, hold its weights 0-15 low and 16-31 high."""
+    q = q.reshape(-1, 8, 2, 2, 8)  # sub-block s, nibble, half h, e
+    return (q[:, :, 0] | q[:, :, 1] << 4).transpose(0, 2, 1, 3).reshape(-1, 128)
 
 
 def _lanes_q4_k(b: np.ndarray) -> np.ndarray:

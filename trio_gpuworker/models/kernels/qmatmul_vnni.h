@@ -32,8 +32,8 @@ typedef signed char vsb __attribute__((vector_size(64), aligned(1)));
 #define XQ_ROWS 4  /* rows of x quantised at once (on the stack): a split instance's tile takes at most 4 */
 
 /* one 256-weight block of a row of x: its e, e * (sum of X) of each 16 x in order, and the three bytes of each
-   X, in the byte order of the weights' layout (kernels/quant.h): 64 c + 8 s + e for x 32 s + 16 h + 8 n + e of
-   Q4_K (c = 2 h + n), 64 c + 4 g + k for x 16 g + 4 c + k of Q6_K */
+   X, in the byte order of the weights' layout (kernels/quant.h): 64 c + 8 s + e for x 32 s + 16 n + 8 h + e of
+   Q4_1 and Q4_K (c = 2 h + n), 64 c + 4 g + k for x 16 g + 4 c + k of Q6_K */
 typedef struct { signed char l[3][256]; float gs[16], e; } __attribute__((aligned(64))) xqb;  /* one cache line a load */
 
 typedef signed char sb8 __attribute__((ext_vector_type(8), aligned(1)));
@@ -46,8 +46,8 @@ INL int isum(i16 a) { i8 b = a.lo + a.hi; return b[0] + b[1] + b[2] + b[3] + b[4
 /* the bytes of 16 X (x 16 i .. 16 i + 15 of a block) into level l of q, in layout t's order */
 INL void xq_put(signed char *l, s16 b, int t, int i) {
   if (t != 14) {
-    int at = 128 * (i & 1) + 8 * (i >> 1);
-    *(sb8 *)(l + at) = b.lo; *(sb8 *)(l + at + 64) = b.hi;
+    int at = 64 * (i & 1) + 8 * (i >> 1);
+    *(sb8 *)(l + at) = b.lo; *(sb8 *)(l + at + 128) = b.hi;
   } else {
     *(sb4 *)(l + 4 * i) = b.lo.lo; *(sb4 *)(l + 64 + 4 * i) = b.lo.hi;
     *(sb4 *)(l + 128 + 4 * i) = b.hi.lo; *(sb4 *)(l + 192 + 4 * i) = b.hi.hi;

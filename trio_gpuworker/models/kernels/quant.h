@@ -6,7 +6,7 @@
    m[s], its nibbles as Q4_K's below; a row that is not whole blocks ends in a tail of GGUF's own 20-byte Q4_1
    blocks (TBS: DQT(t)(p, &lo, &hi) gives one's 32 weights). The K-quants, 256 weights a block:
    Q4_K (type 12) {f32 d, f32 dmin, u8 sc[8], u8 mn[8], qs[128]}: sub-block s is d*sc[s] * q - dmin*mn[s]; byte
-   8s + e of qs's half h (64 bytes) holds its weights 16h + e (low nibble) and 16h + 8 + e (high), so the 4-byte
+   8s + e of qs's half h (64 bytes) holds its weights 8h + e (low nibble) and 16 + 8h + e (high), so the 4-byte
    lanes of a 64-byte load each hold one sub-block's weights (kernels/qmatmul_vnni.h sums a lane in integers);
    Q5_K (type 13) {f32 d, f32 dmin, u8 sc[8], u8 mn[8], qh[32], qs[128]}, its integers in GGUF's order: sub-block
    s's nibbles the low (s even) or high (s odd) halves of qs[32 (s/2) ..][0..32), bit s of qh[i] the fifth bit of
@@ -72,19 +72,19 @@ INL v16 nib16(i16 q, float a, float b) {
 #endif
 }
 
-/* 16 nibbles from 8 bytes: the low nibbles, then the high ones (the value of each lane's low 4 bits) */
-INL i16 nibbles8(const unsigned char *p) {
-  i8 b = __builtin_convertvector(*(const u8 *)p, i8);
-  const i16 sh = {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4};
-  return __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7) >> sh;
+/* a sub-block's 16 nibble bytes in the Q4_1 / Q4_K order: 8 at p and 8 at p + 64, side by side (their low nibbles
+   are its weights 0-15, their high ones 16-31) */
+INL i16 halves8(const unsigned char *p) {
+  return __builtin_convertvector(__builtin_shufflevector(*(const u8 *)p, *(const u8 *)(p + 64), 0, 1, 2, 3, 4, 5, 6,
+                                                         7, 8, 9, 10, 11, 12, 13, 14, 15), i16);
 }
 
 /* Q4_1: a 256-weight block's 8 scales d and offsets m */
 INL void prep3(const unsigned char *p, dqs *st) { *(v8 *)st->a = f16x8(p); *(v8 *)st->b = f16x8(p + 16); }
 
 INL void dq3(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
-  const unsigned char *q = p + 32 + 8 * s;
-  *lo = nib16(nibbles8(q), st->a[s], st->b[s]); *hi = nib16(nibbles8(q + 64), st->a[s], st->b[s]);
+  i16 q = halves8(p + 32 + 8 * s);
+  *lo = nib16(q, st->a[s], st->b[s]); *hi = nib16(q >> 4, st->a[s], st->b[s]);
 }
 
 /* a Q4_1 row's tail block, GGUF's {f16 d, f16 m, 16 nibble bytes: weights 0-15 low, 16-31 high} */
@@ -118,8 +118,8 @@ INL void prep13(const unsigned char *p, dqs *st) { prep_k(p, st); }
 
 
 INL void dq12(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
-  const unsigned char *q = p + 24 + 8 * s;
-  *lo = nib16(nibbles8(q), st->a[s], st->b[s]); *hi = nib16(nibbles8(q + 64), st->a[s], st->b[s]);
+  i16 q = halves8(p + 24 + 8 * s);
+  *lo = nib16(q, st->a[s], st->b[s]); *hi = nib16(q >> 4, st->a[s], st->b[s]);
 }
 
 INL void dq13(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
