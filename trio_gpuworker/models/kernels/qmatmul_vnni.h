@@ -139,12 +139,11 @@ INL vub vw14(const unsigned char *p, int c) {
 INL void CAT(QMM_NAME, _vtile)(float *restrict y, int ys, const xqb *restrict xq, const float *restrict x, int xs,
                                int nb, const unsigned char *restrict g, int r0, int k) {
   const int nblk = nb / 8;
-  /* the group's bytes QMV_AHEAD on (a tile over its first rows: the tiles over the rest follow it) */
-  if (r0 == 0) for (long i = 0; i < G * ROWB(QMM_TYPE, nb); i += 64) __builtin_prefetch(g + QMV_AHEAD + i, 0, 1);
   v16 acc[QMV_GR][QMM_NT];
   for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) acc[r][j] = (v16)0;
   for (int b = 0; b < nblk; b++) {
     const unsigned char *gb = g + (long)(b * G + r0) * BS(QMM_TYPE);
+    for (int i = 0; i < QMV_GR * BS(QMM_TYPE); i += 64) __builtin_prefetch(gb + QMV_AHEAD + i, 0, 1);
     vsi s0[QMV_GR][QMM_NT], s1[QMV_GR][QMM_NT], s2[QMV_GR][QMM_NT];
     for (int r = 0; r < QMV_GR; r++) for (int j = 0; j < k; j++) s0[r][j] = s1[r][j] = s2[r][j] = (vsi){0};
     for (int c = 0; c < 4; c++) {
@@ -174,8 +173,10 @@ INL void CAT(QMM_NAME, _vtile)(float *restrict y, int ys, const xqb *restrict xq
   /* the rows' tails (Q4_1 blocks after the whole ones), in float32 against x itself, as the float instance does */
   const unsigned char *tg = g + (long)nblk * G * BS(QMM_TYPE);
   for (int u = 0; u < nb % 8; u++) {
+    const unsigned char *tb = tg + (long)(u * G + r0) * TBS(QMM_TYPE);
+    for (int i = 0; i < QMV_GR * TBS(QMM_TYPE); i += 64) __builtin_prefetch(tb + QMV_AHEAD + i, 0, 1);
     v16 wl[QMV_GR], wh[QMV_GR];
-    for (int r = 0; r < QMV_GR; r++) DQT(QMM_TYPE)(tg + (long)(u * G + r0 + r) * TBS(QMM_TYPE), &wl[r], &wh[r]);
+    for (int r = 0; r < QMV_GR; r++) DQT(QMM_TYPE)(tb + r * TBS(QMM_TYPE), &wl[r], &wh[r]);
     for (int j = 0; j < k; j++) {
       const float *xp = x + j * xs + (nblk * 8 + u) * 32; v16 xl = *(const v16 *)xp, xh = *(const v16 *)(xp + 16);
       for (int r = 0; r < QMV_GR; r++) acc[r][j] += wl[r] * xl + wh[r] * xh;
