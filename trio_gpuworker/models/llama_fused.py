@@ -110,6 +110,7 @@ class FusedLlamaLM(GreedyDecoder):
 
         self._pages: list[Any] = []  # the mappings the weights live in (resident)
         self._held: dict[int, np.ndarray] = {}  # each cache slot's prefilled prompt, while its positions hold it
+        self._runs: dict[int, ckernel.Replay] = {}  # each captured graph, run straight through (ckernel.Replay)
         resident = functools.partial(_resident, pages=self._pages)
 
         def vec(name: str) -> np.ndarray:
@@ -202,12 +203,12 @@ class FusedLlamaLM(GreedyDecoder):
 
     def __getstate__(self) -> dict[str, Any]:
         """What the JIT cache stores, less this process's own: the mappings its weights live in (a restored model's
-        are the cache's copies, worker/_jitcache.py) and the slots' prompts (a restored cache's contents are unknown:
-        the cache's probe replays the graphs on zeros)."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("_pages", "_held")}
+        are the cache's copies, worker/_jitcache.py), the slots' prompts (a restored cache's contents are unknown:
+        the cache's probe replays the graphs on zeros) and the graphs' straight runs (their runtimes')."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_pages", "_held", "_runs")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _pages=[], _held={})
+        self.__dict__.update(state, _pages=[], _held={}, _runs={})
 
     def reused(self, ids: np.ndarray, slot: int) -> int:
         """The prompt's first positions that slot `slot`'s last prefill left there: a prefill chunk computes each
@@ -251,7 +252,13 @@ class FusedLlamaLM(GreedyDecoder):
         view[:n], view[t : t + n], view[2 * t : 2 * t + n], view[3 * t] = tokens, positions, slots, used
         np.frombuffer(self._host.uop.buffer.as_memoryview(force_zero_copy=True), np.uint64)[:] = \
             ckernel.host_table(self.threads)
-        out = self._jits[t](ids).uop.buffer.as_memoryview(force_zero_copy=True)
+        run = self._runs.get(t)
+        if run is None:  # until the graph is captured (or where it cannot run straight through), TinyJit replays it
+            out = self._jits[t](ids).uop.buffer.as_memoryview(force_zero_copy=True)
+            if (run := ckernel.Replay.of(self._jits[t], [ids])) is not None:
+                self._runs[t] = run
+        else:
+            out = run()
         return [int(v) for v in np.frombuffer(out, np.int32)[: used if STEPS[t].heads > 1 else 1]]
 
     def _logits(self, row: int = 0) -> np.ndarray:
