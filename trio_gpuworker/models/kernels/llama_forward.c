@@ -121,13 +121,25 @@ typedef struct {
   const float *bqkv, *hn; const long *lay;
 } job;
 
-/* one row's q|k|v: biases added, then each q and k head RMS-normed, where the model has them */
-INL void qkv_extras(float *restrict q, const float *restrict b, const float *restrict hn) {
-  if (BIASES) for (int i = 0; i < NQKV; i++) q[i] = q[i] + b[i];
-  if (HEAD_NORMS) for (int hh = 0; hh < H + KV; hh++) {
+/* head hh (q heads, then k heads) of one row's q|k|v, and for a k head its v head too: biases added, the q or k
+   head RMS-normed, where the model has them; then rotated, pairs (2i, 2i+1) in double like the reference's
+   complex128 (cs: the position's cosines, then its sines) */
+INL void qk_head(float *restrict q, int hh, const float *restrict b, const float *restrict hn, const double *restrict cs) {
+  float *restrict qh = q + hh * HD;
+  if (BIASES) {
+    const int vh = (KV + hh) * HD;  /* a k head's v head: H + KV + (hh - H) */
+    for (int i = 0; i < HD; i++) qh[i] = qh[i] + b[hh * HD + i];
+    if (hh >= H) for (int i = 0; i < HD; i++) q[vh + i] = q[vh + i] + b[vh + i];
+  }
+  if (HEAD_NORMS) {
     float y[HD];
-    rmsnorm(y, q + hh * HD, hn + (hh < H ? 0 : HD), HD, EPS);
-    for (int i = 0; i < HD; i++) q[hh * HD + i] = y[i];
+    rmsnorm(y, qh, hn + (hh < H ? 0 : HD), HD, EPS);
+    for (int i = 0; i < HD; i++) qh[i] = y[i];
+  }
+  for (int i = 0; i < HD / 2; i++) {
+    #pragma clang fp contract(off)
+    double re = qh[2 * i], im = qh[2 * i + 1], c = cs[i], s = cs[HD / 2 + i];
+    qh[2 * i] = (float)(re * c - im * s); qh[2 * i + 1] = (float)(re * s + im * c);
   }
 }
 
@@ -175,18 +187,14 @@ INL void run(job *j, team_t *tm, int tid) {
     part_mm(lay, l, PART_K, wqkv, qkv + QD, NQKV, h, D, KV * HD, D / 32, n, tid, nt, &o0, &o1);
     part_mm(lay, l, PART_V, wqkv, qkv + QD + KV * HD, NQKV, h, D, KV * HD, D / 32, n, tid, nt, &o0, &o1);
     SYNC;
-    for (int t = tid; t < n; t += nt) {
-      int pos = ps[t]; float *q = qkv + t * NQKV, *v = q + (H + KV) * HD, *kc = KC(t), *vc = VC(t);
-      const double *cs = rope + (long)pos * HD;
-      qkv_extras(q, bqkv + (long)l * NQKV, hn + (long)l * 2 * HD);
-      /* q and k heads are adjacent; pairs (2i, 2i+1) rotate in double like the reference's complex128 */
-      for (int i = 0; i < (H + KV) * HD / 2; i++) {
-        #pragma clang fp contract(off)
-        double re = q[2 * i], im = q[2 * i + 1], c = cs[i % (HD / 2)], s = cs[HD / 2 + i % (HD / 2)];
-        q[2 * i] = (float)(re * c - im * s); q[2 * i + 1] = (float)(re * s + im * c);
-      }
-      for (int g = 0; g < KV; g++) for (int i = 0; i < HD; i++) {
-        kc[((long)g * S + pos) * HD + i] = q[(H + g) * HD + i]; vc[((long)g * S + pos) * HD + i] = v[g * HD + i];
+    /* each thread takes an equal share of the n * (H + KV) q and k heads; a k head's thread caches it and its v */
+    for (int it = n * (H + KV) * tid / nt; it < n * (H + KV) * (tid + 1) / nt; it++) {
+      int t = it / (H + KV), hh = it % (H + KV), pos = ps[t];
+      float *q = qkv + t * NQKV;
+      qk_head(q, hh, bqkv + (long)l * NQKV, hn + (long)l * 2 * HD, rope + (long)pos * HD);
+      if (hh >= H) {
+        float *kc = KC(t) + ((long)(hh - H) * S + pos) * HD, *vc = VC(t) + ((long)(hh - H) * S + pos) * HD;
+        for (int i = 0; i < HD; i++) { kc[i] = q[hh * HD + i]; vc[i] = q[(KV + hh) * HD + i]; }
       }
     }
     SYNC;  /* a prefill chunk's rows attend to the rows cached before them */
