@@ -1,4 +1,4 @@
-/* The K-quant matmul of a decode step (Q4_K and Q6_K, QMM_SPLIT instances: one token per sequence) with
+/* The matmul of a decode step over Q4_1, Q4_K and Q6_K (QMM_SPLIT instances: one token per sequence) with
    AVX512-VNNI: included by kernels/qmatmul.h in place of its float instance, with the same QMM_NAME signature.
 
    The float instance dequantises each weight to float32 (about 5 vector operations per 16 Q4_K weights, 11 per 16
@@ -19,7 +19,9 @@
    besides unpacking them, and about 8 operations a block. A row's arithmetic never depends on the other rows in
    its tile, so a batched step computes every row bit for bit as a one-row call does (the test of
    kernels/qmatmul.h holds here too).
-   Needs: G, QMM_NAME, QMM_TYPE (12 or 14), QMM_NT. */
+   Q4_1 is Q4_K with f16 scales and offsets of its own (kernels/quant.h); a Q4_1 row's tail of 32-weight blocks is
+   multiplied in float32 against x itself, as the float instance does.
+   Needs: G, QMM_NAME, QMM_TYPE (3, 12 or 14), QMM_NT. */
 
 #ifndef TG_QMATMUL_VNNI_H
 #define TG_QMATMUL_VNNI_H
@@ -27,7 +29,6 @@ typedef int vsi __attribute__((vector_size(64)));
 typedef long long vdi __attribute__((vector_size(64)));
 typedef unsigned char vub __attribute__((vector_size(64), aligned(1)));
 typedef signed char vsb __attribute__((vector_size(64), aligned(1)));
-
 
 #define XQ_ROWS 4  /* rows of x quantised at once (on the stack): a split instance's tile takes at most 4 */
 
