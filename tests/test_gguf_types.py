@@ -100,6 +100,22 @@ def test_the_kernels_read_each_type_as_the_reference_weights(typ: T, source: str
         assert _bits(got) == want, f"{typ.name} packed as layout {layout}"
 
 
+@pytest.mark.parametrize("cols", [COLS, COLS + 64])
+def test_q4_1_reads_as_the_reference_without_f16c(cols: int) -> None:
+    """Q4_1's packed f16 scales and offsets (zeros, subnormals, the largest f16 among them), and a row's tail of GGUF
+    blocks, on a CPU with no F16C (x86-64-v2: the kernels convert f16 bit by bit there)."""
+    data = _random_blocks(np.random.default_rng(2), T.Q4_1, ROWS, cols).reshape(-1, 20)
+    special = np.array([0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF, 0x0400, 0x3C00], np.uint16)
+    data[: len(special), 0:2] = special.view(np.uint8).reshape(-1, 2)
+    data[: len(special), 2:4] = special[::-1].copy().view(np.uint8).reshape(-1, 2)
+    data = data.reshape(ROWS, -1)
+    w = quant.group(int(T.Q4_1), quant.pack(int(T.Q4_1), data.reshape(-1), ROWS))
+    got = np.empty((ROWS, cols), np.float32)
+    build("quant_probe.c", spec(rows=ROWS, cols=cols, nx=1, nt=1, g=quant.G, type=int(T.Q4_1), batched_nt=BATCHED.nt,
+                                batched_split=BATCHED.split), cpu="x86-64-v2").dequant(ptr(got), ptr(w))
+    assert _bits(got) == _bits(_reference(T.Q4_1, data))
+
+
 def test_types_with_a_packed_layout_keep_it_and_a_mix_falls_back_to_float32() -> None:
     got = [quant.kernel_type(int(t)) for t in (T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.Q8_0, T.Q4_0, T.Q5_0)]
     assert got == [3, 12, 13, 14, 8, 8, 8]

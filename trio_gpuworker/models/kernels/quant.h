@@ -56,10 +56,27 @@ INL v16 fv(i16 q) { return __builtin_convertvector(q, v16); }
 INL void prep0(const unsigned char *p, dqs *st) { (void)p; (void)st; }
 INL void prep8(const unsigned char *p, dqs *st) { (void)p; (void)st; }
 
+/* 8 f16 values at p, as float32 (exact): F16C where the CPU has it, else bit by bit */
+#ifdef __F16C__
 typedef short hs8 __attribute__((vector_size(16), aligned(1)));
-typedef short hs4 __attribute__((vector_size(8), aligned(1)));
-/* 8 f16 values at p, as float32 (F16C; exact) */
 INL v8 f16x8(const unsigned char *p) { return (v8)__builtin_ia32_vcvtph2ps256(*(const hs8 *)p); }
+#else
+INL float f16f(unsigned h) {
+  union { unsigned u; float f; } c;
+  unsigned e = (h >> 10) & 31, m = h & 1023;
+  if (e == 0) {  /* zero or subnormal: m * 2^-24 */
+    float v = (float)m * 0x1p-24f;
+    return h & 0x8000 ? -v : v;
+  }
+  c.u = (h & 0x8000) << 16 | (e == 31 ? 255u << 23 : (e + 112) << 23) | m << 13;
+  return c.f;
+}
+INL v8 f16x8(const unsigned char *p) {
+  v8 r;
+  for (int i = 0; i < 8; i++) r[i] = f16f(p[2 * i] | p[2 * i + 1] << 8);
+  return r;
+}
+#endif
 
 /* weights q*a + b of 16 nibbles (AVX-512: looked up in the sub-block's table of 16; q*a is exact in float32, a
    4-bit q times an f16-derived a, so with or without FMA this is the reference's weight) */
@@ -89,10 +106,9 @@ INL void dq3(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
 
 /* a Q4_1 row's tail block, GGUF's {f16 d, f16 m, 16 nibble bytes: weights 0-15 low, 16-31 high} */
 INL void dqt3(const unsigned char *p, v16 *lo, v16 *hi) {
-  hs4 h = *(const hs4 *)p;
-  v4 dm = (v4)__builtin_ia32_vcvtph2ps(__builtin_shufflevector(h, h, 0, 1, 2, 3, 0, 1, 2, 3));
+  v8 dm = f16x8(p);  /* d and m (the 6 values after them are the nibbles', unused) */
   i16 q = bytes16(p + 4);
-  *lo = nib16(q, dm.x, dm.y); *hi = nib16(q >> 4, dm.x, dm.y);
+  *lo = nib16(q, dm[0], dm[1]); *hi = nib16(q >> 4, dm[0], dm[1]);
 }
 
 INL void dq0(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
@@ -115,7 +131,6 @@ INL void prep_k(const unsigned char *p, dqs *st) {
 }
 INL void prep12(const unsigned char *p, dqs *st) { prep_k(p, st); }
 INL void prep13(const unsigned char *p, dqs *st) { prep_k(p, st); }
-
 
 INL void dq12(const unsigned char *p, const dqs *st, int s, v16 *lo, v16 *hi) {
   i16 q = halves8(p + 24 + 8 * s);
