@@ -40,6 +40,7 @@ LEFT_OUT = (".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cach
 SCRIPT = textwrap.dedent('''
     """Outside the checkout: a fake lane with a crash plan and an example engine under one Supervisor."""
     import json
+    import shutil
     import sys
     import tempfile
     from pathlib import Path
@@ -53,6 +54,7 @@ SCRIPT = textwrap.dedent('''
     from trio_gpuworker.testing import FAKE_MODEL, FaultPlan
 
     HERE = Path.cwd()
+    RUN = Path(tempfile.mkdtemp(prefix="gw-"))  # the runtime directory, short: a socket's path must fit in 108 bytes
     ROWS = [np.array([1, 2, 3], np.int32)]
 
 
@@ -64,7 +66,7 @@ SCRIPT = textwrap.dedent('''
             lanes=(LaneConfig("fake", (FAKE_MODEL,), worker_command=crash.command()),
                    LaneConfig("bow", ("bow",), worker_command=(sys.executable, str(HERE / "bow_engine.py")))),
             models=(ModelConfig(FAKE_MODEL, HERE / "fake.bin"), ModelConfig("bow", HERE / "bow.json")),
-            state_dir=HERE / "state", runtime_dir=Path(tempfile.mkdtemp(prefix="gw-")),
+            state_dir=HERE / "state", runtime_dir=RUN,
             windows=Windows(inference_s=5, setup_s=10, control_s=10, load_s=10, kill_grace_s=1, shutdown_s=2))
         async with Supervisor(config) as sup:
             first = sup.lanes["fake"].generation
@@ -80,7 +82,10 @@ SCRIPT = textwrap.dedent('''
         print("used", trio_gpuworker.__version__, "from", Path(trio_gpuworker.engine.__file__).parent.parent)
 
 
-    trio.run(main)
+    try:
+        trio.run(main)
+    finally:
+        shutil.rmtree(RUN, ignore_errors=True)
 ''')
 
 
